@@ -1,0 +1,1 @@
+//! Diagnostics: the checkpoint doctor.

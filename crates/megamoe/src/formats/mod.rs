@@ -1,0 +1,1 @@
+//! Number formats and quantized tensors (pure Rust, no GPU).

@@ -1,0 +1,126 @@
+//! The shape of one forward and the per-expert token plan, shared by every backend.
+//!
+//! The plan is a stable counting sort of the `T*k` routing slots by expert: slot `s = t*k + j`
+//! (token t, choice j) lands at position `offsets[e] + rank` within expert `e`'s contiguous rows.
+//! GPU backends compute the same plan on the device; this host version is the reference.
+
+use crate::checkpoint::MoeLayer;
+use crate::error::{MegaError, Result};
+
+/// Sizes of one forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForwardShape {
+    /// Tokens T.
+    pub tokens: usize,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Expert intermediate size I.
+    pub inter: usize,
+    /// Routed experts E.
+    pub experts: usize,
+    /// Experts per token k.
+    pub top_k: usize,
+}
+
+impl ForwardShape {
+    /// The shape of a forward of `tokens` tokens through `layer`.
+    pub fn of(layer: &MoeLayer, tokens: usize) -> Self {
+        let c = &layer.config;
+        ForwardShape {
+            tokens,
+            hidden: c.hidden_size,
+            inter: c.moe_intermediate_size,
+            experts: c.n_routed_experts,
+            top_k: c.num_experts_per_tok,
+        }
+    }
+
+    /// Routing slots `T*k`.
+    pub fn slots(&self) -> usize {
+        self.tokens * self.top_k
+    }
+
+    /// Checks a hidden-state buffer of `len` elements against `[T, H]`.
+    pub fn check_x(&self, len: usize) -> Result<()> {
+        if len != self.tokens * self.hidden {
+            return Err(MegaError::Input(format!(
+                "x has {len} elements, expected [T={}, H={}] = {}",
+                self.tokens,
+                self.hidden,
+                self.tokens * self.hidden
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Per-expert counts, offsets and the slot permutation of one forward.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoutingPlan {
+    /// Slots routed to each expert `[E]`.
+    pub counts: Vec<u32>,
+    /// Exclusive prefix sum of `counts` `[E+1]`; expert e owns rows `offsets[e]..offsets[e+1]`.
+    pub offsets: Vec<u32>,
+    /// `perm[row] = slot` (`slot = t*k + j`), rows grouped by expert, slots ascending within one.
+    pub perm: Vec<u32>,
+    /// `row_of_slot[slot] = row`, the inverse of `perm`.
+    pub row_of_slot: Vec<u32>,
+}
+
+impl RoutingPlan {
+    /// Builds the plan from `topk_ids` `[T, k]`; every id must be in `0..experts`.
+    pub fn build(topk_ids: &[i32], experts: usize) -> Result<Self> {
+        let mut counts = vec![0u32; experts];
+        for (slot, &e) in topk_ids.iter().enumerate() {
+            if e < 0 || e as usize >= experts {
+                return Err(MegaError::Input(format!("topk_ids[{slot}] = {e} is outside 0..{experts}")));
+            }
+            counts[e as usize] += 1;
+        }
+        let mut offsets = vec![0u32; experts + 1];
+        for e in 0..experts {
+            offsets[e + 1] = offsets[e] + counts[e];
+        }
+        let mut cursor = offsets[..experts].to_vec();
+        let mut perm = vec![0u32; topk_ids.len()];
+        let mut row_of_slot = vec![0u32; topk_ids.len()];
+        for (slot, &e) in topk_ids.iter().enumerate() {
+            let row = cursor[e as usize];
+            cursor[e as usize] += 1;
+            perm[row as usize] = slot as u32;
+            row_of_slot[slot] = row;
+        }
+        Ok(RoutingPlan { counts, offsets, perm, row_of_slot })
+    }
+
+    /// Experts that received at least one slot.
+    pub fn active_experts(&self) -> impl Iterator<Item = usize> + '_ {
+        self.counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(e, _)| e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counting_sort_is_stable_and_inverse() {
+        // T=3, k=2
+        let ids = [2, 0, 2, 1, 0, 2];
+        let p = RoutingPlan::build(&ids, 4).unwrap();
+        assert_eq!(p.counts, vec![2, 1, 3, 0]);
+        assert_eq!(p.offsets, vec![0, 2, 3, 6, 6]);
+        assert_eq!(p.perm, vec![1, 4, 3, 0, 2, 5]);
+        for (row, &slot) in p.perm.iter().enumerate() {
+            assert_eq!(p.row_of_slot[slot as usize] as usize, row);
+        }
+        assert_eq!(p.active_experts().collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn out_of_range_id_is_an_error() {
+        let err = RoutingPlan::build(&[0, 4], 4).unwrap_err().to_string();
+        assert!(err.contains("topk_ids[1] = 4"), "{err}");
+        assert!(RoutingPlan::build(&[-1], 4).is_err());
+    }
+}

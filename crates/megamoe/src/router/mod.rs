@@ -1,0 +1,1 @@
+//! The router: scores, biased top-k, hash routing, weight normalisation.
