@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/nvrtc_env.sh
-cargo test --workspace --release "$@"
+cargo test --workspace "$@"
