@@ -2,14 +2,14 @@
 
 use super::MoeEngine;
 use crate::checkpoint::MoeLayer;
-use crate::error::{MegaError, Result};
+use crate::error::Result;
 use crate::forward::{ForwardInput, ForwardOutput, Mode};
+use crate::reference;
 use crate::trace::StageTrace;
 use std::sync::Arc;
 
-/// Runs the reference forward on the CPU.
+/// Runs the reference forward on the CPU (multi-threaded with rayon's global pool).
 pub struct CpuEngine {
-    #[allow(dead_code)]
     layer: Arc<MoeLayer>,
 }
 
@@ -26,10 +26,10 @@ impl MoeEngine for CpuEngine {
     }
     fn forward(
         &mut self,
-        _input: &ForwardInput<'_>,
-        _mode: Mode,
-        _trace: Option<&mut StageTrace>,
+        input: &ForwardInput<'_>,
+        mode: Mode,
+        trace: Option<&mut StageTrace>,
     ) -> Result<ForwardOutput> {
-        Err(MegaError::backend("cpu", "reference forward not wired yet"))
+        reference::forward(&self.layer, input, mode, trace)
     }
 }
