@@ -55,6 +55,18 @@ fn expert64(w1: &MatView<'_>, w3: &MatView<'_>, w2: &MatView<'_>, x: &[f64], rw:
 
 /// The float64 W4A16 forward of `x` `[T, H]` through `layer`.
 pub fn forward_w4a16(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> Result<Output64> {
+    forward_w4a16_with_ids(layer, x, input_ids, None)
+}
+
+/// As [`forward_w4a16`], but when `force_ids` `[T, k]` is given the experts are taken from it
+/// (weights are still this router's f64 scores at those experts): isolates the expert math's
+/// rounding from routing flips at near-ties.
+pub fn forward_w4a16_with_ids(
+    layer: &MoeLayer,
+    x: &[bf16],
+    input_ids: Option<&[i64]>,
+    force_ids: Option<&[i32]>,
+) -> Result<Output64> {
     super::check_layer(layer)?;
     let c = &layer.config;
     let (h, e_count, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
@@ -62,8 +74,13 @@ pub fn forward_w4a16(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) ->
         return Err(MegaError::Input(format!("x has {} elements, not a multiple of H={h}", x.len())));
     }
     let tokens = x.len() / h;
-    if layer.is_hash() && input_ids.is_none_or(|ids| ids.len() != tokens) {
+    if force_ids.is_none() && layer.is_hash() && input_ids.is_none_or(|ids| ids.len() != tokens) {
         return Err(MegaError::Input("hash-routed layer: input_ids [T] required".into()));
+    }
+    if let Some(f) = force_ids {
+        if f.len() != tokens * k || f.iter().any(|&e| e < 0 || e as usize >= e_count) {
+            return Err(MegaError::Input(format!("force_ids must be [T={tokens}, k={k}] ids in 0..{e_count}")));
+        }
     }
     let limit = c.swiglu_limit as f64;
     let per_token: Vec<Result<(Vec<f64>, Vec<i32>, Vec<f64>)>> = (0..tokens)
@@ -83,7 +100,9 @@ pub fn forward_w4a16(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) ->
                     scores.iter_mut().for_each(|s| *s /= sum);
                 }
             }
-            let ids: Vec<usize> = if let Some(t2e) = &layer.router.tid2eid {
+            let ids: Vec<usize> = if let Some(f) = force_ids {
+                f[t * k..(t + 1) * k].iter().map(|&e| e as usize).collect()
+            } else if let Some(t2e) = &layer.router.tid2eid {
                 let tok = input_ids.expect("checked")[t];
                 if tok < 0 || (tok as usize + 1) * k > t2e.len() {
                     return Err(MegaError::Input(format!("input_ids[{t}] = {tok} is outside the tid2eid rows")));

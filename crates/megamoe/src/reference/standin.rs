@@ -49,6 +49,16 @@ pub mod e4m3 {
     }
 }
 
+pub mod e8m0 {
+    pub fn decode(b: u8) -> f32 {
+        if b == 255 {
+            f32::NAN
+        } else {
+            2f32.powi(b as i32 - 127)
+        }
+    }
+}
+
 pub mod nvfp4 {
     pub fn dequantize_row(packed_row: &[u8], scales_row: &[u8], out: &mut [f32]) {
         for (j, o) in out.iter_mut().enumerate() {

@@ -64,14 +64,18 @@ impl<'a> MatView<'a> {
     pub fn row(&self, r: usize, out: &mut [f32]) {
         let c = self.cols;
         match self.kind {
-            Kind::Nvfp4 { packed, scales } => fmt::nvfp4::dequantize_row(
+            Kind::Nvfp4 { packed, scales } => decode_fp4_row(
                 &packed[r * c / 2..(r + 1) * c / 2],
                 &scales[r * c / 16..(r + 1) * c / 16],
+                16,
+                fmt::e4m3::decode,
                 out,
             ),
-            Kind::Mxfp4 { packed, scales } => fmt::mxfp4::dequantize_row(
+            Kind::Mxfp4 { packed, scales } => decode_fp4_row(
                 &packed[r * c / 2..(r + 1) * c / 2],
                 &scales[r * c / 32..(r + 1) * c / 32],
+                32,
+                fmt::e8m0::decode,
                 out,
             ),
             Kind::Bf16(w) => {
@@ -85,6 +89,20 @@ impl<'a> MatView<'a> {
                     *o = fmt::e4m3::decode(b) * scale_row[j / 128];
                 }
             }
+        }
+    }
+}
+
+/// `e2m1 * block scale` for one packed row, one 16-entry table per block (the product is exact
+/// in f32: 2 + 4 significant bits), so this equals the formats module's `dequantize_row`.
+#[inline]
+fn decode_fp4_row(packed: &[u8], scales: &[u8], block: usize, scale: fn(u8) -> f32, out: &mut [f32]) {
+    for ((p, &s), o) in packed.chunks_exact(block / 2).zip(scales).zip(out.chunks_exact_mut(block)) {
+        let sc = scale(s);
+        let lut: [f32; 16] = fmt::e2m1::VALUES.map(|v| v * sc);
+        for (pair, &b) in o.chunks_exact_mut(2).zip(p) {
+            pair[0] = lut[(b & 15) as usize];
+            pair[1] = lut[(b >> 4) as usize];
         }
     }
 }
