@@ -2,9 +2,7 @@
 //! one-layer extracts, HF naming, exclude_modules, FP8 shared experts, W1/W3 scale mismatch.
 
 use megamoe::checkpoint::writer::{read_checkpoint_dir, write_checkpoint};
-use megamoe::checkpoint::{
-    Checkpoint, DenseData, ExpertFormat, LoadOptions, MoeLayer, Naming, ProjData,
-};
+use megamoe::checkpoint::{Checkpoint, DenseData, ExpertFormat, LoadOptions, MoeLayer, Naming, ProjData};
 use megamoe::config::{QuantSource, WeightQuant};
 use megamoe::tensor_io::OwnedTensor;
 use safetensors::{Dtype, SafeTensors};
@@ -84,7 +82,10 @@ fn fixtures_load_every_layer_with_the_files_bytes() {
                             let sc = rows * cols / 16;
                             assert_eq!(&scales[e * sc..(e + 1) * sc], s.data());
                             assert_eq!(global_scale[e], f32_scalar(&st, &format!("{m}.weight_scale_2")));
-                            assert_eq!(input_scale.as_ref().unwrap()[e], f32_scalar(&st, &format!("{m}.input_scale")));
+                            assert_eq!(
+                                input_scale.as_ref().unwrap()[e],
+                                f32_scalar(&st, &format!("{m}.input_scale"))
+                            );
                         }
                         ProjData::Mxfp4 { packed, scales } => {
                             assert_eq!(&packed[e * pk..(e + 1) * pk], w.data());
@@ -270,14 +271,20 @@ fn fp8_block_shared_expert() {
             for (p, r, c) in [("w1", 128usize, 256usize), ("w2", 256, 128), ("w3", 128, 256)] {
                 let m = format!("layers.1.ffn.shared_experts.{p}");
                 let w: Vec<u8> = (0..r * c).map(|i| (i % 120) as u8).collect();
-                t.insert(format!("{m}.weight"), OwnedTensor { dtype: Dtype::F8_E4M3, shape: vec![r, c], bytes: w });
+                t.insert(
+                    format!("{m}.weight"),
+                    OwnedTensor { dtype: Dtype::F8_E4M3, shape: vec![r, c], bytes: w },
+                );
                 let (br, bc) = (r.div_ceil(128), c.div_ceil(128));
                 if hf {
                     let s: Vec<f32> = (0..br * bc).map(|i| 0.5 + i as f32).collect();
                     t.insert(format!("{m}.weight_scale_inv"), OwnedTensor::f32(&[br, bc], &s));
                 } else {
                     let s: Vec<u8> = (0..br * bc).map(|i| 120 + i as u8).collect();
-                    t.insert(format!("{m}.scale"), OwnedTensor { dtype: Dtype::F8_E8M0, shape: vec![br, bc], bytes: s });
+                    t.insert(
+                        format!("{m}.scale"),
+                        OwnedTensor { dtype: Dtype::F8_E8M0, shape: vec![br, bc], bytes: s },
+                    );
                 }
             }
         });
