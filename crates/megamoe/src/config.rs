@@ -195,12 +195,6 @@ impl MoeConfig {
                 self.num_experts_per_tok, self.n_routed_experts
             ));
         }
-        if self.hidden_size % 32 != 0 || self.moe_intermediate_size % 32 != 0 {
-            return bad(format!(
-                "hidden_size = {} and moe_intermediate_size = {} must be multiples of 32 (FP4 scale blocks)",
-                self.hidden_size, self.moe_intermediate_size
-            ));
-        }
         if !(self.swiglu_limit.is_finite() && self.swiglu_limit >= 0.0) {
             return bad(format!("swiglu_limit = {}, expected a finite value >= 0", self.swiglu_limit));
         }

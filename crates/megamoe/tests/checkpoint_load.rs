@@ -63,8 +63,9 @@ fn fixtures_load_every_layer_with_the_files_bytes() {
             } else {
                 let b = st.tensor("layers.1.ffn.gate.bias").unwrap();
                 let bias = layer.router.bias.as_ref().unwrap();
-                for i in 0..16 {
-                    assert_eq!(bias[i], f32::from_le_bytes(b.data()[4 * i..4 * i + 4].try_into().unwrap()));
+                assert_eq!(bias.len(), 16);
+                for (x, c) in bias.iter().zip(b.data().chunks_exact(4)) {
+                    assert_eq!(*x, f32::from_le_bytes(c.try_into().unwrap()));
                 }
             }
             // Experts: stacked bytes equal each expert's tensor.

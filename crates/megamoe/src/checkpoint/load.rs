@@ -394,6 +394,18 @@ impl Checkpoint {
                 s
             }
         };
+        // FP4 blocks must tile the input dimension exactly (no partial blocks in these formats).
+        let block = match format {
+            ExpertFormat::Nvfp4 => 16,
+            ExpertFormat::Mxfp4 => 32,
+            ExpertFormat::Bf16 => 1,
+        };
+        if !cols.is_multiple_of(block) {
+            return Err(MegaError::Config(format!(
+                "layer {layer} {p:?}: input size {cols} is not a multiple of the {format:?} block ({block}); \
+                 check hidden_size / moe_intermediate_size in config.json"
+            )));
+        }
         let data = match format {
             ExpertFormat::Nvfp4 => {
                 for m in &modules {
