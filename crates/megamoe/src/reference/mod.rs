@@ -12,6 +12,7 @@
 //! one per projection per expert. Work is spread with rayon over (expert, row block) tasks; experts
 //! without tokens cost nothing. Results do not depend on the thread count.
 
+pub mod file;
 pub mod float64;
 mod standin;
 mod weights;
