@@ -1,10 +1,55 @@
-//! `megamoe forward`.
+//! `megamoe forward`: one MoE layer of a checkpoint on activations from a safetensors file.
+
+use megamoe::backend::BackendKind;
+use megamoe::forward::Mode;
+use megamoe::reference::file::{forward_file, ForwardFileOptions};
+use std::path::PathBuf;
 
 /// Arguments of `megamoe forward`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Checkpoint directory (config.json + model.safetensors or sharded index).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// MoE layer index.
+    #[arg(long)]
+    pub layer: usize,
+    /// Input safetensors: `x` BF16/F32 [T, H], and `input_ids` I64 [T] for hash-routed layers.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Output safetensors (written): `y` F32 [T, H], `topk_ids` I32 [T, k], `topk_weights` F32 [T, k].
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Execution mode: w4a16 (exact), w4a8 (DeepSeek FP8 activations), w4a4 (NVFP4 activations).
+    #[arg(long, default_value = "w4a16")]
+    pub mode: Mode,
+    /// Backend: cpu, cuda or auto (CUDA when usable, else the CPU).
+    #[arg(long, default_value = "auto")]
+    pub backend: BackendKind,
+}
 
 /// Runs the command.
-pub fn run(_args: Args) -> anyhow::Result<i32> {
-    anyhow::bail!("`megamoe forward` is not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<i32> {
+    let report = forward_file(&ForwardFileOptions {
+        checkpoint: args.checkpoint,
+        layer: args.layer,
+        input: args.input,
+        output: args.output.clone(),
+        mode: args.mode,
+        backend: args.backend,
+    })?;
+    for w in &report.warnings {
+        eprintln!("warning: {w}");
+    }
+    println!(
+        "layer {}: {} tokens x H {} in {} on {}: {:.2} ms -> {}",
+        args.layer,
+        report.tokens,
+        report.hidden,
+        args.mode,
+        report.backend,
+        report.forward_seconds * 1e3,
+        args.output.display()
+    );
+    Ok(0)
 }
