@@ -80,7 +80,8 @@ fn check_fixture(name: &str) -> usize {
         let want_ids = golden.i64(&format!("{layer_idx}.topk_ids"));
         let want_w = golden.f32(&format!("{layer_idx}.topk_weights"));
         let margin_name = format!("{layer_idx}.topk_margin");
-        let margin = if golden.has(&margin_name) { golden.f32(&margin_name) } else { vec![f32::INFINITY; tokens] };
+        let margin =
+            if golden.has(&margin_name) { golden.f32(&margin_name) } else { vec![f32::INFINITY; tokens] };
 
         let layer = ck.load_layer(layer_idx).unwrap().layer;
         for mode in Mode::ALL {
@@ -114,7 +115,11 @@ fn check_fixture(name: &str) -> usize {
                     close_calls += 1;
                     continue;
                 }
-                assert_eq!(&ids[t * k..(t + 1) * k], &want_ids[t * k..(t + 1) * k], "{name} L{layer_idx} token {t}");
+                assert_eq!(
+                    &ids[t * k..(t + 1) * k],
+                    &want_ids[t * k..(t + 1) * k],
+                    "{name} L{layer_idx} token {t}"
+                );
                 for j in 0..k {
                     let (a, b) = (w[t * k + j], want_w[t * k + j]);
                     assert!((a - b).abs() <= 1e-5, "{name} L{layer_idx} weight [{t},{j}]: {a} vs {b}");
@@ -176,17 +181,21 @@ fn w4a4_on_mxfp4_fixture_is_a_clear_error() {
         mode,
         backend: BackendKind::Cpu,
     };
-    let err = file::forward_file(&opts(1, Mode::W4A4, tmp.path().join("o.safetensors"))).unwrap_err().to_string();
+    let err =
+        file::forward_file(&opts(1, Mode::W4A4, tmp.path().join("o.safetensors"))).unwrap_err().to_string();
     assert!(err.to_lowercase().contains("w4a4") || err.contains("input_scale"), "{err}");
     // Hash layer without input_ids.
-    let err = file::forward_file(&opts(0, Mode::W4A16, tmp.path().join("o.safetensors"))).unwrap_err().to_string();
+    let err =
+        file::forward_file(&opts(0, Mode::W4A16, tmp.path().join("o.safetensors"))).unwrap_err().to_string();
     assert!(err.contains("input_ids"), "{err}");
     // Never overwrite the input or the checkpoint.
     let err = file::forward_file(&opts(1, Mode::W4A16, input.clone())).unwrap_err().to_string();
     assert!(err.contains("refusing"), "{err}");
-    let err = file::forward_file(&opts(1, Mode::W4A16, dir.join("model.safetensors"))).unwrap_err().to_string();
+    let err =
+        file::forward_file(&opts(1, Mode::W4A16, dir.join("model.safetensors"))).unwrap_err().to_string();
     assert!(err.contains("refusing"), "{err}");
     // Unknown layer.
-    let err = file::forward_file(&opts(7, Mode::W4A16, tmp.path().join("o.safetensors"))).unwrap_err().to_string();
+    let err =
+        file::forward_file(&opts(7, Mode::W4A16, tmp.path().join("o.safetensors"))).unwrap_err().to_string();
     assert!(err.contains("layer 7"), "{err}");
 }

@@ -16,7 +16,12 @@ fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
     (num / den).sqrt()
 }
 
-fn fwd(layer: &MoeLayer, x: &[bf16], ids: Option<&[i64]>, mode: Mode) -> megamoe::Result<reference::ReferenceOutput> {
+fn fwd(
+    layer: &MoeLayer,
+    x: &[bf16],
+    ids: Option<&[i64]>,
+    mode: Mode,
+) -> megamoe::Result<reference::ReferenceOutput> {
     reference::forward_detailed(layer, &ForwardInput { x, input_ids: ids }, mode, None)
 }
 
@@ -129,7 +134,8 @@ fn a_token_naming_one_expert_twice_gets_both() {
     let w0 = once.output.topk_weights[0];
     let trace_once = {
         let mut t = StageTrace::default();
-        reference::forward(&layer, &ForwardInput { x: &x, input_ids: Some(&[1]) }, Mode::W4A16, Some(&mut t)).unwrap();
+        reference::forward(&layer, &ForwardInput { x: &x, input_ids: Some(&[1]) }, Mode::W4A16, Some(&mut t))
+            .unwrap();
         t
     };
     let l2 = &trace_once.get(Stage::L2Out).unwrap().data[..256];
@@ -219,7 +225,8 @@ fn results_do_not_depend_on_threads_or_chunking() {
     // Token by token: same bits.
     for tok in [0usize, 255, 256, 299] {
         let xi = &x[tok * 256..(tok + 1) * 256];
-        let o = reference::forward(&layer, &ForwardInput { x: xi, input_ids: None }, Mode::W4A4, None).unwrap();
+        let o =
+            reference::forward(&layer, &ForwardInput { x: xi, input_ids: None }, Mode::W4A4, None).unwrap();
         assert_eq!(o.y, many.y[tok * 256..(tok + 1) * 256]);
     }
 }

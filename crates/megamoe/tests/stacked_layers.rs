@@ -38,8 +38,9 @@ fn run_stack(share_routing: bool) -> Vec<(f64, usize)> {
         let hash = cfg.is_hash_layer(layer_idx);
         let layer = random_layer(&cfg, ExpertFormat::Nvfp4, layer_idx, hash, 100 + layer_idx as u64);
         let (x32, x64) = (renorm(&h32, h), renorm(&h64, h));
-        let out = reference::forward(&layer, &ForwardInput { x: &x32, input_ids: Some(&ids) }, Mode::W4A16, None)
-            .unwrap();
+        let out =
+            reference::forward(&layer, &ForwardInput { x: &x32, input_ids: Some(&ids) }, Mode::W4A16, None)
+                .unwrap();
         let force = share_routing.then_some(&out.topk_ids[..]);
         let r64 = float64::forward_w4a16_with_ids(&layer, &x64, Some(&ids), force).unwrap();
         assert!(out.y.iter().all(|v| v.is_finite()), "layer {layer_idx}: non-finite output");

@@ -68,7 +68,10 @@ pub fn read_input(path: &Path, hidden: usize) -> Result<(Vec<half::bf16>, Option
         Ok(v) => {
             let (shape, ids) = tensor_io::to_i64("input_ids", &v)?;
             if shape.len() != 1 || shape[0] != tokens {
-                return Err(MegaError::tensor("input_ids", format!("shape {shape:?}, expected [T={tokens}]")));
+                return Err(MegaError::tensor(
+                    "input_ids",
+                    format!("shape {shape:?}, expected [T={tokens}]"),
+                ));
             }
             Some(ids)
         }
@@ -87,12 +90,10 @@ pub fn forward_file(opts: &ForwardFileOptions) -> Result<ForwardFileReport> {
         )));
     }
     let ck = Checkpoint::open(&opts.checkpoint)?;
-    let protected = ck
-        .store()
-        .files()
-        .into_iter()
-        .map(Path::to_path_buf)
-        .chain(["config.json", crate::checkpoint::HF_QUANT_FILE, "model.safetensors.index.json"].map(|f| ck.dir().join(f)));
+    let protected = ck.store().files().into_iter().map(Path::to_path_buf).chain(
+        ["config.json", crate::checkpoint::HF_QUANT_FILE, "model.safetensors.index.json"]
+            .map(|f| ck.dir().join(f)),
+    );
     for p in protected {
         if resolved(&p) == out {
             return Err(MegaError::Input(format!(

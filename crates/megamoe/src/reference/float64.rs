@@ -29,6 +29,9 @@ fn softplus(x: f64) -> f64 {
     }
 }
 
+/// One token's `(y, ids, weights)`.
+type TokenOut = (Vec<f64>, Vec<i32>, Vec<f64>);
+
 /// Dequantized row `r` of `w` in f64, including the global scale.
 fn row64(w: &MatView<'_>, r: usize, buf: &mut [f32]) -> Vec<f64> {
     w.row(r, buf);
@@ -36,7 +39,14 @@ fn row64(w: &MatView<'_>, r: usize, buf: &mut [f32]) -> Vec<f64> {
 }
 
 /// `bf16(silu(min(g,L)) * clamp(u,-L,L) * w)` in f64, then `a W2^T` in f64.
-fn expert64(w1: &MatView<'_>, w3: &MatView<'_>, w2: &MatView<'_>, x: &[f64], rw: f64, limit: f64) -> Vec<f64> {
+fn expert64(
+    w1: &MatView<'_>,
+    w3: &MatView<'_>,
+    w2: &MatView<'_>,
+    x: &[f64],
+    rw: f64,
+    limit: f64,
+) -> Vec<f64> {
     let mut buf = vec![0.0f32; w1.cols.max(w2.cols)];
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f64>();
     let a: Vec<f64> = (0..w1.rows)
@@ -70,7 +80,7 @@ pub fn forward_w4a16_with_ids(
     super::check_layer(layer)?;
     let c = &layer.config;
     let (h, e_count, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
-    if x.len() % h != 0 {
+    if !x.len().is_multiple_of(h) {
         return Err(MegaError::Input(format!("x has {} elements, not a multiple of H={h}", x.len())));
     }
     let tokens = x.len() / h;
@@ -79,16 +89,20 @@ pub fn forward_w4a16_with_ids(
     }
     if let Some(f) = force_ids {
         if f.len() != tokens * k || f.iter().any(|&e| e < 0 || e as usize >= e_count) {
-            return Err(MegaError::Input(format!("force_ids must be [T={tokens}, k={k}] ids in 0..{e_count}")));
+            return Err(MegaError::Input(format!(
+                "force_ids must be [T={tokens}, k={k}] ids in 0..{e_count}"
+            )));
         }
     }
     let limit = c.swiglu_limit as f64;
-    let per_token: Vec<Result<(Vec<f64>, Vec<i32>, Vec<f64>)>> = (0..tokens)
+    let per_token: Vec<Result<TokenOut>> = (0..tokens)
         .into_par_iter()
         .map(|t| {
             let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|v| v.to_f64()).collect();
             let mut scores: Vec<f64> = (0..e_count)
-                .map(|e| layer.router.weight[e * h..(e + 1) * h].iter().zip(&xt).map(|(w, v)| *w as f64 * v).sum())
+                .map(|e| {
+                    layer.router.weight[e * h..(e + 1) * h].iter().zip(&xt).map(|(w, v)| *w as f64 * v).sum()
+                })
                 .collect();
             match c.scoring_func {
                 ScoringFunc::SqrtSoftplus => scores.iter_mut().for_each(|s| *s = softplus(*s).sqrt()),
@@ -105,11 +119,15 @@ pub fn forward_w4a16_with_ids(
             } else if let Some(t2e) = &layer.router.tid2eid {
                 let tok = input_ids.expect("checked")[t];
                 if tok < 0 || (tok as usize + 1) * k > t2e.len() {
-                    return Err(MegaError::Input(format!("input_ids[{t}] = {tok} is outside the tid2eid rows")));
+                    return Err(MegaError::Input(format!(
+                        "input_ids[{t}] = {tok} is outside the tid2eid rows"
+                    )));
                 }
                 let row = &t2e[tok as usize * k..(tok as usize + 1) * k];
                 if row.iter().any(|&e| e < 0 || e as usize >= e_count) {
-                    return Err(MegaError::Input(format!("tid2eid row {tok} names an expert outside 0..{e_count}")));
+                    return Err(MegaError::Input(format!(
+                        "tid2eid row {tok} names an expert outside 0..{e_count}"
+                    )));
                 }
                 row.iter().map(|&e| e as usize).collect()
             } else {

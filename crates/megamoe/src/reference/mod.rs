@@ -55,7 +55,7 @@ pub fn check_mode(layer: &MoeLayer, mode: Mode) -> Result<()> {
     match mode {
         Mode::W4A16 => Ok(()),
         Mode::W4A8 => {
-            if c.hidden_size % 128 != 0 || c.moe_intermediate_size % 128 != 0 {
+            if !c.hidden_size.is_multiple_of(128) || !c.moe_intermediate_size.is_multiple_of(128) {
                 return Err(MegaError::Input(format!(
                     "mode w4a8 quantizes activations in 128-element blocks: hidden_size={} and \
                      moe_intermediate_size={} must both be multiples of 128",
@@ -278,7 +278,8 @@ fn run_jobs(jobs: &[Job<'_>], inter: usize, hidden: usize, limit: f32, keep: boo
     for (&(j, r0), blk) in tasks.iter().zip(blocks) {
         let width = (r0 + ROW_BLOCK).min(hidden) - r0;
         for i in 0..jobs[j].n {
-            outs[j][i * hidden + r0..i * hidden + r0 + width].copy_from_slice(&blk[i * width..(i + 1) * width]);
+            outs[j][i * hidden + r0..i * hidden + r0 + width]
+                .copy_from_slice(&blk[i * width..(i + 1) * width]);
         }
     }
     outs.into_iter()
@@ -298,7 +299,7 @@ pub fn forward_detailed(
     layer: &MoeLayer,
     input: &ForwardInput<'_>,
     mode: Mode,
-    mut trace: Option<&mut StageTrace>,
+    trace: Option<&mut StageTrace>,
 ) -> Result<ReferenceOutput> {
     check_layer(layer)?;
     check_mode(layer, mode)?;
@@ -351,7 +352,11 @@ pub fn forward_detailed(
             Mode::W4A4 => xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
                 let slot = plan.perm[row] as usize;
                 let (t, e) = (slot / k, ids[slot] as usize);
-                fmt::act_quant::nvfp4_block16(&x_f32[t * h..(t + 1) * h], input_scale(&layer.w1.data, e), dst);
+                fmt::act_quant::nvfp4_block16(
+                    &x_f32[t * h..(t + 1) * h],
+                    input_scale(&layer.w1.data, e),
+                    dst,
+                );
             }),
         }
 
@@ -417,8 +422,8 @@ pub fn forward_detailed(
 
         if let Some(tb) = tr.as_mut() {
             // Canonical per-slot layouts (slot = t*k + j); this chunk is the whole forward.
-            for slot in 0..tc * k {
-                let e = ids[slot] as usize;
+            for (slot, &e) in ids.iter().enumerate() {
+                let e = e as usize;
                 let i = plan.row_of_slot[slot] as usize - plan.offsets[e] as usize;
                 let (out, l1) = &results[job_of_expert[e]];
                 let s = slot * inter..(slot + 1) * inter;
@@ -439,7 +444,7 @@ pub fn forward_detailed(
         *yv = r + s;
     }
 
-    if let (Some(t), Some(tb)) = (trace.as_deref_mut(), tr) {
+    if let (Some(t), Some(tb)) = (trace, tr) {
         let slots = tokens * k;
         t.record(Stage::RouterScores, &[tokens, e_count], routing.scores.clone());
         t.record(Stage::TopkIds, &[tokens, k], routing.topk_ids.iter().map(|&v| v as f32).collect());

@@ -126,8 +126,11 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
     let n = e * rows * cols;
     match &p.data {
         ProjData::Nvfp4 { packed, scales, global_scale, input_scale } => {
-            if cols % 16 != 0 {
-                return Err(MegaError::tensor(&name, format!("{cols} columns, NVFP4 needs a multiple of 16")));
+            if !cols.is_multiple_of(16) {
+                return Err(MegaError::tensor(
+                    &name,
+                    format!("{cols} columns, NVFP4 needs a multiple of 16"),
+                ));
             }
             expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
             expect_len(&name, "weight_scale", scales.len(), n / 16)?;
@@ -143,8 +146,11 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
             }
         }
         ProjData::Mxfp4 { packed, scales } => {
-            if cols % 32 != 0 {
-                return Err(MegaError::tensor(&name, format!("{cols} columns, MXFP4 needs a multiple of 32")));
+            if !cols.is_multiple_of(32) {
+                return Err(MegaError::tensor(
+                    &name,
+                    format!("{cols} columns, MXFP4 needs a multiple of 32"),
+                ));
             }
             expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
             expect_len(&name, "scale", scales.len(), n / 32)?;
@@ -157,7 +163,10 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
 fn check_dense(layer: &MoeLayer, p: &DenseProj, proj: &str, rows: usize, cols: usize) -> Result<()> {
     let name = format!("layers.{}.ffn.shared_experts.{proj}.weight", layer.index);
     if p.rows != rows || p.cols != cols {
-        return Err(MegaError::tensor(name, format!("shape [{}, {}], expected [{rows}, {cols}]", p.rows, p.cols)));
+        return Err(MegaError::tensor(
+            name,
+            format!("shape [{}, {}], expected [{rows}, {cols}]", p.rows, p.cols),
+        ));
     }
     match &p.data {
         DenseData::Bf16(w) => expect_len(&name, "weight", w.len(), rows * cols),
@@ -174,7 +183,9 @@ pub fn check_layer(layer: &MoeLayer) -> Result<()> {
     let c = &layer.config;
     let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
     if h == 0 || i == 0 || e == 0 {
-        return Err(MegaError::Config(format!("hidden_size={h}, moe_intermediate_size={i}, n_routed_experts={e}")));
+        return Err(MegaError::Config(format!(
+            "hidden_size={h}, moe_intermediate_size={i}, n_routed_experts={e}"
+        )));
     }
     if c.num_experts_per_tok == 0 || c.num_experts_per_tok > e {
         return Err(MegaError::Config(format!(

@@ -110,7 +110,7 @@ fn weights_of(cfg: &MoeConfig, scores_row: &[f32], ids: &[usize], out: &mut [f32
 pub fn route(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> Result<Routing> {
     let cfg = &layer.config;
     let (h, e_count, k) = (cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok);
-    if h == 0 || x.len() % h != 0 {
+    if h == 0 || !x.len().is_multiple_of(h) {
         return Err(MegaError::Input(format!("x has {} elements, not a multiple of H={h}", x.len())));
     }
     if k == 0 || k > e_count {
@@ -140,7 +140,10 @@ pub fn route(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> Result<
             ))
         })?;
         if ids.len() != tokens {
-            return Err(MegaError::Input(format!("input_ids has {} entries, expected T={tokens}", ids.len())));
+            return Err(MegaError::Input(format!(
+                "input_ids has {} entries, expected T={tokens}",
+                ids.len()
+            )));
         }
         for (t, &tok) in ids.iter().enumerate() {
             if tok < 0 || tok as u64 >= vocab as u64 {
