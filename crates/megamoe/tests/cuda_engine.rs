@@ -105,7 +105,9 @@ fn quant_row(x: &[f32], mode: Mode, gs: f32) -> Vec<f64> {
             .flat_map(|b| {
                 let amax = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-4);
                 let s = 2f32.powi((amax * (1.0 / 448.0)).log2().ceil() as i32);
-                b.iter().map(move |&v| (round_e4m3((v / s).clamp(-448.0, 448.0)) * s) as f64).collect::<Vec<_>>()
+                b.iter()
+                    .map(move |&v| (round_e4m3((v / s).clamp(-448.0, 448.0)) * s) as f64)
+                    .collect::<Vec<_>>()
             })
             .collect(),
         Mode::W4A4 => x
@@ -151,7 +153,8 @@ fn host_forward(layer: &MoeLayer, x: &[bf16], ids: &[i32], w: &[f32], mode: Mode
     for tok in 0..t {
         for j in 0..k {
             let e = ids[tok * k + j] as usize;
-            let ws = cache.entry(e).or_insert_with(|| [deq(&layer.w1, e), deq(&layer.w3, e), deq(&layer.w2, e)]);
+            let ws =
+                cache.entry(e).or_insert_with(|| [deq(&layer.w1, e), deq(&layer.w3, e), deq(&layer.w2, e)]);
             let xq = quant_row(&xf[tok * h..(tok + 1) * h], mode, in1[e]);
             let a: Vec<f32> = (0..i)
                 .map(|n| {
@@ -206,7 +209,8 @@ fn host_router(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> (Vec<
     for tok in 0..t {
         let sc: Vec<f64> = (0..e)
             .map(|ex| {
-                let l: f64 = (0..h).map(|q| x[tok * h + q].to_f64() * layer.router.weight[ex * h + q] as f64).sum();
+                let l: f64 =
+                    (0..h).map(|q| x[tok * h + q].to_f64() * layer.router.weight[ex * h + q] as f64).sum();
                 (if l > 20.0 { l } else { l.exp().ln_1p() }).sqrt()
             })
             .collect();
@@ -276,7 +280,8 @@ fn check_case(format: ExpertFormat, hash: bool, skew: bool, tokens: &[usize], se
                     b.sort();
                     assert_eq!(a, b, "{format:?} T={t} token {tok}: routing differs");
                     for j in 0..k {
-                        let pos = rid[tok * k..(tok + 1) * k].iter().position(|&v| v == out.topk_ids[tok * k + j]);
+                        let pos =
+                            rid[tok * k..(tok + 1) * k].iter().position(|&v| v == out.topk_ids[tok * k + j]);
                         let want = rw[tok * k + pos.unwrap()];
                         assert!((out.topk_weights[tok * k + j] as f64 - want).abs() < 1e-5 * want.max(1.0));
                     }
@@ -308,7 +313,8 @@ fn hash_layer_and_skewed_routing() {
 
 #[test]
 fn repeat_runs_and_graph_replay_are_bitwise_identical() {
-    let layer = Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 21));
+    let layer =
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 21));
     let Some(mut eng) = engine(&layer, 300) else { return };
     let x = synthetic::random_hidden(257, 256, 5);
     let input = ForwardInput { x: &x, input_ids: None };
@@ -335,7 +341,8 @@ fn repeat_runs_and_graph_replay_are_bitwise_identical() {
 
 #[test]
 fn nan_rows_route_in_range_and_bad_input_is_an_error() {
-    let layer = Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Mxfp4, 1, false, 31));
+    let layer =
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Mxfp4, 1, false, 31));
     let Some(mut eng) = engine(&layer, 8) else { return };
     let mut x = synthetic::random_hidden(4, 256, 9);
     x[256 + 3] = bf16::NAN;
@@ -363,7 +370,8 @@ fn nan_rows_route_in_range_and_bad_input_is_an_error() {
 
 #[test]
 fn trace_records_every_stage_in_canonical_layout() {
-    let layer = Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 41));
+    let layer =
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 41));
     let Some(mut eng) = engine(&layer, 16) else { return };
     let x = synthetic::random_hidden(7, 256, 3);
     let mut tr = StageTrace::default();

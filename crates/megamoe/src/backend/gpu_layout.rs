@@ -39,8 +39,10 @@ pub fn interleave_gate_up<T: Copy>(
             up.len()
         )));
     }
-    if block == 0 || rows % block != 0 {
-        return Err(MegaError::Input(format!("interleave: rows {rows} is not a multiple of the block {block}")));
+    if block == 0 || !rows.is_multiple_of(block) {
+        return Err(MegaError::Input(format!(
+            "interleave: rows {rows} is not a multiple of the block {block}"
+        )));
     }
     let mut out = Vec::with_capacity(2 * n);
     let blk = block * row_len;
@@ -64,7 +66,7 @@ pub fn deinterleave_gate_up<T: Copy>(
     block: usize,
 ) -> Result<(Vec<T>, Vec<T>)> {
     let n = experts * rows * row_len;
-    if w13.len() != 2 * n || block == 0 || rows % block != 0 {
+    if w13.len() != 2 * n || block == 0 || !rows.is_multiple_of(block) {
         return Err(MegaError::Input(format!(
             "deinterleave: {} elements for [E={experts}, 2*{rows}, {row_len}] with block {block}",
             w13.len()
@@ -84,7 +86,7 @@ pub fn deinterleave_gate_up<T: Copy>(
 /// [`K_STEP`] columns, `[rows, cols/64]` (`cols` must be a multiple of 64).
 pub fn expand_block_scales(scale: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>> {
     let (rb, cb) = (rows.div_ceil(128), cols.div_ceil(128));
-    if scale.len() != rb * cb || cols % K_STEP != 0 {
+    if scale.len() != rb * cb || !cols.is_multiple_of(K_STEP) {
         return Err(MegaError::Input(format!(
             "fp8 block scales: {} values for a [{rows}, {cols}] weight, expected [{rb}, {cb}] with cols % {K_STEP} == 0",
             scale.len()
@@ -139,9 +141,7 @@ mod tests {
     fn interleave_places_matching_rows_together_and_inverts() {
         // 2 experts, 64 rows, row length 3: element value encodes (expert, proj, row, col).
         let (e, rows, len) = (2, 64, 3);
-        let mk = |p: usize| -> Vec<u32> {
-            (0..e * rows * len).map(|i| (p * 1_000_000 + i) as u32).collect()
-        };
+        let mk = |p: usize| -> Vec<u32> { (0..e * rows * len).map(|i| (p * 1_000_000 + i) as u32).collect() };
         let (g, u) = (mk(1), mk(2));
         let w = interleave_gate_up(&g, &u, e, rows, len, L1_INTERLEAVE).unwrap();
         assert_eq!(w.len(), 2 * g.len());

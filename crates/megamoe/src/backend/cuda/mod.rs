@@ -275,8 +275,10 @@ impl CudaEngine {
     pub fn poison(&mut self, byte: u8) -> Result<()> {
         for buf in self.b.all() {
             // SAFETY: `buf.ptr` holds `buf.bytes` bytes.
-            unsafe { cudarc::driver::result::memset_d8_async(buf.ptr, byte, buf.bytes, self.stream.cu_stream()) }
-                .map_err(derr("poison"))?;
+            unsafe {
+                cudarc::driver::result::memset_d8_async(buf.ptr, byte, buf.bytes, self.stream.cu_stream())
+            }
+            .map_err(derr("poison"))?;
         }
         self.stream.synchronize().map_err(derr("poison"))
     }
@@ -304,7 +306,7 @@ impl CudaEngine {
         match mode {
             Mode::W4A16 => Ok(()),
             Mode::W4A8 => {
-                if c.hidden_size % 128 != 0 || c.moe_intermediate_size % 128 != 0 {
+                if !c.hidden_size.is_multiple_of(128) || !c.moe_intermediate_size.is_multiple_of(128) {
                     return Err(MegaError::Input(format!(
                         "W4A8 needs H and I to be multiples of 128 (H={}, I={})",
                         c.hidden_size, c.moe_intermediate_size
@@ -341,8 +343,11 @@ impl CudaEngine {
     /// Checks the input and copies x (and token ids) to the device. Returns T.
     fn upload_input(&mut self, input: &ForwardInput<'_>) -> Result<usize> {
         let h = self.layer.config.hidden_size;
-        if input.x.len() % h != 0 {
-            return Err(MegaError::Input(format!("x has {} elements, not a multiple of H={h}", input.x.len())));
+        if !input.x.len().is_multiple_of(h) {
+            return Err(MegaError::Input(format!(
+                "x has {} elements, not a multiple of H={h}",
+                input.x.len()
+            )));
         }
         let t = input.x.len() / h;
         if t > self.max_tokens {
@@ -387,7 +392,8 @@ impl CudaEngine {
     /// Enqueues one whole forward of `t` tokens (input already on the device). No host sync.
     fn enqueue(&self, t: usize, mode: Mode, trace: bool) -> Result<()> {
         let c = &self.layer.config;
-        let (h, i, e, k) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);
+        let (h, i, e, k) =
+            (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);
         let slots = t * k;
         let b = &self.b;
         let (ti, hi, ei, ki) = (t as i32, h as i32, e as i32, k as i32);
@@ -456,7 +462,14 @@ impl CudaEngine {
             "moe_plan_scatter",
             (eg, 1, 1),
             0,
-            &mut [p(&b.topk_ids.ptr), p(&si), p(&ei), p(&b.offsets.ptr), p(&b.perm.ptr), p(&b.row_of_slot.ptr)],
+            &mut [
+                p(&b.topk_ids.ptr),
+                p(&si),
+                p(&ei),
+                p(&b.offsets.ptr),
+                p(&b.perm.ptr),
+                p(&b.row_of_slot.ptr),
+            ],
         )?;
 
         // Expert inputs, per plan row.
@@ -649,8 +662,10 @@ impl CudaEngine {
     fn collect(&self, t: usize) -> Result<ForwardOutput> {
         let c = &self.layer.config;
         let y = self.download::<f32>(&self.b.y, t * c.hidden_size, "copying y")?;
-        let topk_ids = self.download::<i32>(&self.b.topk_ids, t * c.num_experts_per_tok, "copying topk_ids")?;
-        let topk_weights = self.download::<f32>(&self.b.topk_w, t * c.num_experts_per_tok, "copying topk_w")?;
+        let topk_ids =
+            self.download::<i32>(&self.b.topk_ids, t * c.num_experts_per_tok, "copying topk_ids")?;
+        let topk_weights =
+            self.download::<f32>(&self.b.topk_w, t * c.num_experts_per_tok, "copying topk_w")?;
         self.sync("forward")?;
         Ok(ForwardOutput { y, topk_ids, topk_weights })
     }
@@ -664,7 +679,10 @@ impl CudaEngine {
     pub fn capture_graph(&mut self, tokens: usize, mode: Mode) -> Result<()> {
         self.check_mode(mode)?;
         if tokens == 0 || tokens > self.max_tokens {
-            return Err(MegaError::Input(format!("capture_graph: tokens must be in 1..={}", self.max_tokens)));
+            return Err(MegaError::Input(format!(
+                "capture_graph: tokens must be in 1..={}",
+                self.max_tokens
+            )));
         }
         self.graph = None;
         self.sync("before capture")?;
@@ -674,7 +692,8 @@ impl CudaEngine {
         let enq = self.enqueue(tokens, mode, false);
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         enq?;
-        let graph = graph.map_err(derr("end capture"))?.ok_or_else(|| err("graph capture produced no graph"))?;
+        let graph =
+            graph.map_err(derr("end capture"))?.ok_or_else(|| err("graph capture produced no graph"))?;
         graph.upload().map_err(derr("graph upload"))?;
         self.graph = Some(Captured { tokens, mode, graph });
         Ok(())
@@ -685,7 +704,9 @@ impl CudaEngine {
         let (tokens, _) = self.captured()?;
         let t = self.upload_input(input)?;
         if t != tokens {
-            return Err(MegaError::Input(format!("replay: the graph was captured for {tokens} tokens, got {t}")));
+            return Err(MegaError::Input(format!(
+                "replay: the graph was captured for {tokens} tokens, got {t}"
+            )));
         }
         self.graph.as_ref().expect("checked").graph.launch().map_err(derr("graph launch"))?;
         self.collect(t)
@@ -724,9 +745,11 @@ impl CudaEngine {
 
     fn record_trace(&self, t: usize, mode: Mode, tr: &mut StageTrace) -> Result<()> {
         let c = &self.layer.config;
-        let (h, i, e, k) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);
+        let (h, i, e, k) =
+            (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);
         let s = t * k;
-        let bf = |v: Vec<u16>| -> Vec<f32> { v.into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect() };
+        let bf =
+            |v: Vec<u16>| -> Vec<f32> { v.into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect() };
         let scores = self.download::<f32>(&self.b.scores, t * e, "trace")?;
         let ids = self.download::<i32>(&self.b.topk_ids, s, "trace")?;
         let w = self.download::<f32>(&self.b.topk_w, s, "trace")?;
@@ -736,7 +759,11 @@ impl CudaEngine {
         let gate = self.download::<f32>(&self.b.gate_tr, s * i, "trace")?;
         let up = self.download::<f32>(&self.b.up_tr, s * i, "trace")?;
         let act = self.download::<u16>(&self.b.act, s * i, "trace")?;
-        let actq = if mode == Mode::W4A16 { act.clone() } else { self.download::<u16>(&self.b.actq, s * i, "trace")? };
+        let actq = if mode == Mode::W4A16 {
+            act.clone()
+        } else {
+            self.download::<u16>(&self.b.actq, s * i, "trace")?
+        };
         let l2 = self.download::<f32>(&self.b.l2, s * h, "trace")?;
         let shared = if self.shared.is_some() {
             Some(self.download::<f32>(&self.b.shared_out, t * h, "trace")?)
@@ -751,7 +778,9 @@ impl CudaEngine {
             for slot in 0..s {
                 let r = ros[slot] as usize;
                 let sc = scale.map_or(1.0, |v| v[ids[slot] as usize]);
-                for (o, &v) in out[slot * width..(slot + 1) * width].iter_mut().zip(&rows[r * width..(r + 1) * width]) {
+                for (o, &v) in
+                    out[slot * width..(slot + 1) * width].iter_mut().zip(&rows[r * width..(r + 1) * width])
+                {
                     *o = if scale.is_some() { v * sc } else { v };
                 }
             }
@@ -772,7 +801,11 @@ impl CudaEngine {
         tr.record(Stage::L1Gate, &[s, i], by_slot(&gate, i, None));
         tr.record(Stage::L1Up, &[s, i], by_slot(&up, i, None));
         tr.record(Stage::Activation, &[s, i], by_slot(&act, i, None));
-        tr.record(Stage::ActivationQuant, &[s, i], by_slot(&actq, i, if w4a4 { self.experts.in2_host.as_ref() } else { None }));
+        tr.record(
+            Stage::ActivationQuant,
+            &[s, i],
+            by_slot(&actq, i, if w4a4 { self.experts.in2_host.as_ref() } else { None }),
+        );
         tr.record(Stage::L2Out, &[s, h], by_slot(&l2, h, None));
         if let Some(sh) = shared {
             tr.record(Stage::SharedOut, &[t, h], sh);
@@ -866,7 +899,13 @@ fn check_layer(layer: &MoeLayer) -> Result<()> {
     }
     if let Some(s) = &layer.shared {
         let is = s.w1.rows;
-        if is % step != 0 || s.w1.cols != h || s.w3.rows != is || s.w3.cols != h || s.w2.rows != h || s.w2.cols != is {
+        if is % step != 0
+            || s.w1.cols != h
+            || s.w3.rows != is
+            || s.w3.cols != h
+            || s.w2.rows != h
+            || s.w2.cols != is
+        {
             return Err(MegaError::Config(format!(
                 "shared expert: w1 [{}, {}], w3 [{}, {}], w2 [{}, {}]: expected [I_s, {h}] / [{h}, I_s] with I_s % {step} == 0",
                 s.w1.rows, s.w1.cols, s.w3.rows, s.w3.cols, s.w2.rows, s.w2.cols
@@ -895,7 +934,9 @@ fn upload_experts(stream: &Arc<CudaStream>, layer: &MoeLayer) -> Result<ExpertsD
             ProjData::Nvfp4 { packed: p2, scales: s2, global_scale: g2, input_scale: in2 },
             ProjData::Nvfp4 { packed: p3, scales: s3, global_scale: g3, .. },
         ) => {
-            for (n, p, s, g, r, cc) in [("w1", p1, s1, g1, i, h), ("w2", p2, s2, g2, h, i), ("w3", p3, s3, g3, i, h)] {
+            for (n, p, s, g, r, cc) in
+                [("w1", p1, s1, g1, i, h), ("w2", p2, s2, g2, h, i), ("w3", p3, s3, g3, i, h)]
+            {
                 len_check(nm(n, "weight"), p.len(), e * r * cc / 2)?;
                 len_check(nm(n, "weight_scale"), s.len(), e * r * cc / 16)?;
                 len_check(nm(n, "weight_scale_2"), g.len(), e)?;
@@ -971,7 +1012,11 @@ fn upload_experts(stream: &Arc<CudaStream>, layer: &MoeLayer) -> Result<ExpertsD
     }
 }
 
-fn upload_shared(stream: &Arc<CudaStream>, s: &crate::checkpoint::SharedExpert, h: usize) -> Result<SharedDev> {
+fn upload_shared(
+    stream: &Arc<CudaStream>,
+    s: &crate::checkpoint::SharedExpert,
+    h: usize,
+) -> Result<SharedDev> {
     let is = s.w1.rows;
     let dense = |d: &DenseProj, name: &str| -> Result<(i32, Vec<u8>, Option<Vec<f32>>)> {
         match &d.data {

@@ -42,9 +42,7 @@ pub fn probe_nvrtc() -> Result<()> {
         let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
             .ok()?
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc.so"))
-            })
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc.so")))
             .collect();
         entries.sort();
         entries.into_iter().find_map(|p| {
