@@ -1,0 +1,1 @@
+//! File-level quantize / dequantize (the logic behind `megamoe quantize` and `megamoe dequantize`).
