@@ -12,7 +12,8 @@ const fn decode_const(b: u8) -> f32 {
     let exp = ((b >> 3) & 0xF) as u32;
     let man = (b & 0x7) as u32;
     if exp == 0xF && man == 0x7 {
-        return f32::NAN;
+        // Keep the sign so that encode(decode(b)) == b for all 256 bytes.
+        return if b & 0x80 != 0 { f32::from_bits(0xFFC0_0000) } else { f32::NAN };
     }
     if exp == 0 {
         // Subnormal: man * 2^-9 (exact in f32).

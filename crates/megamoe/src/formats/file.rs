@@ -159,7 +159,9 @@ fn quantize_one(name: &str, view: &TensorView<'_>, format: Fp4Format) -> Result<
     if cols % block != 0 {
         return Err(MegaError::tensor(
             name,
-            format!("shape {shape:?}: {format} needs the input dimension ({cols}) to be a multiple of {block}"),
+            format!(
+                "shape {shape:?}: {format} needs the input dimension ({cols}) to be a multiple of {block}"
+            ),
         ));
     }
     let tag = |e: MegaError| match e {
@@ -287,14 +289,24 @@ pub fn dequantize_tensors(
     Ok((out, summary))
 }
 
-fn dequant_nvfp4(stem: &str, w: &TensorView<'_>, ws: &TensorView<'_>, g: &TensorView<'_>) -> Result<Vec<f32>> {
-    let (wn, sn, gn) = (format!("{stem}.weight"), format!("{stem}.weight_scale"), format!("{stem}.weight_scale_2"));
+fn dequant_nvfp4(
+    stem: &str,
+    w: &TensorView<'_>,
+    ws: &TensorView<'_>,
+    g: &TensorView<'_>,
+) -> Result<Vec<f32>> {
+    let (wn, sn, gn) =
+        (format!("{stem}.weight"), format!("{stem}.weight_scale"), format!("{stem}.weight_scale_2"));
     let (rows, cols) = packed_shape(&wn, w)?;
     let want = [rows, cols / nvfp4::BLOCK];
     if cols % nvfp4::BLOCK != 0 || ws.shape() != want {
         return Err(MegaError::tensor(
             sn,
-            format!("shape {:?}, expected {want:?} for weight {:?} (16-element blocks)", ws.shape(), w.shape()),
+            format!(
+                "shape {:?}, expected {want:?} for weight {:?} (16-element blocks)",
+                ws.shape(),
+                w.shape()
+            ),
         ));
     }
     if g.dtype() != Dtype::F32 || g.data().len() != 4 {
@@ -328,7 +340,11 @@ fn dequant_mxfp4(stem: &str, w: &TensorView<'_>, sc: &TensorView<'_>) -> Result<
     if cols % mxfp4::BLOCK != 0 || sc.shape() != want {
         return Err(MegaError::tensor(
             sn,
-            format!("shape {:?}, expected {want:?} for weight {:?} (32-element blocks)", sc.shape(), w.shape()),
+            format!(
+                "shape {:?}, expected {want:?} for weight {:?} (32-element blocks)",
+                sc.shape(),
+                w.shape()
+            ),
         ));
     }
     if let Some(i) = sc.data().iter().position(|&b| super::e8m0::is_nan(b)) {

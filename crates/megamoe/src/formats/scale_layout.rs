@@ -121,7 +121,7 @@ pub fn convert(src: &[u8], from: ScaleLayout, to: ScaleLayout, rows: usize, cols
         }
         Swizzled128x4 => from_swizzled(src, rows, cols)?,
         PackedU32 => {
-            if src.len() % 4 != 0 {
+            if !src.len().is_multiple_of(4) {
                 return Err(MegaError::Input(format!("packed-u32 scale buffer has {} bytes", src.len())));
             }
             let words: Vec<u32> =
