@@ -98,30 +98,43 @@ pub fn quantize_with_scales<T: FloatElement>(
 
 fn encode<T: FloatElement>(w: &[T], rows: usize, cols: usize, given: Option<&[u8]>) -> Result<Mxfp4Matrix> {
     check_matrix(w.len(), rows, cols, BLOCK, "MXFP4")?;
-    amax_finite(w, cols)?;
     let mut packed = vec![0u8; rows * cols / 2];
     let mut scales = match given {
         Some(s) => s.to_vec(),
         None => vec![0u8; rows * cols / BLOCK],
     };
     if cols > 0 {
-        w.par_chunks(cols)
+        // Finiteness is checked during the single pass; the slow search for the culprit only
+        // runs when something was found.
+        let bad = w
+            .par_chunks(cols)
             .zip(packed.par_chunks_mut(cols / 2))
             .zip(scales.par_chunks_mut(cols / BLOCK))
-            .for_each(|((x, p), s)| quantize_row(x, given.is_some(), p, s));
+            .map(|((x, p), s)| quantize_row(x, given.is_some(), p, s))
+            .reduce(|| false, |a, b| a | b);
+        if bad {
+            amax_finite(w, cols)?;
+        }
     }
     Ok(Mxfp4Matrix { rows, cols, packed, scales })
 }
 
-fn quantize_row<T: FloatElement>(x: &[T], keep_scales: bool, packed: &mut [u8], scales: &mut [u8]) {
+/// Quantizes one row; returns true if it holds a non-finite value.
+fn quantize_row<T: FloatElement>(x: &[T], keep_scales: bool, packed: &mut [u8], scales: &mut [u8]) -> bool {
+    let mut bad = false;
     for ((xb, pb), sb) in x.chunks_exact(BLOCK).zip(packed.chunks_exact_mut(BLOCK / 2)).zip(scales.iter_mut())
     {
         let mut v = [0.0f32; BLOCK];
         for (d, s) in v.iter_mut().zip(xb) {
             *d = s.to_f32();
         }
+        let mut amax = 0.0f32;
+        for &a in &v {
+            let a = a.abs();
+            bad |= !a.is_finite();
+            amax = if a > amax { a } else { amax };
+        }
         if !keep_scales {
-            let amax = v.iter().fold(0.0f32, |m, &a| if a.abs() > m { a.abs() } else { m });
             *sb = block_scale(amax);
         }
         // Multiplying by 2^-e equals ModelOpt's division by 2^e: both are the exact quotient
@@ -137,6 +150,7 @@ fn quantize_row<T: FloatElement>(x: &[T], keep_scales: bool, packed: &mut [u8], 
             *p = c[2 * j] | (c[2 * j + 1] << 4);
         }
     }
+    bad
 }
 
 /// Dequantizes one row: `out[i] = e2m1 * 2^(scale - 127)` (exact). `out` has `2 * packed_row.len()`
