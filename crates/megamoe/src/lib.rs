@@ -24,6 +24,7 @@ pub mod parallel;
 pub mod plan;
 pub mod reference;
 pub mod router;
+pub mod synthetic;
 pub mod tensor_io;
 pub mod trace;
 

@@ -1,1 +1,144 @@
 //! Expert parallelism: which rank owns which experts.
+//!
+//! Ranks own contiguous, balanced expert ranges (384 experts over 8 ranks = 48 each). Routing
+//! always produces *global* expert ids; a rank converts to *local* ids only for the experts it
+//! owns and never indexes another rank's experts (mixing the two is a classic EP bug).
+
+use crate::checkpoint::{ExpertProj, MoeLayer, ProjData};
+use crate::error::{MegaError, Result};
+use std::ops::Range;
+
+/// The experts one rank owns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertShard {
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// Global ids of the experts this rank owns.
+    pub experts: Range<usize>,
+}
+
+impl ExpertShard {
+    /// The shard of `rank` when `n_experts` are split over `world` ranks. Earlier ranks take one
+    /// more expert when the split is uneven.
+    pub fn new(n_experts: usize, world: usize, rank: usize) -> Result<Self> {
+        if world == 0 || rank >= world {
+            return Err(MegaError::Input(format!("rank {rank} is outside a world of {world} ranks")));
+        }
+        if n_experts < world {
+            return Err(MegaError::Input(format!("{n_experts} experts cannot be split over {world} ranks")));
+        }
+        let (base, extra) = (n_experts / world, n_experts % world);
+        let start = rank * base + rank.min(extra);
+        let len = base + usize::from(rank < extra);
+        Ok(ExpertShard { rank, world, experts: start..start + len })
+    }
+
+    /// The local index of global expert `global`, if this rank owns it (`None` for negative ids,
+    /// i.e. dropped routes, and for other ranks' experts).
+    pub fn local(&self, global: i32) -> Option<usize> {
+        usize::try_from(global).ok().filter(|g| self.experts.contains(g)).map(|g| g - self.experts.start)
+    }
+
+    /// The global id of local expert `local`.
+    pub fn global(&self, local: usize) -> usize {
+        debug_assert!(local < self.experts.len());
+        self.experts.start + local
+    }
+
+    /// The rank owning global expert `global` among `world` ranks splitting `n_experts`.
+    pub fn owner(n_experts: usize, world: usize, global: usize) -> usize {
+        let (base, extra) = (n_experts / world, n_experts % world);
+        let big = extra * (base + 1);
+        if global < big {
+            global / (base + 1)
+        } else {
+            extra + (global - big) / base
+        }
+    }
+
+    /// The routed experts of `layer` restricted to this shard (router and shared expert kept whole).
+    pub fn slice_layer(&self, layer: &MoeLayer) -> Result<MoeLayer> {
+        if self.experts.end > layer.w1.experts {
+            return Err(MegaError::Input(format!(
+                "shard {:?} exceeds the layer's {} experts",
+                self.experts, layer.w1.experts
+            )));
+        }
+        let mut out = layer.clone();
+        out.w1 = slice_proj(&layer.w1, &self.experts);
+        out.w2 = slice_proj(&layer.w2, &self.experts);
+        out.w3 = slice_proj(&layer.w3, &self.experts);
+        Ok(out)
+    }
+}
+
+fn slice_proj(p: &ExpertProj, r: &Range<usize>) -> ExpertProj {
+    fn cut<T: Clone>(v: &[T], r: &Range<usize>, experts: usize) -> Vec<T> {
+        let per = v.len() / experts;
+        v[r.start * per..r.end * per].to_vec()
+    }
+    let e = p.experts;
+    let data = match &p.data {
+        ProjData::Nvfp4 { packed, scales, global_scale, input_scale } => ProjData::Nvfp4 {
+            packed: cut(packed, r, e),
+            scales: cut(scales, r, e),
+            global_scale: cut(global_scale, r, e),
+            input_scale: input_scale.as_ref().map(|s| cut(s, r, e)),
+        },
+        ProjData::Mxfp4 { packed, scales } => {
+            ProjData::Mxfp4 { packed: cut(packed, r, e), scales: cut(scales, r, e) }
+        }
+        ProjData::Bf16 { weight } => ProjData::Bf16 { weight: cut(weight, r, e) },
+    };
+    ExpertProj { experts: r.len(), rows: p.rows, cols: p.cols, data }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::ExpertFormat;
+    use crate::synthetic;
+
+    #[test]
+    fn shards_cover_all_experts_once() {
+        for (n, world) in [(384, 8), (16, 3), (257, 8), (5, 5)] {
+            let mut next = 0;
+            for rank in 0..world {
+                let s = ExpertShard::new(n, world, rank).unwrap();
+                assert_eq!(s.experts.start, next);
+                next = s.experts.end;
+                for g in s.experts.clone() {
+                    assert_eq!(ExpertShard::owner(n, world, g), rank);
+                    assert_eq!(s.global(s.local(g as i32).unwrap()), g);
+                }
+            }
+            assert_eq!(next, n);
+        }
+        let s = ExpertShard::new(384, 8, 1).unwrap();
+        assert_eq!(s.experts, 48..96);
+        assert_eq!(s.local(-1), None);
+        assert_eq!(s.local(47), None);
+        assert!(ExpertShard::new(4, 8, 0).is_err());
+        assert!(ExpertShard::new(16, 2, 2).is_err());
+    }
+
+    #[test]
+    fn slicing_keeps_the_owned_experts_bytes() {
+        let layer = synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 3);
+        let s = ExpertShard::new(16, 4, 2).unwrap();
+        let part = s.slice_layer(&layer).unwrap();
+        assert_eq!(part.w2.experts, 4);
+        let (
+            ProjData::Nvfp4 { packed: a, global_scale: ga, .. },
+            ProjData::Nvfp4 { packed: b, global_scale: gb, .. },
+        ) = (&layer.w2.data, &part.w2.data)
+        else {
+            panic!("format changed")
+        };
+        let per = a.len() / 16;
+        assert_eq!(&a[8 * per..12 * per], &b[..]);
+        assert_eq!(&ga[8..12], &gb[..]);
+    }
+}
