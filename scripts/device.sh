@@ -21,6 +21,7 @@ for l in sys.stdin:
 rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/data"
 cp "$CARGO_TARGET_DIR/release/megamoe" "$carry/bin/"
 while read -r name exe; do [ -n "$name" ] && cp "$exe" "$carry/bin/$name"; done <<<"$tests"
+strip --strip-debug "$carry"/bin/* 2>/dev/null || true
 cp scripts/device/run.sh "$carry/run.sh"
 cp -r crates/megamoe/tests/data/* "$carry/data/"
 du -sh "$carry"
