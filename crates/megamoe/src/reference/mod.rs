@@ -14,18 +14,17 @@
 
 pub mod file;
 pub mod float64;
-mod standin;
 mod weights;
 
 use crate::checkpoint::{MoeLayer, ProjData};
 use crate::error::{MegaError, Result};
+use crate::formats as fmt;
 use crate::forward::{ForwardInput, ForwardOutput, Mode};
 use crate::plan::{ForwardShape, RoutingPlan};
 use crate::router;
 use crate::trace::{Stage, StageTrace};
 use half::bf16;
 use rayon::prelude::*;
-use standin as fmt;
 pub use weights::check_layer;
 use weights::MatView;
 

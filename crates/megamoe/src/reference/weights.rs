@@ -2,9 +2,9 @@
 //! whole dequantized copy of the experts, it dequantizes one row into a small buffer and uses it
 //! for every token routed to that expert.
 
-use super::standin as fmt;
 use crate::checkpoint::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData};
 use crate::error::{MegaError, Result};
+use crate::formats as fmt;
 use half::bf16;
 
 /// One `rows x cols` matrix, readable row by row. Values are `row(r)[c] * alpha`.
@@ -209,4 +209,31 @@ pub fn check_layer(layer: &MoeLayer) -> Result<()> {
         check_dense(layer, &s.w2, "w2", h, is)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_decode_equals_formats_dequantize_row() {
+        let cols = 64;
+        let packed: Vec<u8> = (0..cols / 2).map(|i| (i * 37 + 11) as u8).collect();
+        // Every e4m3 class: zero, subnormals, normals, the largest; every e8m0 range.
+        let nv_scales = [0x00u8, 0x01, 0x3F, 0x7E];
+        let mx_scales = [0u8, 127];
+        let (mut a, mut b) = (vec![0.0f32; cols], vec![0.0f32; cols]);
+        decode_fp4_row(&packed, &nv_scales, 16, fmt::e4m3::decode, &mut a);
+        fmt::nvfp4::dequantize_row(&packed, &nv_scales, &mut b);
+        assert_eq!(
+            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        decode_fp4_row(&packed, &mx_scales, 32, fmt::e8m0::decode, &mut a);
+        fmt::mxfp4::dequantize_row(&packed, &mx_scales, &mut b);
+        assert_eq!(
+            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
 }
