@@ -271,3 +271,51 @@ fn v4_flash_decode_timing() {
         }
     }
 }
+
+#[test]
+fn fp8_block_shared_expert_equals_its_bf16_dequantization() {
+    use megamoe::checkpoint::{DenseData, DenseProj};
+    use megamoe::formats::e4m3;
+    let base = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 1, false, 31);
+    let to_fp8 = |p: &DenseProj| -> (DenseProj, DenseProj) {
+        let DenseData::Bf16(w) = &p.data else { panic!("synthetic shared experts are bf16") };
+        let bc = p.cols.div_ceil(128);
+        // Distinct power-of-two multipliers per 128x128 block, so block indexing matters.
+        let scale: Vec<f32> =
+            (0..p.rows.div_ceil(128) * bc).map(|b| 2f32.powi(-7 - (b as i32 % 3))).collect();
+        let mut bytes = vec![0u8; w.len()];
+        let mut deq = vec![bf16::ZERO; w.len()];
+        for r in 0..p.rows {
+            for c in 0..p.cols {
+                let s = scale[(r / 128) * bc + c / 128];
+                let b = e4m3::encode(w[r * p.cols + c].to_f32() / s);
+                bytes[r * p.cols + c] = b;
+                // e4m3 times a power of two is exact in bf16.
+                deq[r * p.cols + c] = bf16::from_f32(e4m3::decode(b) * s);
+                assert_eq!(deq[r * p.cols + c].to_f32(), e4m3::decode(b) * s);
+            }
+        }
+        (
+            DenseProj { rows: p.rows, cols: p.cols, data: DenseData::Fp8Block { weight: bytes, scale } },
+            DenseProj { rows: p.rows, cols: p.cols, data: DenseData::Bf16(deq) },
+        )
+    };
+    let s = base.shared.as_ref().unwrap();
+    let (f1, b1) = to_fp8(&s.w1);
+    let (f2, b2) = to_fp8(&s.w2);
+    let (f3, b3) = to_fp8(&s.w3);
+    let mut fp8 = base.clone();
+    fp8.shared = Some(megamoe::checkpoint::SharedExpert { w1: f1, w2: f2, w3: f3 });
+    let mut bf = base.clone();
+    bf.shared = Some(megamoe::checkpoint::SharedExpert { w1: b1, w2: b2, w3: b3 });
+    let x = random_hidden(6, 256, 12);
+    let a = fwd(&fp8, &x, None, Mode::W4A16).unwrap();
+    let b = fwd(&bf, &x, None, Mode::W4A16).unwrap();
+    assert_eq!(a.shared, b.shared);
+    assert!(a.shared.iter().any(|v| *v != 0.0));
+    // And close to the original bf16 shared expert (fp8 rounding only).
+    let orig = fwd(&base, &x, None, Mode::W4A16).unwrap();
+    let o64: Vec<f64> = orig.shared.iter().map(|&v| v as f64).collect();
+    let err = rel_l2(&a.shared, &o64);
+    assert!(err > 0.0 && err < 0.1, "fp8 shared vs bf16: {err}");
+}
