@@ -12,8 +12,9 @@ use anyhow::Context;
 use half::bf16;
 use megamoe::backend::{create_engine, BackendKind, MoeEngine};
 use megamoe::checkpoint::naming::Naming;
-use megamoe::checkpoint::{Checkpoint, ExpertFormat, MoeLayer, ProjData};
+use megamoe::checkpoint::{Checkpoint, ExpertFormat, ExpertProj, MoeLayer, ProjData};
 use megamoe::config::MoeConfig;
+use megamoe::formats::nvfp4;
 use megamoe::forward::{ForwardInput, ForwardOutput, Mode};
 use megamoe::reference::{self, float64};
 use megamoe::synthetic;
@@ -23,7 +24,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Bumped whenever the demo checkpoint's recipe changes, so stale caches are rebuilt.
-const RECIPE: u32 = 1;
+const RECIPE: u32 = 2;
 /// The demo checkpoint's layers: the last hash-routed one and the first score-routed one of V4.
 const CPU_LAYERS: [usize; 2] = [2, 3];
 
@@ -91,24 +92,31 @@ fn quantized_layer(cfg: &MoeConfig, index: usize, calib: &[bf16]) -> anyhow::Res
     let t_cal = t0.elapsed().as_secs_f64() - t_gen;
     let x_scale = amax(Stage::InputQuant).max(1e-6) / (6.0 * 448.0);
     let a_scale = amax(Stage::Activation).max(1e-6) / (6.0 * 448.0);
-    for (proj, in_scale) in [(&mut layer.w1, x_scale), (&mut layer.w3, x_scale), (&mut layer.w2, a_scale)] {
-        let ProjData::Bf16 { weight } = &proj.data else { unreachable!("random_layer(Bf16)") };
-        let per = proj.rows * proj.cols;
-        let (mut packed, mut scales, mut global) = (Vec::new(), Vec::new(), Vec::new());
-        for e in 0..proj.experts {
-            let q = megamoe::formats::nvfp4::quantize_bf16(
-                &weight[e * per..(e + 1) * per],
-                proj.rows,
-                proj.cols,
-            )?;
-            packed.extend_from_slice(&q.packed);
-            scales.extend_from_slice(&q.scales);
-            global.push(q.global_scale);
-        }
+    // ModelOpt's export gives W1 and W3 of one expert a common global scale (the larger amax),
+    // so that they can be fused; W2 keeps its own.
+    let take_bf16 =
+        |p: &mut ExpertProj| match std::mem::replace(&mut p.data, ProjData::Bf16 { weight: Vec::new() }) {
+            ProjData::Bf16 { weight } => Ok(weight),
+            _ => Err(anyhow::anyhow!("random_layer(Bf16) gave a non-BF16 projection")),
+        };
+    let (w1, w3, w2) = (take_bf16(&mut layer.w1)?, take_bf16(&mut layer.w3)?, take_bf16(&mut layer.w2)?);
+    let (i, h) = (cfg.moe_intermediate_size, cfg.hidden_size);
+    let mut q = [Vec::new(), Vec::new(), Vec::new()];
+    for e in 0..cfg.n_routed_experts {
+        let (s1, s3) = (&w1[e * i * h..(e + 1) * i * h], &w3[e * i * h..(e + 1) * i * h]);
+        let (a, b) = (nvfp4::quantize_bf16(s1, i, h)?, nvfp4::quantize_bf16(s3, i, h)?);
+        let g = a.global_scale.max(b.global_scale);
+        q[0].push(if a.global_scale == g { a } else { nvfp4::quantize_with_global_scale(s1, i, h, g)? });
+        q[1].push(if b.global_scale == g { b } else { nvfp4::quantize_with_global_scale(s3, i, h, g)? });
+        q[2].push(nvfp4::quantize_bf16(&w2[e * h * i..(e + 1) * h * i], h, i)?);
+    }
+    for ((proj, mats), in_scale) in
+        [&mut layer.w1, &mut layer.w3, &mut layer.w2].into_iter().zip(q).zip([x_scale, x_scale, a_scale])
+    {
         proj.data = ProjData::Nvfp4 {
-            packed,
-            scales,
-            global_scale: global,
+            packed: mats.iter().flat_map(|m| m.packed.iter().copied()).collect(),
+            scales: mats.iter().flat_map(|m| m.scales.iter().copied()).collect(),
+            global_scale: mats.iter().map(|m| m.global_scale).collect(),
             input_scale: Some(vec![in_scale; proj.experts]),
         };
     }
@@ -294,7 +302,11 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let t0 = Instant::now();
     let gpu = match args.backend {
         BackendKind::Cpu => false,
-        BackendKind::Cuda => true,
+        // Fail before generating a 14 GB layer when the GPU cannot be used.
+        BackendKind::Cuda => {
+            cuda_usable().map_err(|e| anyhow::anyhow!("--backend cuda: {e}"))?;
+            true
+        }
         BackendKind::Auto => match cuda_usable() {
             Ok(()) => true,
             Err(e) => {
