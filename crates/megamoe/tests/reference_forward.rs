@@ -319,3 +319,20 @@ fn fp8_block_shared_expert_equals_its_bf16_dequantization() {
     let err = rel_l2(&a.shared, &o64);
     assert!(err > 0.0 && err < 0.1, "fp8 shared vs bf16: {err}");
 }
+
+#[test]
+fn wider_shared_expert_and_other_score_functions() {
+    // Two shared experts fused into one of width 2I; sigmoid scoring; no clamp.
+    let mut cfg = tiny_config();
+    cfg.n_shared_experts = 2;
+    cfg.scoring_func = megamoe::config::ScoringFunc::Sigmoid;
+    cfg.swiglu_limit = 0.0;
+    let layer = random_layer(&cfg, ExpertFormat::Mxfp4, 1, false, 41);
+    assert_eq!(layer.shared.as_ref().unwrap().w1.rows, 256);
+    let x = random_hidden(7, 256, 13);
+    let out = fwd(&layer, &x, None, Mode::W4A16).unwrap();
+    let r64 = float64::forward_w4a16(&layer, &x, None).unwrap();
+    assert_eq!(out.output.topk_ids, r64.topk_ids);
+    let err = rel_l2(&out.output.y, &r64.y);
+    assert!(err < 2e-3, "relative L2 {err}");
+}

@@ -299,6 +299,8 @@ fn gpu_demo(args: &Args) -> anyhow::Result<Vec<Outcome>> {
 
 /// Runs the command.
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    anyhow::ensure!(args.tokens != Some(0), "--tokens must be at least 1");
+    anyhow::ensure!(args.experts >= 6, "--experts must be at least top-k (6)");
     let t0 = Instant::now();
     let gpu = match args.backend {
         BackendKind::Cpu => false,

@@ -294,6 +294,10 @@ fn run_jobs(jobs: &[Job<'_>], inter: usize, hidden: usize, limit: f32, keep: boo
 }
 
 /// Runs the reference forward and returns the routed and shared parts separately as well.
+///
+/// Tracing runs all tokens as one chunk (full-size per-slot buffers). In W4A4 the expert input
+/// depends on the expert's own `input_scale`; [`Stage::InputQuant`] then shows each token's input
+/// as quantized for its first chosen expert (slot `j = 0`).
 pub fn forward_detailed(
     layer: &MoeLayer,
     input: &ForwardInput<'_>,
