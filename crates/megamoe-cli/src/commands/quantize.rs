@@ -1,19 +1,112 @@
-//! `megamoe quantize` and `megamoe dequantize`.
+//! `megamoe quantize` and `megamoe dequantize`: thin wrappers over `megamoe::formats::file`.
+
+use megamoe::formats::file::{self, Fp4Format, OutputDtype, QuantizeOptions};
+use std::path::PathBuf;
+
+/// Target format of `megamoe quantize`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum FormatArg {
+    /// ModelOpt NVFP4: `weight` U8, `weight_scale` F8_E4M3, `weight_scale_2` F32.
+    Nvfp4,
+    /// DeepSeek-V4 MXFP4: `weight` I8, `scale` F8_E8M0.
+    Mxfp4,
+}
+
+/// Output dtype of `megamoe dequantize`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum DtypeArg {
+    /// bfloat16.
+    Bf16,
+    /// float32 (exact).
+    F32,
+}
 
 /// Arguments of `megamoe quantize`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Input safetensors file (BF16 / F16 / F32 `.weight` matrices).
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Output safetensors file (must differ from the input; written atomically).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Target format.
+    #[arg(long, value_enum)]
+    pub format: FormatArg,
+    /// Tensor-name glob (`*` crosses dots) to copy unquantized; repeatable,
+    /// e.g. `--exclude '*.shared_experts.*' --exclude '*.gate.weight'`.
+    #[arg(long)]
+    pub exclude: Vec<String>,
+}
 
 /// Arguments of `megamoe dequantize`.
 #[derive(clap::Args)]
-pub struct DequantizeArgs {}
+pub struct DequantizeArgs {
+    /// Input safetensors file with NVFP4 (ModelOpt) or MXFP4 (DeepSeek-V4) weights.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Output safetensors file (must differ from the input; written atomically).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Dtype of the dequantized weights.
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: DtypeArg,
+}
+
+fn bar(verb: &str) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new(0);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:40}] {pos}/{len} {wide_msg}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    pb.set_prefix(verb.to_string());
+    pb
+}
+
+fn report(verb: &str, s: &file::FileSummary, output: &std::path::Path) {
+    println!(
+        "{verb} {} tensors, copied {}, dropped {} -> {}",
+        s.converted.len(),
+        s.copied.len(),
+        s.dropped.len(),
+        output.display()
+    );
+}
 
 /// Runs `quantize`.
-pub fn run(_args: Args) -> anyhow::Result<i32> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<i32> {
+    let format = match args.format {
+        FormatArg::Nvfp4 => Fp4Format::Nvfp4,
+        FormatArg::Mxfp4 => Fp4Format::Mxfp4,
+    };
+    let pb = bar("quantize");
+    let opts = QuantizeOptions { format, exclude: args.exclude };
+    let summary = file::quantize_file_with(&args.input, &args.output, &opts, &mut |done, total, name| {
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+        pb.set_message(name.to_string());
+    });
+    pb.finish_and_clear();
+    let summary = summary?;
+    report("quantized", &summary, &args.output);
+    Ok(0)
 }
 
 /// Runs `dequantize`.
-pub fn run_dequantize(_args: DequantizeArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("not implemented yet")
+pub fn run_dequantize(args: DequantizeArgs) -> anyhow::Result<i32> {
+    let dtype = match args.dtype {
+        DtypeArg::Bf16 => OutputDtype::Bf16,
+        DtypeArg::F32 => OutputDtype::F32,
+    };
+    let pb = bar("dequantize");
+    let summary = file::dequantize_file_with(&args.input, &args.output, dtype, &mut |done, total, name| {
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+        pb.set_message(name.to_string());
+    });
+    pb.finish_and_clear();
+    let summary = summary?;
+    report("dequantized", &summary, &args.output);
+    Ok(0)
 }
