@@ -179,11 +179,8 @@ pub fn examine(ck: &Checkpoint, opts: &DoctorOptions) -> Result<Report> {
         Some(p) => Some(super::compare::ReferenceWeights::open(p)?),
         None => None,
     };
-    let mut report = Report {
-        checkpoint: ck.dir().display().to_string(),
-        layers: layers.clone(),
-        ..Report::default()
-    };
+    let mut report =
+        Report { checkpoint: ck.dir().display().to_string(), layers: layers.clone(), ..Report::default() };
     let e_cfg = ck.config().n_routed_experts;
     let total: u64 = layers.iter().map(|&l| ck.experts_present(l).len().max(e_cfg) as u64).sum();
     let pb = progress_bar(opts.progress, total);
@@ -218,7 +215,8 @@ fn progress_bar(show: bool, total: u64) -> Option<indicatif::ProgressBar> {
         return None;
     }
     let pb = indicatif::ProgressBar::new(total);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("doctor {msg} [{bar:40}] {pos}/{len} experts ({eta})")
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("doctor {msg} [{bar:40}] {pos}/{len} experts ({eta})")
     {
         pb.set_style(style.progress_chars("=> "));
     }
@@ -281,8 +279,12 @@ fn examine_layer(
         Ok(f) => f,
         Err(e) => {
             report.findings.push(
-                Finding::new(Severity::Error, codes::UNKNOWN_FORMAT, format!("cannot tell the expert format: {e}"))
-                    .layer(layer),
+                Finding::new(
+                    Severity::Error,
+                    codes::UNKNOWN_FORMAT,
+                    format!("cannot tell the expert format: {e}"),
+                )
+                .layer(layer),
             );
             return;
         }
@@ -298,7 +300,11 @@ fn examine_layer(
             for (i, p) in Proj::ALL.into_iter().enumerate() {
                 stats[i] = examine_proj(ck, layer, e, p, format, &mut findings);
             }
-            debug!("doctor: layer {layer} expert {e}: {} finding(s), norms {:?}", findings.len(), stats.map(|s| s.norm));
+            debug!(
+                "doctor: layer {layer} expert {e}: {} finding(s), norms {:?}",
+                findings.len(),
+                stats.map(|s| s.norm)
+            );
             if let Some(pb) = pb {
                 pb.inc(1);
             }
@@ -329,7 +335,14 @@ fn examine_layer(
 }
 
 /// Dtype check; returns a finding when `got` is not allowed.
-fn dtype_finding(layer: usize, expert: Option<usize>, name: &str, got: Dtype, allowed: &[Dtype], what: &str) -> Option<Finding> {
+fn dtype_finding(
+    layer: usize,
+    expert: Option<usize>,
+    name: &str,
+    got: Dtype,
+    allowed: &[Dtype],
+    what: &str,
+) -> Option<Finding> {
     if allowed.contains(&got) {
         return None;
     }
@@ -396,7 +409,9 @@ fn examine_proj(
     };
     match format {
         ExpertFormat::Bf16 => {
-            if let Some(f) = dtype_finding(layer, Some(expert), &wname, wdt, &[Dtype::BF16], "BF16 expert weights") {
+            if let Some(f) =
+                dtype_finding(layer, Some(expert), &wname, wdt, &[Dtype::BF16], "BF16 expert weights")
+            {
                 out.push(f);
                 return stats;
             }
@@ -434,7 +449,12 @@ fn examine_proj(
                 out.push(f);
                 ok = false;
             } else if wshape != [rows, cols / 2] {
-                out.push(at(shape_finding(&wname, &wshape, &[rows, cols / 2], &format!("{why}, two codes per byte"))));
+                out.push(at(shape_finding(
+                    &wname,
+                    &wshape,
+                    &[rows, cols / 2],
+                    &format!("{why}, two codes per byte"),
+                )));
                 ok = false;
             }
             // Block scales.
@@ -462,7 +482,8 @@ fn examine_proj(
             } else if sshape != [rows, scols] {
                 let padded = [scale_layout::padded_rows(rows), scale_layout::padded_cols(scols)];
                 let swz_len = scale_layout::swizzled_len(rows, scols);
-                if sshape == padded || (sshape.len() == 1 && sshape[0] == swz_len && swz_len != rows * scols) {
+                if sshape == padded || (sshape.len() == 1 && sshape[0] == swz_len && swz_len != rows * scols)
+                {
                     out.push(at(Finding::new(
                         Severity::Error,
                         codes::PADDED_SCALE_LAYOUT,
@@ -474,7 +495,12 @@ fn examine_proj(
                     )
                     .tensor(&sname)));
                 } else {
-                    out.push(at(shape_finding(&sname, &sshape, &[rows, scols], &format!("one scale per {block} elements"))));
+                    out.push(at(shape_finding(
+                        &sname,
+                        &sshape,
+                        &[rows, scols],
+                        &format!("one scale per {block} elements"),
+                    )));
                 }
                 ok = false;
             }
@@ -494,10 +520,14 @@ fn examine_proj(
                         Ok(x) => out.push(at(Finding::new(
                             Severity::Error,
                             codes::BAD_GLOBAL_SCALE,
-                            format!("weight_scale_2 = {x}: the {label} weights dequantize to {}", if x == 0.0 { "zero" } else { "garbage/NaN" }),
+                            format!(
+                                "weight_scale_2 = {x}: the {label} weights dequantize to {}",
+                                if x == 0.0 { "zero" } else { "garbage/NaN" }
+                            ),
                         )
                         .tensor(&g))),
-                        Err(msg) => out.push(at(Finding::new(Severity::Error, codes::BAD_GLOBAL_SCALE, msg).tensor(&g))),
+                        Err(msg) => out
+                            .push(at(Finding::new(Severity::Error, codes::BAD_GLOBAL_SCALE, msg).tensor(&g))),
                     }
                 }
                 let is = format!("{m}.input_scale");
@@ -574,7 +604,11 @@ fn examine_proj(
                 let why = if scan.zero_blocks == scan.blocks {
                     "every code is zero".to_string()
                 } else {
-                    format!("all {} block scales are at the minimum ({})", scan.blocks, if nv { "e4m3 <= 2^-9" } else { "e8m0 2^-127" })
+                    format!(
+                        "all {} block scales are at the minimum ({})",
+                        scan.blocks,
+                        if nv { "e4m3 <= 2^-9" } else { "e8m0 2^-127" }
+                    )
                 };
                 out.push(at(Finding::new(
                     Severity::Error,
@@ -619,8 +653,12 @@ fn examine_proj(
 }
 
 fn shape_finding(name: &str, got: &[usize], expected: &[usize], why: &str) -> Finding {
-    Finding::new(Severity::Error, codes::SHAPE_MISMATCH, format!("shape {got:?}, expected {expected:?} ({why})"))
-        .tensor(name)
+    Finding::new(
+        Severity::Error,
+        codes::SHAPE_MISMATCH,
+        format!("shape {got:?}, expected {expected:?} ({why})"),
+    )
+    .tensor(name)
 }
 
 /// Counts over one FP4 projection's codes and scales.
@@ -753,7 +791,8 @@ fn norm_outliers(
         let z = (l - med) / sigma;
         let ratio = (l - med).exp();
         if z.abs() > opts.outlier_z && (ratio > opts.outlier_ratio || ratio < 1.0 / opts.outlier_ratio) {
-            let what = if ratio > 1.0 { "blown up (global scale wrong or reciprocal?)" } else { "nearly dead" };
+            let what =
+                if ratio > 1.0 { "blown up (global scale wrong or reciprocal?)" } else { "nearly dead" };
             out.push(
                 Finding::new(
                     Severity::Warning,
@@ -794,21 +833,36 @@ fn check_router(ck: &Checkpoint, layer: usize) -> Vec<Finding> {
     let at = |f: Finding| f.layer(layer);
     let wname = n.router_weight(layer);
     match ck.tensor(&wname) {
-        Err(_) => out.push(at(Finding::new(Severity::Error, codes::MISSING_TENSOR, "missing router weight [E, H]").tensor(&wname))),
+        Err(_) => {
+            out.push(at(Finding::new(Severity::Error, codes::MISSING_TENSOR, "missing router weight [E, H]")
+                .tensor(&wname)))
+        }
         Ok(v) => {
-            if let Some(f) =
-                dtype_finding(layer, None, &wname, v.dtype(), &[Dtype::BF16, Dtype::F32, Dtype::F16], "router weight")
-            {
+            if let Some(f) = dtype_finding(
+                layer,
+                None,
+                &wname,
+                v.dtype(),
+                &[Dtype::BF16, Dtype::F32, Dtype::F16],
+                "router weight",
+            ) {
                 out.push(f);
             } else if v.shape() != [e, h] {
-                out.push(at(shape_finding(&wname, v.shape(), &[e, h], "[n_routed_experts, hidden_size] from config.json")));
+                out.push(at(shape_finding(
+                    &wname,
+                    v.shape(),
+                    &[e, h],
+                    "[n_routed_experts, hidden_size] from config.json",
+                )));
             } else if let Ok((_, w)) = crate::tensor_io::to_f32(&wname, &v) {
                 let bad = w.iter().filter(|x| !x.is_finite()).count();
                 if bad > 0 {
                     out.push(at(Finding::new(
                         Severity::Error,
                         codes::NON_FINITE_ROUTER,
-                        format!("{bad} non-finite router weight(s): scores become NaN and top-k picks garbage"),
+                        format!(
+                            "{bad} non-finite router weight(s): scores become NaN and top-k picks garbage"
+                        ),
                     )
                     .tensor(&wname)));
                 }
@@ -818,9 +872,14 @@ fn check_router(ck: &Checkpoint, layer: usize) -> Vec<Finding> {
     let bname = n.router_bias(layer);
     if ck.has(&bname) {
         if let Ok(v) = ck.tensor(&bname) {
-            if let Some(f) =
-                dtype_finding(layer, None, &bname, v.dtype(), &[Dtype::F32, Dtype::BF16, Dtype::F16], "router bias")
-            {
+            if let Some(f) = dtype_finding(
+                layer,
+                None,
+                &bname,
+                v.dtype(),
+                &[Dtype::F32, Dtype::BF16, Dtype::F16],
+                "router bias",
+            ) {
                 out.push(f);
             } else if v.shape() != [e] {
                 out.push(at(shape_finding(&bname, v.shape(), &[e], "[n_routed_experts] from config.json")));
@@ -856,20 +915,33 @@ fn check_router(ck: &Checkpoint, layer: usize) -> Vec<Finding> {
             Err(_) => out.push(at(Finding::new(
                 Severity::Error,
                 codes::MISSING_TENSOR,
-                format!("missing: layer {layer} is hash-routed (num_hash_layers = {}) and needs tid2eid", cfg.num_hash_layers),
+                format!(
+                    "missing: layer {layer} is hash-routed (num_hash_layers = {}) and needs tid2eid",
+                    cfg.num_hash_layers
+                ),
             )
             .tensor(&tname))),
             Ok(v) => {
-                if let Some(f) = dtype_finding(layer, None, &tname, v.dtype(), &[Dtype::I64, Dtype::I32], "expert ids") {
+                if let Some(f) =
+                    dtype_finding(layer, None, &tname, v.dtype(), &[Dtype::I64, Dtype::I32], "expert ids")
+                {
                     out.push(f);
                 } else if v.shape().len() != 2 || v.shape()[1] != k {
-                    out.push(at(shape_finding(&tname, v.shape(), &[cfg.vocab_size, k], "[vocab_size, num_experts_per_tok]")));
+                    out.push(at(shape_finding(
+                        &tname,
+                        v.shape(),
+                        &[cfg.vocab_size, k],
+                        "[vocab_size, num_experts_per_tok]",
+                    )));
                 } else if let Ok((shape, ids)) = crate::tensor_io::to_i64(&tname, &v) {
                     if shape[0] != cfg.vocab_size {
                         out.push(at(Finding::new(
                             Severity::Warning,
                             codes::SHAPE_MISMATCH,
-                            format!("{} rows, but config.json says vocab_size = {}", shape[0], cfg.vocab_size),
+                            format!(
+                                "{} rows, but config.json says vocab_size = {}",
+                                shape[0], cfg.vocab_size
+                            ),
                         )
                         .tensor(&tname)));
                     }
@@ -881,7 +953,10 @@ fn check_router(ck: &Checkpoint, layer: usize) -> Vec<Finding> {
         out.push(at(Finding::new(
             Severity::Info,
             codes::TID2EID_UNUSED,
-            format!("tid2eid present but the layer is score-routed (num_hash_layers = {}); it is ignored", cfg.num_hash_layers),
+            format!(
+                "tid2eid present but the layer is score-routed (num_hash_layers = {}); it is ignored",
+                cfg.num_hash_layers
+            ),
         )
         .tensor(&tname)));
     }
@@ -954,15 +1029,24 @@ fn check_shared(ck: &Checkpoint, layer: usize) -> Vec<Finding> {
         let name = format!("{}.weight", n.shared_module(layer, p));
         match ck.store().info(&name) {
             None => out.push(
-                Finding::new(Severity::Error, codes::MISSING_TENSOR, "missing shared-expert weight (n_shared_experts > 0)")
-                    .layer(layer)
-                    .tensor(&name),
+                Finding::new(
+                    Severity::Error,
+                    codes::MISSING_TENSOR,
+                    "missing shared-expert weight (n_shared_experts > 0)",
+                )
+                .layer(layer)
+                .tensor(&name),
             ),
             Some((d, s)) => {
-                if let Some(f) = dtype_finding(layer, None, &name, d, &[Dtype::BF16, Dtype::F8_E4M3], "shared expert") {
+                if let Some(f) =
+                    dtype_finding(layer, None, &name, d, &[Dtype::BF16, Dtype::F8_E4M3], "shared expert")
+                {
                     out.push(f);
                 } else if s != [r, c] {
-                    out.push(shape_finding(&name, s, &[r, c], "n_shared_experts * moe_intermediate_size").layer(layer));
+                    out.push(
+                        shape_finding(&name, s, &[r, c], "n_shared_experts * moe_intermediate_size")
+                            .layer(layer),
+                    );
                 } else if d == Dtype::BF16 {
                     if let Ok(v) = ck.tensor(&name) {
                         let bad = v

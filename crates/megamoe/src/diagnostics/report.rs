@@ -166,7 +166,9 @@ impl Report {
     pub fn render_table(&self) -> String {
         let mut out = String::new();
         if !self.reference.is_empty() {
-            out.push_str("reference comparison (relative L2 error of the stored weights vs the BF16 originals)\n");
+            out.push_str(
+                "reference comparison (relative L2 error of the stored weights vs the BF16 originals)\n",
+            );
             out.push_str(&format!(
                 "  {:<48} {:>10} {:>10} {:>7}  verdict\n",
                 "tensor", "stored", "expected", "ratio"
@@ -185,7 +187,10 @@ impl Report {
         } else {
             let loc_w = self.findings.iter().map(|f| f.location().len()).max().unwrap_or(0).max(8);
             let code_w = self.findings.iter().map(|f| f.code.len()).max().unwrap_or(0).max(4);
-            out.push_str(&format!("{:<7}  {:<loc_w$}  {:<code_w$}  message\n", "severity", "location", "code"));
+            out.push_str(&format!(
+                "{:<7}  {:<loc_w$}  {:<code_w$}  message\n",
+                "severity", "location", "code"
+            ));
             for f in &self.findings {
                 out.push_str(&format!(
                     "{:<7}  {:<loc_w$}  {:<code_w$}  {}{}\n",
