@@ -1,10 +1,369 @@
-//! `megamoe verify`.
+//! `megamoe verify`: a sweep of shapes, formats, modes and routings on a backend (the GPU by
+//! default) against the CPU reference, with fresh random data each time; prints a table and exits
+//! non-zero on any failure. `--timings` adds graph-replay timings of one V4-Pro rank.
+
+use half::bf16;
+use megamoe::backend::{create_engine, BackendKind, MoeEngine};
+use megamoe::checkpoint::{ExpertFormat, MoeLayer};
+use megamoe::config::MoeConfig;
+use megamoe::forward::{ForwardInput, ForwardOutput, Mode};
+use megamoe::synthetic;
+use std::sync::Arc;
+use std::time::Instant;
 
 /// Arguments of `megamoe verify`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Backend to check against the CPU reference (cuda, auto or cpu).
+    #[arg(long, default_value = "cuda")]
+    pub backend: String,
+    /// A short sweep (tiny shapes and one mid-size skewed layer).
+    #[arg(long)]
+    pub quick: bool,
+    /// Also time graph replays of one V4-Pro rank (48 experts) at T = 1, 64, 512 (CUDA only).
+    #[arg(long)]
+    pub timings: bool,
+    /// Only the timings, no sweep.
+    #[arg(long)]
+    pub timings_only: bool,
+    /// Base random seed (each row derives its own).
+    #[arg(long, default_value_t = 20261117)]
+    pub seed: u64,
+}
+
+struct Case {
+    name: &'static str,
+    cfg: MoeConfig,
+    tokens: Vec<usize>,
+    formats: Vec<ExpertFormat>,
+    hash: bool,
+    skew: bool,
+}
+
+fn cfg(h: usize, i: usize, e: usize, k: usize) -> MoeConfig {
+    MoeConfig {
+        hidden_size: h,
+        moe_intermediate_size: i,
+        n_routed_experts: e,
+        num_experts_per_tok: k,
+        ..synthetic::tiny_config()
+    }
+}
+
+fn cases(quick: bool) -> Vec<Case> {
+    use ExpertFormat::*;
+    let all = vec![Nvfp4, Mxfp4, Bf16];
+    if quick {
+        return vec![
+            Case {
+                name: "tiny",
+                cfg: synthetic::tiny_config(),
+                tokens: vec![1, 17, 129],
+                formats: all,
+                hash: false,
+                skew: false,
+            },
+            Case {
+                name: "tiny-hash",
+                cfg: synthetic::tiny_config(),
+                tokens: vec![33],
+                formats: vec![Nvfp4],
+                hash: true,
+                skew: true,
+            },
+            Case {
+                name: "mid-skew",
+                cfg: cfg(1024, 512, 64, 6),
+                tokens: vec![200],
+                formats: vec![Nvfp4, Mxfp4],
+                hash: false,
+                skew: true,
+            },
+        ];
+    }
+    let pro = synthetic::v4_pro_config();
+    let flash = synthetic::v4_flash_config();
+    vec![
+        Case {
+            name: "tiny",
+            cfg: synthetic::tiny_config(),
+            tokens: vec![1, 3, 17, 64, 129, 512, 1000, 4096],
+            formats: all.clone(),
+            hash: false,
+            skew: false,
+        },
+        Case {
+            name: "tiny-hash",
+            cfg: synthetic::tiny_config(),
+            tokens: vec![129],
+            formats: vec![Nvfp4, Mxfp4],
+            hash: true,
+            skew: true,
+        },
+        Case {
+            name: "mid-skew",
+            cfg: cfg(1024, 512, 64, 6),
+            tokens: vec![64, 1000],
+            formats: all.clone(),
+            hash: false,
+            skew: true,
+        },
+        Case {
+            name: "E384-k6",
+            cfg: cfg(512, 256, 384, 6),
+            tokens: vec![512, 4096],
+            formats: vec![Nvfp4, Mxfp4],
+            hash: false,
+            skew: true,
+        },
+        Case {
+            name: "flash-dims",
+            cfg: MoeConfig { n_routed_experts: 32, ..flash },
+            tokens: vec![1, 17, 64],
+            formats: vec![Nvfp4, Mxfp4],
+            hash: false,
+            skew: false,
+        },
+        Case {
+            name: "pro-dims",
+            cfg: MoeConfig { n_routed_experts: 24, ..pro },
+            tokens: vec![1, 17],
+            formats: vec![Nvfp4, Mxfp4],
+            hash: false,
+            skew: true,
+        },
+    ]
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// Fraction of (token, choice) pairs whose expert sets agree.
+fn routing_agreement(a: &[i32], b: &[i32], k: usize) -> f64 {
+    let (mut same, mut total) = (0usize, 0usize);
+    for (x, y) in a.chunks(k).zip(b.chunks(k)) {
+        total += k;
+        same += x.iter().filter(|v| y.contains(v)).count();
+    }
+    if total == 0 {
+        1.0
+    } else {
+        same as f64 / total as f64
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+fn threshold(mode: Mode) -> f64 {
+    if mode == Mode::W4A16 {
+        2e-3
+    } else {
+        2e-2
+    }
+}
+
+fn fmt_name(f: ExpertFormat) -> &'static str {
+    match f {
+        ExpertFormat::Nvfp4 => "nvfp4",
+        ExpertFormat::Mxfp4 => "mxfp4",
+        ExpertFormat::Bf16 => "bf16",
+    }
+}
 
 /// Runs the command.
-pub fn run(_args: Args) -> anyhow::Result<i32> {
-    anyhow::bail!("`megamoe verify` is not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<i32> {
+    let kind: BackendKind = args.backend.parse()?;
+    let mut failures = 0usize;
+    if !args.timings_only {
+        failures += sweep(kind, &args)?;
+    }
+    if args.timings || args.timings_only {
+        timings(args.seed)?;
+    }
+    if failures > 0 {
+        println!("verify: {failures} row(s) FAILED");
+        Ok(1)
+    } else {
+        if !args.timings_only {
+            println!("verify: all rows PASS");
+        }
+        Ok(0)
+    }
+}
+
+fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
+    println!(
+        "{:<11} {:>5} {:>5} {:>5} {:>4} {:>3} {:>5} {:<6} {:<6} {:>10} {:>8} {:>7} {:>8} {:>8} result",
+        "case",
+        "T",
+        "H",
+        "I",
+        "E",
+        "k",
+        "mode",
+        "format",
+        "route",
+        "rel_l2",
+        "routing",
+        "repeat",
+        "gpu_ms",
+        "ref_ms"
+    );
+    let mut failures = 0;
+    let mut row = 0u64;
+    for case in cases(args.quick) {
+        for &format in &case.formats {
+            row += 1;
+            let seed = args.seed.wrapping_add(row * 1000);
+            let mut layer =
+                synthetic::random_layer(&case.cfg, format, if case.hash { 0 } else { 1 }, case.hash, seed);
+            if case.skew {
+                synthetic::skew_routing(&mut layer, 3, case.cfg.n_routed_experts / 8);
+            }
+            let layer = Arc::new(layer);
+            let max_t = *case.tokens.iter().max().unwrap();
+            let mut dut = create_engine(kind, layer.clone(), max_t)?;
+            let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
+            for &t in &case.tokens {
+                let x = synthetic::random_hidden(t, case.cfg.hidden_size, seed + t as u64);
+                let ids = synthetic::random_input_ids(t, case.cfg.vocab_size, seed + 1 + t as u64);
+                let input = ForwardInput { x: &x, input_ids: Some(&ids) };
+                for mode in Mode::ALL {
+                    if mode == Mode::W4A4 && format != ExpertFormat::Nvfp4 {
+                        continue;
+                    }
+                    failures += check_row(&case, &layer, format, t, mode, &input, dut.as_mut(), cpu.as_mut());
+                }
+            }
+        }
+    }
+    Ok(failures)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_row(
+    case: &Case,
+    layer: &MoeLayer,
+    format: ExpertFormat,
+    t: usize,
+    mode: Mode,
+    input: &ForwardInput<'_>,
+    dut: &mut dyn MoeEngine,
+    cpu: &mut dyn MoeEngine,
+) -> usize {
+    let c = &layer.config;
+    let route = if case.hash {
+        "hash"
+    } else if case.skew {
+        "skew"
+    } else {
+        "random"
+    };
+    print!(
+        "{:<11} {:>5} {:>5} {:>5} {:>4} {:>3} {:>5} {:<6} {:<6} ",
+        case.name,
+        t,
+        c.hidden_size,
+        c.moe_intermediate_size,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        mode.name(),
+        fmt_name(format),
+        route
+    );
+    let t0 = Instant::now();
+    let a: megamoe::Result<ForwardOutput> = dut.forward(input, mode, None);
+    let gpu_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let b = dut.forward(input, mode, None);
+    let t1 = Instant::now();
+    let r = cpu.forward(input, mode, None);
+    let ref_ms = t1.elapsed().as_secs_f64() * 1e3;
+    match (a, b, r) {
+        (Ok(a), Ok(b), Ok(r)) => {
+            let err = rel_l2(&a.y, &r.y);
+            let agree = routing_agreement(&a.topk_ids, &r.topk_ids, c.num_experts_per_tok);
+            let repeat = bits(&a.y) == bits(&b.y) && a.topk_ids == b.topk_ids;
+            let finite = a.y.iter().all(|v| v.is_finite());
+            let pass = err <= threshold(mode) && agree >= 0.99 && repeat && finite;
+            println!(
+                "{:>10.3e} {:>8.4} {:>7} {:>8.2} {:>8.1} {} (<= {:.0e})",
+                err,
+                agree,
+                if repeat { "yes" } else { "NO" },
+                gpu_ms,
+                ref_ms,
+                if pass { "PASS" } else { "FAIL" },
+                threshold(mode)
+            );
+            usize::from(!pass)
+        }
+        (a, _, r) => {
+            let msg = match (a, r) {
+                (Err(e), _) => format!("backend error: {e}"),
+                (_, Err(e)) => format!("reference error: {e}"),
+                _ => "repeat run failed".to_string(),
+            };
+            println!("FAIL ({msg})");
+            1
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn timings(seed: u64) -> anyhow::Result<()> {
+    use megamoe::backend::cuda::CudaEngine;
+    let cfg = MoeConfig { n_routed_experts: 48, ..synthetic::v4_pro_config() };
+    println!("\nTimings: one V4-Pro rank as a 48-expert layer (H 7168, I 3072, k 6 over the 48), NVFP4,");
+    println!("CUDA-graph replays timed with CUDA events (median of 20 after a warm-up):");
+    println!(
+        "{:>6} {:>6} {:>10} {:>10} {:>12} {:>12}",
+        "T", "mode", "median_ms", "min_ms", "weights_GB/s", "TFLOP/s"
+    );
+    let t0 = Instant::now();
+    let layer = Arc::new(synthetic::random_layer(&cfg, ExpertFormat::Nvfp4, 5, false, seed));
+    eprintln!("(layer generated in {:.1} s)", t0.elapsed().as_secs_f64());
+    let mut eng = CudaEngine::new(layer.clone(), 512)?;
+    let (h, i, e, k) =
+        (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok);
+    for t in [1usize, 64, 512] {
+        let x: Vec<bf16> = synthetic::random_hidden(t, h, seed + t as u64);
+        let input = ForwardInput { x: &x, input_ids: None };
+        for mode in [Mode::W4A16, Mode::W4A8] {
+            let out = eng.forward(&input, mode, None)?;
+            let mut used = vec![false; e];
+            out.topk_ids.iter().for_each(|&id| used[id as usize] = true);
+            let active = used.iter().filter(|&&u| u).count();
+            // Bytes of the routed experts that received tokens (FP4 + e4m3 scales) + the bf16 shared expert.
+            let wbytes = active as f64 * 3.0 * (h * i) as f64 * 0.5625 + 3.0 * (h * i) as f64 * 2.0;
+            let flops = 2.0 * (t * k + t) as f64 * 3.0 * (h * i) as f64;
+            eng.capture_graph(t, mode)?;
+            let mut v = eng.time_replays(&input, 20)?;
+            v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let med = v[v.len() / 2] as f64;
+            println!(
+                "{:>6} {:>6} {:>10.3} {:>10.3} {:>12.0} {:>12.2}",
+                t,
+                mode.name(),
+                med,
+                v[0],
+                wbytes / (med * 1e-3) / 1e9,
+                flops / (med * 1e-3) / 1e12
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn timings(_seed: u64) -> anyhow::Result<()> {
+    anyhow::bail!("timings need the CUDA backend (built without the `cuda` feature)")
 }

@@ -4,6 +4,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod gpu_layout;
 
 use crate::checkpoint::MoeLayer;
 use crate::error::{MegaError, Result};

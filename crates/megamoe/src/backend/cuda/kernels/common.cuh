@@ -1,0 +1,92 @@
+// common.cuh — helpers shared by every megamoe kernel (prepended to each .cu before NVRTC).
+//
+// Data layouts: bf16 values travel as raw `unsigned short` bits (no cuda_bf16.h needed, so the
+// kernels compile with NVRTC alone). FP4 (E2M1) codes are packed two per byte, element 2j in the low
+// nibble. e4m3 / e8m0 scales are raw bytes, decoded here bit by bit (never a numeric cast).
+// All conversions are exact except f2bf (round to nearest even) and the quantizers, which round
+// exactly as DESIGN.md specifies (RNE, subnormals, saturation).
+
+typedef unsigned short bf16_t;
+typedef unsigned char u8;
+
+#define MM_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
+
+// f32 -> bf16, round to nearest even; NaN stays NaN (quiet).
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// E2M1 code (low 4 bits) -> f32: bit 3 sign, bits 2..0 index [0, .5, 1, 1.5, 2, 3, 4, 6].
+__device__ __forceinline__ float e2m1_to_f32(unsigned c) {
+    unsigned em = c & 7u;
+    unsigned bits = (em < 2u) ? (em ? 0x3f000000u : 0u) : ((((em >> 1) + 126u) << 23) | ((em & 1u) << 22));
+    return __uint_as_float(bits | ((c & 8u) << 28));
+}
+
+// e4m3 (fn) byte -> f32 (subnormals exact, 0x7f/0xff NaN).
+__device__ __forceinline__ float e4m3_to_f32(unsigned b) {
+    unsigned s = (b & 0x80u) << 24;
+    unsigned e = (b >> 3) & 15u, m = b & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
+    if (e == 0u) return __uint_as_float(s | __float_as_uint((float)m * 0.001953125f));
+    return __uint_as_float(s | ((e + 120u) << 23) | (m << 20));
+}
+
+// e8m0 byte -> 2^(b-127) (0xff NaN).
+__device__ __forceinline__ float e8m0_to_f32(unsigned b) {
+    if (b == 255u) return __uint_as_float(0x7fc00000u);
+    if (b == 0u) return __uint_as_float(0x00400000u);
+    return __uint_as_float(b << 23);
+}
+
+// Round a finite f32 to the e4m3 grid (RNE, subnormals), saturating at 448. NaN passes.
+__device__ __forceinline__ float round_e4m3(float v) {
+    float a = fabsf(v);
+    if (!(a == a) || a == 0.f) return v;
+    if (a >= 448.f) return copysignf(448.f, v);
+    int e;
+    frexpf(a, &e);              // a = m * 2^e, m in [0.5, 1): floor(log2 a) = e - 1
+    int ex = e - 1;
+    if (ex < -6) ex = -6;       // subnormal range: quantum 2^-9
+    float q = ldexpf(1.f, ex - 3);
+    float r = rintf(a / q) * q;
+    if (r > 448.f) r = 448.f;
+    return copysignf(r, v);
+}
+
+// Round to the E2M1 grid with ties to the even code (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
+// 3.5->4, 5->4), saturating at 6. NaN passes.
+__device__ __forceinline__ float round_e2m1(float v) {
+    float a = fabsf(v);
+    if (!(a == a)) return v;
+    float r;
+    if (a < 2.f) r = rintf(a * 2.f) * 0.5f;
+    else if (a < 4.f) r = rintf(a);
+    else if (a < 6.f) r = rintf(a * 0.5f) * 2.f;
+    else r = 6.f;
+    return copysignf(r, v);
+}
+
+// 2^ceil(log2(v)) for v > 0, exactly (frexp instead of a rounded log2).
+__device__ __forceinline__ float pow2_ceil(float v) {
+    int e;
+    float m = frexpf(v, &e);    // v = m * 2^e, m in [0.5, 1)
+    return (m == 0.5f) ? ldexpf(1.f, e - 1) : ldexpf(1.f, e);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}

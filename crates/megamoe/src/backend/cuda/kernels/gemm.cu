@@ -1,0 +1,245 @@
+// gemm.cu — grouped GEMMs over experts with weights dequantized in registers, fp32 accumulation.
+//
+// C[m, n] = alpha(g) * sum_k A[m, k] * W_g[n, k]; A: bf16 rows in plan order (all rows of one tile
+// belong to one group g = expert); W_g: the group's (out x in) matrix in format WF:
+//   WF 0 NVFP4: codes [G][R][K/2] u8 (even element low nibble), e4m3 scales [G][R][K/16]
+//   WF 1 MXFP4: codes [G][R][K/2] u8, e8m0 scales [G][R][K/32]
+//   WF 2 BF16 : [G][R][K] bf16 bits
+//   WF 3 FP8  : e4m3 [G][R][K] u8, f32 scales [G][R][K/64] (128x128 block scales expanded per row and
+//               per 64 columns, the K step)
+// L1 (moe_gemm_l1_*): W13 rows are interleaved by gpu_layout in blocks of 32: block b holds gate rows
+// 32b..32b+31 then up rows 32b..32b+31, so a CTA owns matching gate and up columns and the SwiGLU
+// epilogue needs no second pass: g = acc_gate*alpha_gate*alpha_in, u = acc_up*alpha_up*alpha_in,
+// u = clamp(u,-L,L), g = min(g,L) (L > 0), a = bf16(silu(g) * u * w) with w the slot's routing weight
+// (1 for the dense shared expert). L2 (moe_gemm_l2_*) stores f32 rows.
+// Tiling: CTA tile BM rows (tokens) x 64 weight rows x BK 64, 256 threads, each thread a (BM/16) x 4
+// micro-tile (rows ty+16i, cols tx+16j). Weights are dequantized while staged into shared memory
+// (e2m1 -> f32 by bit manipulation, times the exact scale). SIMT FMA: correct first; the tile
+// schedule (tiles[] from moe_plan_offsets, grid.x sized for the worst case with early exit) is the
+// structure tensor-core (mma.sync / wgmma) versions slot into.
+// Dense mode (tiles == nullptr): one group, rows [0, dense_rows), tile t covers rows t*BM...
+
+#define BN 64
+#define BK 64
+#define NT 256
+
+template <int WF>
+__device__ __forceinline__ void load_w_tile(float (*Bs)[BN + 1], const u8* __restrict__ wq,
+                                            const u8* __restrict__ ws, size_t row0, int K, int k0)
+{
+    const int tid = threadIdx.x;
+    if (WF == 0 || WF == 1) {
+        if (tid < 128) {
+            const int r = tid >> 1, half = tid & 1;
+            const size_t row = row0 + r;
+            const uint4 v = *(const uint4*)(wq + row * (K / 2) + (k0 / 2) + half * 16);
+            const int kb = k0 + half * 32;
+            float s0, s1;
+            if (WF == 0) {
+                s0 = e4m3_to_f32(ws[row * (K / 16) + kb / 16]);
+                s1 = e4m3_to_f32(ws[row * (K / 16) + kb / 16 + 1]);
+            } else {
+                s0 = s1 = e8m0_to_f32(ws[row * (K / 32) + kb / 32]);
+            }
+            const unsigned w[4] = {v.x, v.y, v.z, v.w};
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                #pragma unroll
+                for (int n = 0; n < 8; ++n) {
+                    const int kk = half * 32 + q * 8 + n;
+                    const float sc = (q < 2) ? s0 : s1;
+                    Bs[kk][r] = e2m1_to_f32((w[q] >> (4 * n)) & 15u) * sc;
+                }
+            }
+        }
+    } else if (WF == 2) {
+        #pragma unroll
+        for (int it = 0; it < 2; ++it) {
+            const int v = tid + it * NT;            // 512 vectors of 8
+            const int r = v >> 3, c = (v & 7) * 8;
+            const uint4 x = *(const uint4*)((const bf16_t*)wq + (row0 + r) * K + k0 + c);
+            const unsigned w[4] = {x.x, x.y, x.z, x.w};
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                Bs[c + 2 * q][r] = __uint_as_float(w[q] << 16);
+                Bs[c + 2 * q + 1][r] = __uint_as_float(w[q] & 0xffff0000u);
+            }
+        }
+    } else {
+        const int r = tid >> 2, c = (tid & 3) * 16;  // 256 vectors of 16
+        const size_t row = row0 + r;
+        const uint4 x = *(const uint4*)(wq + row * K + k0 + c);
+        const float sc = ((const float*)ws)[row * (K / 64) + k0 / 64];
+        const unsigned w[4] = {x.x, x.y, x.z, x.w};
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            #pragma unroll
+            for (int n = 0; n < 4; ++n) Bs[c + 4 * q + n][r] = e4m3_to_f32((w[q] >> (8 * n)) & 255u) * sc;
+        }
+    }
+}
+
+template <int BM>
+__device__ __forceinline__ void load_a_tile(float (*As)[BM + 1], const bf16_t* __restrict__ A, int m0,
+                                            int mend, int K, int k0)
+{
+    for (int v = threadIdx.x; v < BM * 8; v += NT) {
+        const int r = v >> 3, c = (v & 7) * 8;
+        const int m = m0 + r;
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (m < mend) x = *(const uint4*)(A + (size_t)m * K + k0 + c);
+        const unsigned w[4] = {x.x, x.y, x.z, x.w};
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            As[c + 2 * q][r] = __uint_as_float(w[q] << 16);
+            As[c + 2 * q + 1][r] = __uint_as_float(w[q] & 0xffff0000u);
+        }
+    }
+}
+
+// Resolves this CTA's tile; false when it has none (early exit, uniform over the CTA).
+template <int BM>
+__device__ __forceinline__ bool tile_of(const int* __restrict__ tiles, const int* __restrict__ num_tiles,
+                                        const unsigned* __restrict__ offsets, int dense_rows,
+                                        int& g, int& m0, int& mend)
+{
+    const int t = blockIdx.x;
+    if (tiles) {
+        if (t >= *num_tiles) return false;
+        g = tiles[2 * t];
+        m0 = tiles[2 * t + 1];
+        mend = (int)offsets[g + 1];
+    } else {
+        g = 0;
+        m0 = t * BM;
+        if (m0 >= dense_rows) return false;
+        mend = dense_rows;
+    }
+    return true;
+}
+
+template <int WF>
+__device__ __forceinline__ size_t w_group_bytes(size_t R, int K) {
+    return (WF == 0 || WF == 1) ? R * (K / 2) : (WF == 2 ? R * K * 2 : R * K);
+}
+template <int WF>
+__device__ __forceinline__ size_t s_group_bytes(size_t R, int K) {
+    return WF == 0 ? R * (K / 16) : (WF == 1 ? R * (K / 32) : (WF == 3 ? R * (K / 64) * 4 : 0));
+}
+
+template <int WF, int BM>
+__device__ __forceinline__ void mainloop(float (&acc)[BM / 16][4], const bf16_t* __restrict__ A,
+                                         const u8* __restrict__ wq, const u8* __restrict__ ws,
+                                         size_t row0, int K, int m0, int mend)
+{
+    __shared__ float As[BK][BM + 1];
+    __shared__ float Bs[BK][BN + 1];
+    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    #pragma unroll
+    for (int i = 0; i < BM / 16; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        load_a_tile<BM>(As, A, m0, mend, K, k0);
+        load_w_tile<WF>(Bs, wq, ws, row0, K, k0);
+        __syncthreads();
+        #pragma unroll 8
+        for (int kk = 0; kk < BK; ++kk) {
+            float a[BM / 16], b[4];
+            #pragma unroll
+            for (int i = 0; i < BM / 16; ++i) a[i] = As[kk][ty + 16 * i];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) b[j] = Bs[kk][tx + 16 * j];
+            #pragma unroll
+            for (int i = 0; i < BM / 16; ++i)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+}
+
+// L1: A [rows, H]; W13 interleaved [G][2I][H]; alpha_w [G][2] (gate, up) or null; alpha_in [G] or null.
+template <int WF, int BM>
+__device__ void gemm_l1(const bf16_t* __restrict__ A, const u8* __restrict__ wq, const u8* __restrict__ ws,
+                        const float* __restrict__ alpha_w, const float* __restrict__ alpha_in,
+                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
+                        const unsigned* __restrict__ offsets, int dense_rows, int H, int I,
+                        const unsigned* __restrict__ perm, const float* __restrict__ topk_w, float limit,
+                        bf16_t* __restrict__ act, float* __restrict__ gate_tr, float* __restrict__ up_tr)
+{
+    int g, m0, mend;
+    if (!tile_of<BM>(tiles, num_tiles, offsets, dense_rows, g, m0, mend)) return;
+    const size_t R = 2 * (size_t)I;
+    const u8* wqg = wq + (size_t)g * w_group_bytes<WF>(R, H);
+    const u8* wsg = ws ? ws + (size_t)g * s_group_bytes<WF>(R, H) : ws;
+    float acc[BM / 16][4];
+    mainloop<WF, BM>(acc, A, wqg, wsg, (size_t)blockIdx.y * BN, H, m0, mend);
+    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    float ag = 1.f, au = 1.f;
+    if (alpha_w) { ag = alpha_w[2 * g]; au = alpha_w[2 * g + 1]; }
+    if (alpha_in) { ag *= alpha_in[g]; au *= alpha_in[g]; }
+    #pragma unroll
+    for (int i = 0; i < BM / 16; ++i) {
+        const int m = m0 + ty + 16 * i;
+        if (m >= mend) continue;
+        const float w = perm ? topk_w[perm[m]] : 1.f;
+        #pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const int col = blockIdx.y * 32 + tx + 16 * p;
+            float gt = acc[i][p] * ag, u = acc[i][p + 2] * au;
+            if (gate_tr) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
+            if (limit > 0.f) { u = fminf(fmaxf(u, -limit), limit); gt = fminf(gt, limit); }
+            const float s = gt / (1.f + expf(-gt));
+            act[(size_t)m * I + col] = f2bf(s * u * w);
+        }
+    }
+}
+
+// L2: A [rows, I]; W2 [G][H][I]; out [rows, H] f32.
+template <int WF, int BM>
+__device__ void gemm_l2(const bf16_t* __restrict__ A, const u8* __restrict__ wq, const u8* __restrict__ ws,
+                        const float* __restrict__ alpha_w, const float* __restrict__ alpha_in,
+                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
+                        const unsigned* __restrict__ offsets, int dense_rows, int H, int I,
+                        float* __restrict__ out)
+{
+    int g, m0, mend;
+    if (!tile_of<BM>(tiles, num_tiles, offsets, dense_rows, g, m0, mend)) return;
+    const u8* wqg = wq + (size_t)g * w_group_bytes<WF>((size_t)H, I);
+    const u8* wsg = ws ? ws + (size_t)g * s_group_bytes<WF>((size_t)H, I) : ws;
+    float acc[BM / 16][4];
+    mainloop<WF, BM>(acc, A, wqg, wsg, (size_t)blockIdx.y * BN, I, m0, mend);
+    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    float a = alpha_w ? alpha_w[g] : 1.f;
+    if (alpha_in) a *= alpha_in[g];
+    #pragma unroll
+    for (int i = 0; i < BM / 16; ++i) {
+        const int m = m0 + ty + 16 * i;
+        if (m >= mend) continue;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) out[(size_t)m * H + blockIdx.y * BN + tx + 16 * j] = acc[i][j] * a;
+    }
+}
+
+#define MM_L1(WF, BM)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(NT) moe_gemm_l1_w##WF##_m##BM(                           \
+        const bf16_t* A, const u8* wq, const u8* ws, const float* alpha_w, const float* alpha_in,        \
+        const int* tiles, const int* num_tiles, const unsigned* offsets, int dense_rows, int H, int I,    \
+        const unsigned* perm, const float* topk_w, float limit, bf16_t* act, float* gate_tr,             \
+        float* up_tr)                                                                                    \
+    {                                                                                                     \
+        gemm_l1<WF, BM>(A, wq, ws, alpha_w, alpha_in, tiles, num_tiles, offsets, dense_rows, H, I, perm, \
+                        topk_w, limit, act, gate_tr, up_tr);                                             \
+    }
+#define MM_L2(WF, BM)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(NT) moe_gemm_l2_w##WF##_m##BM(                           \
+        const bf16_t* A, const u8* wq, const u8* ws, const float* alpha_w, const float* alpha_in,        \
+        const int* tiles, const int* num_tiles, const unsigned* offsets, int dense_rows, int H, int I,    \
+        float* out)                                                                                      \
+    {                                                                                                     \
+        gemm_l2<WF, BM>(A, wq, ws, alpha_w, alpha_in, tiles, num_tiles, offsets, dense_rows, H, I, out); \
+    }
+
+MM_L1(0, 16) MM_L1(0, 64) MM_L1(1, 16) MM_L1(1, 64) MM_L1(2, 16) MM_L1(2, 64) MM_L1(3, 16) MM_L1(3, 64)
+MM_L2(0, 16) MM_L2(0, 64) MM_L2(1, 16) MM_L2(1, 64) MM_L2(2, 16) MM_L2(2, 64) MM_L2(3, 16) MM_L2(3, 64)

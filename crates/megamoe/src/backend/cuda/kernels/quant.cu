@@ -1,0 +1,79 @@
+// quant.cu — activation staging and quantization (quantize-dequantize to bf16 values).
+//
+// Layouts: src rows of `cols` bf16; dst [rows, cols] bf16 in plan-row order. With gather = 1 the
+// source row of plan row r is token perm[r] / K (the expert input), else r itself (the L1 output).
+// mode 0 (W4A16): copy. mode 1 (W4A8): DeepSeek act_quant, 128-element blocks,
+// s = 2^ceil(log2(max(amax,1e-4)/448)), value = e4m3(clamp(x/s)) * s — exact in bf16.
+// mode 2 (W4A4): ModelOpt NVFP4 with global scale gs = in_scale[expert of row]: block scale
+// bs = e4m3(clamp(amax16 / (6 gs), 2^-9, 448)) (amax 0 -> 1), q = e2m1(x / (bs*gs)) (ties to even);
+// the stored value is q*bs (exact in bf16), gs is applied later as an fp32 alpha in the GEMM.
+// Tiling: one CTA (256 threads) per plan row; each thread owns whole quantization blocks.
+
+extern "C" __global__ void moe_quant_rows(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst,
+                                          const unsigned* __restrict__ perm, const int* __restrict__ ids,
+                                          int K, int gather, int rows, int cols, int mode,
+                                          const float* __restrict__ in_scale)
+{
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    int srow = r;
+    int e = 0;
+    if (perm) {
+        unsigned slot = perm[r];
+        e = ids[slot];
+        if (gather) srow = (int)(slot / (unsigned)K);
+    }
+    const bf16_t* s = src + (size_t)srow * cols;
+    bf16_t* d = dst + (size_t)r * cols;
+    if (mode == 0) {
+        const uint4* s4 = (const uint4*)s;
+        uint4* d4 = (uint4*)d;
+        for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) d4[i] = s4[i];
+        return;
+    }
+    if (mode == 1) {
+        for (int b = threadIdx.x; b < cols / 128; b += blockDim.x) {
+            const bf16_t* sb = s + b * 128;
+            float amax = 0.f;
+            for (int i = 0; i < 128; ++i) amax = fmaxf(amax, fabsf(bf2f(sb[i])));
+            float sc = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+            for (int i = 0; i < 128; ++i) {
+                float v = bf2f(sb[i]) / sc;
+                v = fminf(fmaxf(v, -448.f), 448.f);
+                d[b * 128 + i] = f2bf(round_e4m3(v) * sc);
+            }
+        }
+        return;
+    }
+    const float gs = in_scale[e];
+    for (int b = threadIdx.x; b < cols / 16; b += blockDim.x) {
+        const bf16_t* sb = s + b * 16;
+        float amax = 0.f;
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(bf2f(sb[i])));
+        float bs = amax / (6.f * gs);
+        if (amax == 0.f) bs = 1.f;
+        bs = fminf(fmaxf(bs, 0.001953125f), 448.f);
+        bs = round_e4m3(bs);
+        const float dv = bs * gs;
+        for (int i = 0; i < 16; ++i) {
+            float q = round_e2m1(bf2f(sb[i]) / dv);
+            d[b * 16 + i] = f2bf(q * bs);
+        }
+    }
+}
+
+// Final combine: y[t] = sum over slots j in order of l2[row_of_slot[t*K+j]] (+ shared[t]).
+// One CTA per token; a fixed order of fp32 adds, no atomics: bitwise reproducible.
+extern "C" __global__ void moe_combine(const float* __restrict__ l2, const unsigned* __restrict__ row_of_slot,
+                                       const float* __restrict__ shared_out, int T, int H, int K,
+                                       float* __restrict__ y)
+{
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    for (int h = threadIdx.x; h < H; h += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < K; ++j) acc += l2[(size_t)row_of_slot[t * K + j] * H + h];
+        if (shared_out) acc += shared_out[(size_t)t * H + h];
+        y[(size_t)t * H + h] = acc;
+    }
+}

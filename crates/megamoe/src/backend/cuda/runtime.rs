@@ -1,0 +1,225 @@
+//! Run-time pieces of the CUDA backend: probing the driver and NVRTC without panicking, choosing
+//! the target architecture, and compiling the embedded kernels with NVRTC (cached on disk).
+
+use crate::error::{MegaError, Result};
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
+use sha2::{Digest, Sha256};
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// Shared helpers prepended to every kernel source.
+pub const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// Every kernel source file: `(name, source)`. Each is compiled as `COMMON + source`.
+pub const SOURCES: [(&str, &str); 4] = [
+    ("router", include_str!("kernels/router.cu")),
+    ("plan", include_str!("kernels/plan.cu")),
+    ("quant", include_str!("kernels/quant.cu")),
+    ("gemm", include_str!("kernels/gemm.cu")),
+];
+
+fn err(msg: impl std::fmt::Display) -> MegaError {
+    MegaError::backend("cuda", msg)
+}
+
+/// Checks that the CUDA driver library can be loaded, before any call that would panic without it.
+pub fn probe_driver() -> Result<()> {
+    // SAFETY: only tries to dlopen libcuda under cudarc's candidate names.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(err("no CUDA driver (libcuda.so.1 could not be loaded)"))
+    }
+}
+
+/// Checks that NVRTC can be loaded. When `MEGAMOE_NVRTC_LIB_DIR` is set, the library in that
+/// directory is loaded first (and kept loaded) so that cudarc's lookup by soname finds it.
+pub fn probe_nvrtc() -> Result<()> {
+    static PRELOAD: OnceLock<Option<libloading::Library>> = OnceLock::new();
+    PRELOAD.get_or_init(|| {
+        let dir = std::env::var_os("MEGAMOE_NVRTC_LIB_DIR")?;
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc.so")))
+            .collect();
+        entries.sort();
+        entries.into_iter().find_map(|p| {
+            // SAFETY: loading NVRTC runs no untrusted initialisers beyond the library's own.
+            unsafe { libloading::Library::new(&p) }.ok()
+        })
+    });
+    // SAFETY: only tries to dlopen libnvrtc under cudarc's candidate names.
+    if unsafe { nvrtc_sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(err("NVRTC (libnvrtc.so) could not be loaded; set LD_LIBRARY_PATH or MEGAMOE_NVRTC_LIB_DIR"))
+    }
+}
+
+/// The NVRTC target for a device of compute capability `(major, minor)`: the arch-specific
+/// targets where we know them (`sm_90a`, `sm_100a`, `sm_103a`, `sm_120a`), else PTX for
+/// `compute_80`, which the driver compiles for any sm_80+ device.
+pub fn arch_for(cc: (i32, i32)) -> Result<&'static str> {
+    match cc {
+        (9, 0) => Ok("sm_90a"),
+        (10, 0) => Ok("sm_100a"),
+        (10, 3) => Ok("sm_103a"),
+        (12, 0) => Ok("sm_120a"),
+        (major, _) if major >= 8 => Ok("compute_80"),
+        (major, minor) => Err(err(format!("compute capability {major}.{minor} is too old (need sm_80+)"))),
+    }
+}
+
+/// The include directory handed to NVRTC (`MEGAMOE_CUDA_INCLUDE`, else `/usr/local/cuda/include`
+/// when it exists). The kernels need no headers; this is for future ones.
+pub fn include_dir() -> Option<String> {
+    if let Ok(d) = std::env::var("MEGAMOE_CUDA_INCLUDE") {
+        if !d.is_empty() {
+            return Some(d);
+        }
+    }
+    let d = "/usr/local/cuda/include";
+    std::path::Path::new(d).is_dir().then(|| d.to_string())
+}
+
+/// The kernel cache directory: `$MEGAMOE_CACHE`, else `~/.cache/megamoe/kernels`.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("MEGAMOE_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/megamoe/kernels"))
+}
+
+/// The NVRTC version `(major, minor)`.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    probe_nvrtc()?;
+    let (mut a, mut b) = (0i32, 0i32);
+    // SAFETY: plain out-parameters.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut a, &mut b) }
+        .result()
+        .map_err(|e| err(format!("nvrtcVersion: {e:?}")))?;
+    Ok((a, b))
+}
+
+fn options(arch: &str) -> Vec<String> {
+    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string(), "-lineinfo".into()];
+    if let Some(d) = include_dir() {
+        o.push(format!("--include-path={d}"));
+    }
+    o
+}
+
+/// A compiled kernel module: a CUBIN for `sm_*` targets, NUL-terminated PTX for `compute_*`.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// The image bytes.
+    pub image: Vec<u8>,
+    /// Whether the image is PTX text (else CUBIN).
+    pub is_ptx: bool,
+    /// Whether it came from the disk cache.
+    pub cache_hit: bool,
+}
+
+/// Compiles `COMMON + src` for `arch` with NVRTC, or loads it from the disk cache (keyed by the
+/// SHA-256 of the source, the options and the NVRTC version).
+pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
+    let ver = nvrtc_version()?;
+    let full = format!("{COMMON}\n{src}");
+    let opts = options(arch);
+    let is_ptx = arch.starts_with("compute_");
+    let mut h = Sha256::new();
+    h.update(full.as_bytes());
+    h.update(opts.join(" ").as_bytes());
+    h.update(format!("{ver:?}").as_bytes());
+    let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
+    let ext = if is_ptx { "ptx" } else { "cubin" };
+    let path = cache_dir().map(|d| d.join(format!("{name}-{arch}-{key}.{ext}")));
+    if let Some(p) = &path {
+        if let Ok(image) = std::fs::read(p) {
+            if !image.is_empty() {
+                tracing::debug!(kernel = name, arch, path = %p.display(), "kernel cache hit");
+                return Ok(Compiled { image, is_ptx, cache_hit: true });
+            }
+        }
+    }
+    let t0 = std::time::Instant::now();
+    let image = nvrtc_compile(name, &full, &opts, is_ptx)?;
+    tracing::info!(kernel = name, arch, ms = t0.elapsed().as_millis() as u64, "compiled kernel with NVRTC");
+    if let Some(p) = &path {
+        // Best effort: a read-only cache only costs a recompile next time.
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &image).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok(Compiled { image, is_ptx, cache_hit: false })
+}
+
+fn nvrtc_compile(name: &str, src: &str, opts: &[String], is_ptx: bool) -> Result<Vec<u8>> {
+    let csrc = CString::new(src).map_err(|_| err(format!("kernel {name}: NUL in source")))?;
+    let cname = CString::new(format!("{name}.cu")).expect("no NUL in kernel names");
+    let prog = nvrtc_result::create_program(&csrc, Some(&cname))
+        .map_err(|e| err(format!("kernel {name}: nvrtcCreateProgram: {e:?}")))?;
+    struct Guard(nvrtc_sys::nvrtcProgram);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            // SAFETY: the program was created above and is destroyed once.
+            let _ = unsafe { nvrtc_result::destroy_program(self.0) };
+        }
+    }
+    let g = Guard(prog);
+    // SAFETY: `prog` is a live program; options are valid C strings.
+    let res = unsafe { nvrtc_result::compile_program(g.0, opts) };
+    if let Err(e) = res {
+        // SAFETY: as above.
+        let log = unsafe { nvrtc_result::get_program_log(g.0) }.unwrap_or_default();
+        let log = unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy().into_owned();
+        return Err(err(format!("kernel {name}: NVRTC failed ({e:?}) with {opts:?}:\n{log}")));
+    }
+    if is_ptx {
+        // SAFETY: compiled program.
+        let ptx = unsafe { nvrtc_result::get_ptx(g.0) }.map_err(|e| err(format!("nvrtcGetPTX: {e:?}")))?;
+        let mut v: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
+        if v.last() != Some(&0) {
+            v.push(0);
+        }
+        Ok(v)
+    } else {
+        let mut n = 0usize;
+        // SAFETY: compiled program, out-parameter.
+        unsafe { nvrtc_sys::nvrtcGetCUBINSize(g.0, &mut n) }
+            .result()
+            .map_err(|e| err(format!("nvrtcGetCUBINSize: {e:?}")))?;
+        let mut v = vec![0u8; n];
+        // SAFETY: `v` has the size NVRTC reported.
+        unsafe { nvrtc_sys::nvrtcGetCUBIN(g.0, v.as_mut_ptr() as *mut _) }
+            .result()
+            .map_err(|e| err(format!("nvrtcGetCUBIN: {e:?}")))?;
+        Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arch_choice() {
+        assert_eq!(arch_for((9, 0)).unwrap(), "sm_90a");
+        assert_eq!(arch_for((10, 0)).unwrap(), "sm_100a");
+        assert_eq!(arch_for((8, 9)).unwrap(), "compute_80");
+        assert!(arch_for((7, 5)).is_err());
+    }
+
+    #[test]
+    fn every_source_documents_its_layout() {
+        for (name, src) in SOURCES {
+            assert!(src.trim_start().starts_with("//"), "{name}.cu must start with its layout comment");
+        }
+    }
+}

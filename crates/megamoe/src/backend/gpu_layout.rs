@@ -1,0 +1,209 @@
+//! The weight layouts and tile schedule the CUDA kernels want, as pure, tested Rust functions
+//! (compiled without the `cuda` feature so CI checks them on machines without a GPU).
+//!
+//! - W1 (gate) and W3 (up) of every expert are interleaved by rows in blocks of
+//!   [`L1_INTERLEAVE`]: block `b` holds gate rows `32b..32b+31` then up rows `32b..32b+31`, so
+//!   one CTA of the L1 GEMM owns matching gate and up outputs and fuses the SwiGLU epilogue.
+//!   The same permutation is applied to packed FP4 codes, their block scales and bf16/fp8 rows.
+//! - FP8 128x128 block scales of the shared expert are expanded to one f32 per row per 64
+//!   columns (the GEMM's K step), so the kernel reads one scale per row per step.
+//! - The grouped GEMMs run over tiles of `block_m` rows of one expert; [`choose_block_m`] is the
+//!   heuristic and [`max_tiles`] the worst-case grid the host launches (counts stay on the device).
+
+use crate::error::{MegaError, Result};
+
+/// Rows per gate/up interleave block (half the L1 GEMM's 64-row weight tile).
+pub const L1_INTERLEAVE: usize = 32;
+
+/// The GEMMs' K step; H and I must be multiples of it.
+pub const K_STEP: usize = 64;
+
+/// The weight-row tile of the GEMMs (output features per CTA).
+pub const N_TILE: usize = 64;
+
+/// Interleaves `gate` and `up`, each `[experts, rows, row_len]`, into `[experts, 2*rows, row_len]`
+/// with blocks of `block` rows: gate block b, then up block b, for every b.
+pub fn interleave_gate_up<T: Copy>(
+    gate: &[T],
+    up: &[T],
+    experts: usize,
+    rows: usize,
+    row_len: usize,
+    block: usize,
+) -> Result<Vec<T>> {
+    let n = experts * rows * row_len;
+    if gate.len() != n || up.len() != n {
+        return Err(MegaError::Input(format!(
+            "interleave: gate has {} and up {} elements, expected [E={experts}, rows={rows}, {row_len}] = {n}",
+            gate.len(),
+            up.len()
+        )));
+    }
+    if block == 0 || !rows.is_multiple_of(block) {
+        return Err(MegaError::Input(format!(
+            "interleave: rows {rows} is not a multiple of the block {block}"
+        )));
+    }
+    let mut out = Vec::with_capacity(2 * n);
+    let blk = block * row_len;
+    for e in 0..experts {
+        let base = e * rows * row_len;
+        for b in 0..rows / block {
+            let s = base + b * blk;
+            out.extend_from_slice(&gate[s..s + blk]);
+            out.extend_from_slice(&up[s..s + blk]);
+        }
+    }
+    Ok(out)
+}
+
+/// The inverse of [`interleave_gate_up`]: returns `(gate, up)`.
+pub fn deinterleave_gate_up<T: Copy>(
+    w13: &[T],
+    experts: usize,
+    rows: usize,
+    row_len: usize,
+    block: usize,
+) -> Result<(Vec<T>, Vec<T>)> {
+    let n = experts * rows * row_len;
+    if w13.len() != 2 * n || block == 0 || !rows.is_multiple_of(block) {
+        return Err(MegaError::Input(format!(
+            "deinterleave: {} elements for [E={experts}, 2*{rows}, {row_len}] with block {block}",
+            w13.len()
+        )));
+    }
+    let mut gate = Vec::with_capacity(n);
+    let mut up = Vec::with_capacity(n);
+    let blk = block * row_len;
+    for chunk in w13.chunks_exact(2 * blk) {
+        gate.extend_from_slice(&chunk[..blk]);
+        up.extend_from_slice(&chunk[blk..]);
+    }
+    Ok((gate, up))
+}
+
+/// Expands FP8 128x128 block multipliers `[ceil(rows/128), ceil(cols/128)]` to one f32 per row per
+/// [`K_STEP`] columns, `[rows, cols/64]` (`cols` must be a multiple of 64).
+pub fn expand_block_scales(scale: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>> {
+    let (rb, cb) = (rows.div_ceil(128), cols.div_ceil(128));
+    if scale.len() != rb * cb || !cols.is_multiple_of(K_STEP) {
+        return Err(MegaError::Input(format!(
+            "fp8 block scales: {} values for a [{rows}, {cols}] weight, expected [{rb}, {cb}] with cols % {K_STEP} == 0",
+            scale.len()
+        )));
+    }
+    let steps = cols / K_STEP;
+    let mut out = Vec::with_capacity(rows * steps);
+    for r in 0..rows {
+        for s in 0..steps {
+            out.push(scale[(r / 128) * cb + (s * K_STEP) / 128]);
+        }
+    }
+    Ok(out)
+}
+
+/// The token-tile height of the grouped GEMMs for `slots = T*k` routing slots over `experts`:
+/// 16 when an active expert expects at most 16 rows (decode), else 64 (prefill).
+pub fn choose_block_m(slots: usize, experts: usize) -> usize {
+    let active = experts.min(slots).max(1);
+    if slots.div_ceil(active) <= 16 {
+        16
+    } else {
+        64
+    }
+}
+
+/// Worst-case number of `block_m` tiles over all experts: `sum ceil(c_e/bm) <= ceil(S/bm) + min(E, S)`.
+pub fn max_tiles(slots: usize, experts: usize, block_m: usize) -> usize {
+    slots.div_ceil(block_m) + experts.min(slots)
+}
+
+/// Host mirror of the device tile table: `(expert, first row)` of every tile, experts ascending.
+pub fn tile_table(counts: &[u32], block_m: usize) -> Vec<(u32, u32)> {
+    let mut out = Vec::new();
+    let mut off = 0u32;
+    for (e, &c) in counts.iter().enumerate() {
+        let mut r = 0u32;
+        while r < c {
+            out.push((e as u32, off + r));
+            r += block_m as u32;
+        }
+        off += c;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interleave_places_matching_rows_together_and_inverts() {
+        // 2 experts, 64 rows, row length 3: element value encodes (expert, proj, row, col).
+        let (e, rows, len) = (2, 64, 3);
+        let mk = |p: usize| -> Vec<u32> { (0..e * rows * len).map(|i| (p * 1_000_000 + i) as u32).collect() };
+        let (g, u) = (mk(1), mk(2));
+        let w = interleave_gate_up(&g, &u, e, rows, len, L1_INTERLEAVE).unwrap();
+        assert_eq!(w.len(), 2 * g.len());
+        // Expert 1, interleaved row 32 + 5 = up row 5 of block 0.
+        let row = 2 * rows + 37;
+        assert_eq!(w[row * len], u[(rows + 5) * len]);
+        // Expert 0, interleaved row 64 + 3 = gate row 32 + 3.
+        assert_eq!(w[67 * len + 2], g[35 * len + 2]);
+        let (g2, u2) = deinterleave_gate_up(&w, e, rows, len, L1_INTERLEAVE).unwrap();
+        assert_eq!(g2, g);
+        assert_eq!(u2, u);
+    }
+
+    #[test]
+    fn interleave_rejects_bad_shapes() {
+        let v = vec![0u8; 10];
+        assert!(interleave_gate_up(&v, &v, 1, 10, 1, 32).is_err());
+        assert!(interleave_gate_up(&v, &v[..9], 1, 10, 1, 5).is_err());
+        assert!(deinterleave_gate_up(&v, 1, 10, 1, 32).is_err());
+    }
+
+    #[test]
+    fn block_scales_expand_per_row_and_step() {
+        // 130 rows x 256 cols: blocks [2, 2].
+        let s = [1.0f32, 2.0, 3.0, 4.0];
+        let x = expand_block_scales(&s, 130, 256).unwrap();
+        assert_eq!(x.len(), 130 * 4);
+        assert_eq!(&x[..4], &[1.0, 1.0, 2.0, 2.0]);
+        assert_eq!(&x[129 * 4..], &[3.0, 3.0, 4.0, 4.0]);
+        assert!(expand_block_scales(&s, 130, 250).is_err());
+        assert!(expand_block_scales(&s[..3], 130, 256).is_err());
+    }
+
+    #[test]
+    fn tiles_cover_every_row_once_and_fit_the_worst_case() {
+        let counts = [0u32, 17, 16, 1, 0, 40];
+        for bm in [16usize, 64] {
+            let t = tile_table(&counts, bm);
+            let total: u32 = counts.iter().sum();
+            let mut covered = vec![0u8; total as usize];
+            let mut offs = vec![0u32];
+            for c in counts {
+                offs.push(offs.last().unwrap() + c);
+            }
+            for &(e, r0) in &t {
+                let end = offs[e as usize + 1];
+                assert!(r0 < end && r0 >= offs[e as usize]);
+                for r in r0..(r0 + bm as u32).min(end) {
+                    covered[r as usize] += 1;
+                }
+            }
+            assert!(covered.iter().all(|&c| c == 1));
+            assert!(t.len() <= max_tiles(total as usize, counts.len(), bm));
+            assert!(t.iter().all(|&(e, _)| counts[e as usize] > 0), "empty experts get no tiles");
+        }
+    }
+
+    #[test]
+    fn block_m_heuristic() {
+        assert_eq!(choose_block_m(6, 384), 16);
+        assert_eq!(choose_block_m(512 * 6, 384), 16);
+        assert_eq!(choose_block_m(4096 * 6, 384), 64);
+        assert_eq!(choose_block_m(0, 8), 16);
+    }
+}

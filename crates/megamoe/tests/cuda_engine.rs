@@ -1,0 +1,397 @@
+//! GPU tests of the CUDA engine (skipped with a printed reason when no GPU is present; set
+//! `MEGAMOE_REQUIRE_GPU=1` to make a missing GPU a failure, as `scripts/device/run.sh` does).
+//!
+//! The oracle here is a small float64 host model written from DESIGN.md, independent of the
+//! kernels; it takes the engine's own routing (checked separately against a float64 router) so
+//! that legal near-tie swaps cannot fail the output comparison.
+#![cfg(feature = "cuda")]
+
+use half::bf16;
+use megamoe::backend::cuda::CudaEngine;
+use megamoe::backend::MoeEngine;
+use megamoe::checkpoint::{ExpertFormat, MoeLayer, ProjData};
+use megamoe::forward::{ForwardInput, Mode};
+use megamoe::synthetic;
+use megamoe::trace::{Stage, StageTrace};
+use std::sync::Arc;
+
+fn engine(layer: &Arc<MoeLayer>, max_t: usize) -> Option<CudaEngine> {
+    match CudaEngine::new(layer.clone(), max_t) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            if std::env::var_os("MEGAMOE_REQUIRE_GPU").is_some() {
+                panic!("MEGAMOE_REQUIRE_GPU is set but the CUDA engine failed: {e}");
+            }
+            eprintln!("SKIPPED: no usable GPU ({e})");
+            None
+        }
+    }
+}
+
+const E2M1: [f64; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+fn e2m1(c: u8) -> f64 {
+    let v = E2M1[(c & 7) as usize];
+    if c & 8 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+fn e4m3(b: u8) -> f64 {
+    let (e, m) = (((b >> 3) & 15) as i32, (b & 7) as f64);
+    let v = if e == 0 { m * 2f64.powi(-9) } else { (1.0 + m / 8.0) * 2f64.powi(e - 7) };
+    if b & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// Dequantized weights of expert `e`, projection `p`, row-major [rows, cols].
+fn deq(p: &megamoe::checkpoint::ExpertProj, e: usize) -> Vec<f64> {
+    let (r, c) = (p.rows, p.cols);
+    let n = r * c;
+    match &p.data {
+        ProjData::Nvfp4 { packed, scales, global_scale, .. } => (0..n)
+            .map(|i| {
+                let b = packed[(e * n + i) / 2];
+                let code = if i % 2 == 0 { b & 15 } else { b >> 4 };
+                e2m1(code) * e4m3(scales[(e * n + i) / 16]) * global_scale[e] as f64
+            })
+            .collect(),
+        ProjData::Mxfp4 { packed, scales } => (0..n)
+            .map(|i| {
+                let b = packed[(e * n + i) / 2];
+                let code = if i % 2 == 0 { b & 15 } else { b >> 4 };
+                e2m1(code) * 2f64.powi(scales[(e * n + i) / 32] as i32 - 127)
+            })
+            .collect(),
+        ProjData::Bf16 { weight } => weight[e * n..(e + 1) * n].iter().map(|v| v.to_f64()).collect(),
+    }
+}
+
+fn round_e4m3(v: f32) -> f32 {
+    let a = v.abs();
+    if a == 0.0 || a.is_nan() {
+        return v;
+    }
+    if a >= 448.0 {
+        return 448f32.copysign(v);
+    }
+    let ex = (a.log2().floor() as i32).max(-6);
+    let q = 2f32.powi(ex - 3);
+    ((a / q).round_ties_even() * q).min(448.0).copysign(v)
+}
+fn round_e2m1(v: f32) -> f32 {
+    let a = v.abs();
+    let r = if a < 2.0 {
+        (a * 2.0).round_ties_even() * 0.5
+    } else if a < 4.0 {
+        a.round_ties_even()
+    } else if a < 6.0 {
+        (a * 0.5).round_ties_even() * 2.0
+    } else {
+        6.0
+    };
+    r.copysign(v)
+}
+
+/// The mode's quantize-dequantize of one row (W4A4 with global scale `gs`).
+fn quant_row(x: &[f32], mode: Mode, gs: f32) -> Vec<f64> {
+    match mode {
+        Mode::W4A16 => x.iter().map(|&v| v as f64).collect(),
+        Mode::W4A8 => x
+            .chunks(128)
+            .flat_map(|b| {
+                let amax = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-4);
+                let s = 2f32.powi((amax * (1.0 / 448.0)).log2().ceil() as i32);
+                b.iter()
+                    .map(move |&v| (round_e4m3((v / s).clamp(-448.0, 448.0)) * s) as f64)
+                    .collect::<Vec<_>>()
+            })
+            .collect(),
+        Mode::W4A4 => x
+            .chunks(16)
+            .flat_map(|b| {
+                let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let mut bs = if amax == 0.0 { 1.0 } else { amax / (6.0 * gs) };
+                bs = round_e4m3(bs.clamp(2f32.powi(-9), 448.0));
+                let d = bs * gs;
+                b.iter().map(move |&v| round_e2m1(v / d) as f64 * bs as f64 * gs as f64).collect::<Vec<_>>()
+            })
+            .collect(),
+    }
+}
+
+fn in_scales(layer: &MoeLayer) -> (Vec<f32>, Vec<f32>) {
+    let e = layer.config.n_routed_experts;
+    let get = |p: &ProjData| match p {
+        ProjData::Nvfp4 { input_scale: Some(s), .. } => s.clone(),
+        _ => vec![1.0; e],
+    };
+    (get(&layer.w1.data), get(&layer.w2.data))
+}
+
+fn swiglu(g: f64, u: f64, w: f64, limit: f64) -> f32 {
+    let (mut g, mut u) = (g, u);
+    if limit > 0.0 {
+        u = u.clamp(-limit, limit);
+        g = g.min(limit);
+    }
+    bf16::from_f64(g / (1.0 + (-g).exp()) * u * w).to_f32()
+}
+
+/// float64 host model of the forward, given the routing.
+fn host_forward(layer: &MoeLayer, x: &[bf16], ids: &[i32], w: &[f32], mode: Mode) -> Vec<f64> {
+    let c = &layer.config;
+    let (h, i, k) = (c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok);
+    let t = x.len() / h;
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let (in1, in2) = in_scales(layer);
+    let mut y = vec![0f64; t * h];
+    let mut cache: std::collections::HashMap<usize, [Vec<f64>; 3]> = Default::default();
+    for tok in 0..t {
+        for j in 0..k {
+            let e = ids[tok * k + j] as usize;
+            let ws =
+                cache.entry(e).or_insert_with(|| [deq(&layer.w1, e), deq(&layer.w3, e), deq(&layer.w2, e)]);
+            let xq = quant_row(&xf[tok * h..(tok + 1) * h], mode, in1[e]);
+            let a: Vec<f32> = (0..i)
+                .map(|n| {
+                    let g: f64 = (0..h).map(|q| xq[q] * ws[0][n * h + q]).sum();
+                    let u: f64 = (0..h).map(|q| xq[q] * ws[1][n * h + q]).sum();
+                    swiglu(g, u, w[tok * k + j] as f64, c.swiglu_limit as f64)
+                })
+                .collect();
+            let aq = quant_row(&a, mode, in2[e]);
+            for o in 0..h {
+                y[tok * h + o] += (0..i).map(|q| aq[q] * ws[2][o * i + q]).sum::<f64>();
+            }
+        }
+    }
+    if let Some(s) = &layer.shared {
+        let d = |p: &megamoe::checkpoint::DenseProj| -> Vec<f64> {
+            match &p.data {
+                megamoe::checkpoint::DenseData::Bf16(v) => v.iter().map(|b| b.to_f64()).collect(),
+                megamoe::checkpoint::DenseData::Fp8Block { weight, scale } => {
+                    let cb = p.cols.div_ceil(128);
+                    (0..p.rows * p.cols)
+                        .map(|q| e4m3(weight[q]) * scale[(q / p.cols / 128) * cb + (q % p.cols) / 128] as f64)
+                        .collect()
+                }
+            }
+        };
+        let (w1, w3, w2) = (d(&s.w1), d(&s.w3), d(&s.w2));
+        let is = s.w1.rows;
+        for tok in 0..t {
+            let xr = &xf[tok * h..(tok + 1) * h];
+            let a: Vec<f64> = (0..is)
+                .map(|n| {
+                    let g: f64 = (0..h).map(|q| xr[q] as f64 * w1[n * h + q]).sum();
+                    let u: f64 = (0..h).map(|q| xr[q] as f64 * w3[n * h + q]).sum();
+                    swiglu(g, u, 1.0, c.swiglu_limit as f64) as f64
+                })
+                .collect();
+            for o in 0..h {
+                y[tok * h + o] += (0..is).map(|q| a[q] * w2[o * is + q]).sum::<f64>();
+            }
+        }
+    }
+    y
+}
+
+/// float64 router: (ids, weights, margin between k-th and (k+1)-th key) per token.
+fn host_router(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> (Vec<i32>, Vec<f64>, Vec<f64>) {
+    let c = &layer.config;
+    let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
+    let t = x.len() / h;
+    let (mut ids, mut ws, mut margins) = (vec![], vec![], vec![]);
+    for tok in 0..t {
+        let sc: Vec<f64> = (0..e)
+            .map(|ex| {
+                let l: f64 =
+                    (0..h).map(|q| x[tok * h + q].to_f64() * layer.router.weight[ex * h + q] as f64).sum();
+                (if l > 20.0 { l } else { l.exp().ln_1p() }).sqrt()
+            })
+            .collect();
+        let chosen: Vec<usize> = if let Some(t2e) = &layer.router.tid2eid {
+            let id = input_ids.unwrap()[tok] as usize;
+            margins.push(f64::INFINITY);
+            t2e[id * k..(id + 1) * k].iter().map(|&v| v as usize).collect()
+        } else {
+            let bias = layer.router.bias.as_ref();
+            let mut key: Vec<(f64, usize)> =
+                (0..e).map(|ex| (sc[ex] + bias.map_or(0.0, |b| b[ex] as f64), ex)).collect();
+            key.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
+            margins.push(if k < e { key[k - 1].0 - key[k].0 } else { f64::INFINITY });
+            key[..k].iter().map(|p| p.1).collect()
+        };
+        let sum: f64 = chosen.iter().map(|&ex| sc[ex]).sum();
+        for &ex in &chosen {
+            ids.push(ex as i32);
+            ws.push(sc[ex] / sum * c.routed_scaling_factor as f64);
+        }
+    }
+    (ids, ws, margins)
+}
+
+fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn tol(mode: Mode) -> f64 {
+    if mode == Mode::W4A16 {
+        2e-3
+    } else {
+        2e-2
+    }
+}
+
+fn check_case(format: ExpertFormat, hash: bool, skew: bool, tokens: &[usize], seed: u64) {
+    let mut layer = synthetic::random_layer(&synthetic::tiny_config(), format, 0, hash, seed);
+    if skew {
+        synthetic::skew_routing(&mut layer, 2, 4);
+    }
+    let layer = Arc::new(layer);
+    let Some(mut eng) = engine(&layer, *tokens.iter().max().unwrap()) else { return };
+    let c = layer.config.clone();
+    for &t in tokens {
+        let x = synthetic::random_hidden(t, c.hidden_size, seed + t as u64);
+        let ids = synthetic::random_input_ids(t, c.vocab_size, seed + 7);
+        let input = ForwardInput { x: &x, input_ids: Some(&ids) };
+        let (rid, rw, margin) = host_router(&layer, &x, Some(&ids));
+        for mode in Mode::ALL {
+            if mode == Mode::W4A4 && format != ExpertFormat::Nvfp4 {
+                assert!(eng.forward(&input, mode, None).is_err(), "W4A4 on {format:?} must be an error");
+                continue;
+            }
+            eng.poison(0xFF).unwrap();
+            let out = eng.forward(&input, mode, None).unwrap();
+            assert_eq!(out.y.len(), t * c.hidden_size);
+            assert!(out.y.iter().all(|v| v.is_finite()), "{format:?} {mode} T={t}: non-finite output");
+            let k = c.num_experts_per_tok;
+            for tok in 0..t {
+                if margin[tok] > 1e-4 {
+                    let mut a = out.topk_ids[tok * k..(tok + 1) * k].to_vec();
+                    let mut b = rid[tok * k..(tok + 1) * k].to_vec();
+                    a.sort();
+                    b.sort();
+                    assert_eq!(a, b, "{format:?} T={t} token {tok}: routing differs");
+                    for j in 0..k {
+                        let pos =
+                            rid[tok * k..(tok + 1) * k].iter().position(|&v| v == out.topk_ids[tok * k + j]);
+                        let want = rw[tok * k + pos.unwrap()];
+                        assert!((out.topk_weights[tok * k + j] as f64 - want).abs() < 1e-5 * want.max(1.0));
+                    }
+                }
+            }
+            let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, mode);
+            let err = rel_l2(&out.y, &want);
+            eprintln!("{format:?} hash={hash} skew={skew} {mode} T={t}: rel L2 {err:.2e}");
+            assert!(err < tol(mode), "{format:?} {mode} T={t}: rel L2 {err:.3e} > {}", tol(mode));
+        }
+    }
+}
+
+#[test]
+fn nvfp4_all_modes_match_host_model() {
+    check_case(ExpertFormat::Nvfp4, false, false, &[1, 17, 129], 11);
+}
+
+#[test]
+fn mxfp4_and_bf16_match_host_model() {
+    check_case(ExpertFormat::Mxfp4, false, true, &[3, 64], 12);
+    check_case(ExpertFormat::Bf16, false, false, &[5, 33], 13);
+}
+
+#[test]
+fn hash_layer_and_skewed_routing() {
+    check_case(ExpertFormat::Nvfp4, true, true, &[2, 100], 14);
+}
+
+#[test]
+fn repeat_runs_and_graph_replay_are_bitwise_identical() {
+    let layer =
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 21));
+    let Some(mut eng) = engine(&layer, 300) else { return };
+    let x = synthetic::random_hidden(257, 256, 5);
+    let input = ForwardInput { x: &x, input_ids: None };
+    for mode in Mode::ALL {
+        let a = eng.forward(&input, mode, None).unwrap();
+        eng.poison(0xA5).unwrap();
+        let b = eng.forward(&input, mode, None).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.y), bits(&b.y), "{mode}: repeat differs");
+        eng.capture_graph(257, mode).unwrap();
+        eng.poison(0x5A).unwrap();
+        let g = eng.replay(&input).unwrap();
+        assert_eq!(bits(&a.y), bits(&g.y), "{mode}: graph replay differs");
+        assert_eq!(a.topk_ids, g.topk_ids);
+        // A different input through the same graph gives that input's forward.
+        let x2 = synthetic::random_hidden(257, 256, 6);
+        let in2 = ForwardInput { x: &x2, input_ids: None };
+        let g2 = eng.replay(&in2).unwrap();
+        let f2 = eng.forward(&in2, mode, None).unwrap();
+        assert_eq!(bits(&g2.y), bits(&f2.y), "{mode}: graph replay on new input differs");
+        assert!(eng.replay(&ForwardInput { x: &x2[..256 * 3], input_ids: None }).is_err());
+    }
+}
+
+#[test]
+fn nan_rows_route_in_range_and_bad_input_is_an_error() {
+    let layer =
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Mxfp4, 1, false, 31));
+    let Some(mut eng) = engine(&layer, 8) else { return };
+    let mut x = synthetic::random_hidden(4, 256, 9);
+    x[256 + 3] = bf16::NAN;
+    let out = eng.forward(&ForwardInput { x: &x, input_ids: None }, Mode::W4A16, None).unwrap();
+    let k = 4;
+    let nan_ids = &out.topk_ids[k..2 * k];
+    let mut s = nan_ids.to_vec();
+    s.sort();
+    s.dedup();
+    assert_eq!(s.len(), k, "NaN row repeated an expert: {nan_ids:?}");
+    assert!(nan_ids.iter().all(|&e| (0..16).contains(&e)));
+    // Other rows are unaffected.
+    assert!(out.y[..256].iter().all(|v| v.is_finite()));
+    // Too many tokens, ragged x, missing ids on a hash layer: errors, not panics.
+    let big = synthetic::random_hidden(9, 256, 1);
+    assert!(eng.forward(&ForwardInput { x: &big, input_ids: None }, Mode::W4A16, None).is_err());
+    assert!(eng.forward(&ForwardInput { x: &big[..100], input_ids: None }, Mode::W4A16, None).is_err());
+    let hl = Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 0, true, 3));
+    let mut he = engine(&hl, 4).unwrap();
+    let x4 = synthetic::random_hidden(4, 256, 2);
+    assert!(he.forward(&ForwardInput { x: &x4, input_ids: None }, Mode::W4A16, None).is_err());
+    let bad = [0i64, 1, 2, 1_000_000];
+    assert!(he.forward(&ForwardInput { x: &x4, input_ids: Some(&bad) }, Mode::W4A16, None).is_err());
+}
+
+#[test]
+fn trace_records_every_stage_in_canonical_layout() {
+    let layer =
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 41));
+    let Some(mut eng) = engine(&layer, 16) else { return };
+    let x = synthetic::random_hidden(7, 256, 3);
+    let mut tr = StageTrace::default();
+    let out = eng.forward(&ForwardInput { x: &x, input_ids: None }, Mode::W4A4, Some(&mut tr)).unwrap();
+    for s in Stage::ALL {
+        assert!(tr.get(s).is_some(), "stage {} missing", s.name());
+    }
+    assert_eq!(tr.get(Stage::Output).unwrap().data, out.y);
+    // Output = sum over slots of L2Out + SharedOut, in slot order.
+    let (l2, sh) = (&tr.get(Stage::L2Out).unwrap().data, &tr.get(Stage::SharedOut).unwrap().data);
+    for t in 0..7 {
+        for o in [0usize, 100, 255] {
+            let mut acc = 0f32;
+            for j in 0..4 {
+                acc += l2[(t * 4 + j) * 256 + o];
+            }
+            acc += sh[t * 256 + o];
+            assert_eq!(acc.to_bits(), out.y[t * 256 + o].to_bits());
+        }
+    }
+    let counts: f32 = tr.get(Stage::PlanCounts).unwrap().data.iter().sum();
+    assert_eq!(counts, 28.0);
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run HERE (no GPU needed): builds the release `megamoe` binary and the CUDA test executables,
+# stages them with scripts/device/run.sh into /work/main/.device-carry/ (git-ignored), and prints
+# the device `run` call to make. The companion script runs THERE, on the GPU machine.
+# Usage: bash scripts/device.sh [--carry-dir DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+carry="${CARRY_DIR:-/work/main/.device-carry}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/work/main/target}"
+cargo build --release -p megamoe-cli
+targets=""
+for f in crates/megamoe/tests/cuda_*.rs; do n=$(basename "$f" .rs); [ "$n" != cuda_compile ] && targets="$targets --test $n"; done
+# shellcheck disable=SC2086
+tests=$(cargo test --release -p megamoe --no-run $targets --message-format=json \
+  | python3 -c 'import sys,json
+for l in sys.stdin:
+    try: m=json.loads(l)
+    except Exception: continue
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
+        print(m["target"]["name"], m["executable"])')
+rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/data"
+cp "$CARGO_TARGET_DIR/release/megamoe" "$carry/bin/"
+while read -r name exe; do [ -n "$name" ] && cp "$exe" "$carry/bin/$name"; done <<<"$tests"
+strip --strip-debug "$carry"/bin/* 2>/dev/null || true
+cp scripts/device/run.sh "$carry/run.sh"
+cp -r crates/megamoe/tests/data/* "$carry/data/"
+du -sh "$carry"
+cat <<MSG
+Staged in $carry. Now call the device tool:
+  run(command="bash .device-carry/run.sh", carry=[".device-carry"], timeout_s=600)
+MSG
