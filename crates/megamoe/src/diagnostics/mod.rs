@@ -3,7 +3,9 @@
 
 pub mod compare;
 pub mod doctor;
+pub mod fault;
 pub mod report;
+pub mod trace;
 
 pub use doctor::{examine, DoctorOptions};
 pub use report::{Finding, ReferenceRow, Report, Severity};
