@@ -242,7 +242,8 @@ pub fn compare(backend: &StageTrace, reference: &StageTrace, mode: Mode, top_k: 
                             let total: f64 = rv.iter().map(|&y| y as f64).sum::<f64>().max(1.0);
                             moved / 2.0 > thr * total
                         }
-                        _ => !(rel <= thr),
+                        // NaN errors count as diverged.
+                        _ => rel.is_nan() || rel > thr,
                     };
                 if nonfinite_differs {
                     row.note =
