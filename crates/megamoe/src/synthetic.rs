@@ -100,8 +100,10 @@ fn random_proj(
             let mut r = rng(seed, stream * 1_000_003 + 999_999);
             let global_scale =
                 (0..experts).map(|_| r.gen_range(0.7f32..1.4) / (460.0 * (cols as f32).sqrt())).collect();
-            // Activation global scales: amax/(6*448) for inputs of amax ~4 (L1) and ~1 (L2).
-            let amax = if stream == 2 { 1.0 } else { 4.0 };
+            // Activation global scales: amax/(6*448) with headroom over the largest activations
+            // these layers see (N(0,1) inputs reach ~5; clamped SwiGLU outputs times a routing
+            // weight reach ~18), so W4A4 block scales do not saturate at 448.
+            let amax = if stream == 2 { 24.0 } else { 6.0 };
             let input_scale = Some(vec![amax / 2688.0; experts]);
             ProjData::Nvfp4 { packed, scales, global_scale, input_scale }
         }

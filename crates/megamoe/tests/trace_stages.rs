@@ -77,12 +77,12 @@ fn weight_faults_diverge_at_l1() {
 }
 
 #[test]
-fn routing_weight_fault_diverges_at_activation() {
+fn routing_scale_fault_diverges_at_topk_weights() {
     let c = case("nvfp4-tiny", 1);
     let r = run(&c, Some(Fault::RoutingWeight), Mode::W4A16);
-    assert_eq!(r.report.first_divergence, Some(Stage::Activation), "{}", r.report.render_table());
-    let tw = r.report.rows.iter().find(|x| x.stage == Stage::TopkWeights).unwrap();
-    assert_eq!(tw.rel_error, Some(0.0), "the recorded weights stay right");
+    assert_eq!(r.report.first_divergence, Some(Stage::TopkWeights), "{}", r.report.render_table());
+    let ids = r.report.rows.iter().find(|x| x.stage == Stage::TopkIds).unwrap();
+    assert_eq!(ids.rel_error, Some(0.0), "the chosen experts stay right");
 }
 
 #[test]

@@ -2,7 +2,6 @@
 //! default) against the CPU reference, with fresh random data each time; prints a table and exits
 //! non-zero on any failure. `--timings` adds graph-replay timings of one V4-Pro rank.
 
-use half::bf16;
 use megamoe::backend::{create_engine, BackendKind, MoeEngine};
 use megamoe::checkpoint::{ExpertFormat, MoeLayer};
 use megamoe::config::MoeConfig;
@@ -335,7 +334,7 @@ fn timings(seed: u64) -> anyhow::Result<()> {
     let (h, i, e, k) =
         (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok);
     for t in [1usize, 64, 512] {
-        let x: Vec<bf16> = synthetic::random_hidden(t, h, seed + t as u64);
+        let x: Vec<half::bf16> = synthetic::random_hidden(t, h, seed + t as u64);
         let input = ForwardInput { x: &x, input_ids: None };
         for mode in [Mode::W4A16, Mode::W4A8] {
             let out = eng.forward(&input, mode, None)?;

@@ -4,8 +4,8 @@
 //! A fault is chosen with the environment variable `MEGAMOE_FAULT=<name>` (read by
 //! [`Fault::from_env`]) or passed explicitly to [`engine_with`]. Weight faults rewrite the
 //! engine's copy of the layer the way a buggy weight transform would (so they work for every
-//! backend); [`Fault::RoutingWeight`] is applied by a one-line hook in the reference's expert loop
-//! ([`routing_weight`]) and only while a faulty engine runs its forward on the calling thread.
+//! backend), and so does [`Fault::RoutingWeight`], which doubles the routing scale as code that
+//! applies `routed_scaling_factor` twice would. No engine carries fault hooks of its own.
 //! Never set `MEGAMOE_FAULT` in production: the engine logs a warning when it is active.
 
 use crate::backend::{create_engine, BackendKind, MoeEngine};
@@ -14,7 +14,6 @@ use crate::error::{MegaError, Result};
 use crate::formats::scale_layout;
 use crate::forward::{ForwardInput, ForwardOutput, Mode};
 use crate::trace::StageTrace;
-use std::cell::Cell;
 use std::sync::Arc;
 
 /// Name of the environment variable that selects a fault.
@@ -32,8 +31,7 @@ pub enum Fault {
     GateUpSwap,
     /// NVFP4 global scales used as divisors (failure mode 6) -> `l1_gate`.
     GlobalScaleReciprocal,
-    /// The routing weight applied twice (failure mode 7) -> `activation` (the recorded
-    /// `topk_weights` stay right).
+    /// `routed_scaling_factor` applied twice (failure mode 7) -> `topk_weights`.
     RoutingWeight,
 }
 
@@ -112,37 +110,9 @@ impl Fault {
                     }
                 }
             }
-            Fault::RoutingWeight => {}
+            Fault::RoutingWeight => l.config.routed_scaling_factor *= l.config.routed_scaling_factor,
         }
         l
-    }
-}
-
-thread_local! {
-    static ACTIVE: Cell<Option<Fault>> = const { Cell::new(None) };
-}
-
-/// Runs `f` with `fault` active on this thread (for the runtime hooks), restoring the previous state.
-pub fn scoped<R>(fault: Option<Fault>, f: impl FnOnce() -> R) -> R {
-    let prev = ACTIVE.with(|a| a.replace(fault));
-    let r = f();
-    ACTIVE.with(|a| a.set(prev));
-    r
-}
-
-/// The runtime fault active on this thread, if any.
-pub fn active() -> Option<Fault> {
-    ACTIVE.with(|a| a.get())
-}
-
-/// Hook for the routing weight an expert row is multiplied with: `w`, or `2w` (a scaling applied
-/// twice) while [`Fault::RoutingWeight`] is active on this thread.
-#[inline]
-pub fn routing_weight(w: f32) -> f32 {
-    if active() == Some(Fault::RoutingWeight) {
-        2.0 * w
-    } else {
-        w
     }
 }
 
@@ -162,8 +132,7 @@ impl MoeEngine for FaultyEngine {
         mode: Mode,
         trace: Option<&mut StageTrace>,
     ) -> Result<ForwardOutput> {
-        let inner = &mut self.inner;
-        scoped(Some(self.fault), || inner.forward(input, mode, trace))
+        self.inner.forward(input, mode, trace)
     }
 }
 
