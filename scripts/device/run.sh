@@ -24,18 +24,28 @@ chmod +x "$here"/bin/*
 [ -x "$here/bin/cuda_engine" ] && step tests "$here/bin/cuda_engine" --test-threads 1 --nocapture
 [ -x "$here/bin/cuda_fixtures" ] && step fixtures "$here/bin/cuda_fixtures" --test-threads 1 --nocapture
 if [ "${SKIP_VERIFY:-0}" != 1 ]; then
-  step verify "$here/bin/megamoe" verify --backend cuda ${VERIFY_ARGS:-}
+  step verify timeout "${VERIFY_TIMEOUT:-300}" "$here/bin/megamoe" verify --backend cuda ${VERIFY_ARGS:-}
 fi
+# The main job on the GPU: the full V4-Pro layer (384 experts) against the CPU reference.
+[ "${SKIP_DEMO:-0}" != 1 ] && step demo timeout 240 "$here/bin/megamoe" demo --backend cuda
+# Diagnostics on the GPU: a clean trace, then a deliberately wrong weight transform (scales in
+# the wrong layout) that trace must pin on the first expert GEMM.
+act="$here/data/activations"
+step trace_clean "$here/bin/megamoe" trace --backend cuda --checkpoint "$here/data/nvfp4-tiny" --layer 1 \
+  --input "$act/nvfp4-L1-in.safetensors" --expect "$act/nvfp4-L1-expect.safetensors"
+step trace_fault env MEGAMOE_FAULT=scale_layout "$here/bin/megamoe" trace --backend cuda \
+  --checkpoint "$here/data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 trace_records nan_rows repeat_runs
 step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 trace_records
 if [ "${TIMINGS:-1}" != 0 ]; then
   step timings "$here/bin/megamoe" verify --backend cuda --timings-only
 fi
 echo; echo "================ SUMMARY ================"
-for k in tests fixtures verify memcheck racecheck timings; do
+for k in tests fixtures verify demo trace_clean trace_fault memcheck racecheck timings; do
   [ -n "${status[$k]:-}" ] && printf "%-10s %s\n" "$k" "${status[$k]}"
 done
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log 2>/dev/null
 grep -hE "^test result" "$OUT"/tests.log "$OUT"/fixtures.log 2>/dev/null
 [ -f "$OUT/verify.log" ] && grep -E "PASS|FAIL|passed|failed" "$OUT/verify.log" | tail -n 3
+grep -h "first divergence" "$OUT"/trace_*.log 2>/dev/null
 exit 0
