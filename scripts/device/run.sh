@@ -5,7 +5,8 @@
 # Env: VERIFY_ARGS (default: the full sweep), SKIP_VERIFY=1, TIMINGS=0 to skip timings.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-OUT="${OUT:-/tmp/megamoe-out}"; mkdir -p "$OUT"
+# Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
+OUT="${OUT:-/tmp/megamoe-out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export MEGAMOE_CACHE="/tmp/megamoe-kernels" MEGAMOE_TEST_DATA="$here/data" MEGAMOE_REQUIRE_GPU=1
 export MEGAMOE_LOG="${MEGAMOE_LOG:-megamoe=info}"
@@ -14,8 +15,8 @@ step() { # name, command...
   local name="$1"; shift
   local t0=$(date +%s)
   echo "=== $name: $*" | tee -a "$OUT/log.txt"
-  "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 60 "$OUT/$name.log"
+  "$@" >"$LOGS/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$LOGS/$name.log"
   status[$name]="rc=$rc $(( $(date +%s) - t0 ))s"
   echo "=== $name: rc=$rc" | tee -a "$OUT/log.txt"
 }
@@ -44,8 +45,9 @@ echo; echo "================ SUMMARY ================"
 for k in tests fixtures verify demo trace_clean trace_fault memcheck racecheck timings; do
   [ -n "${status[$k]:-}" ] && printf "%-10s %s\n" "$k" "${status[$k]}"
 done
-grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log 2>/dev/null
-grep -hE "^test result" "$OUT"/tests.log "$OUT"/fixtures.log 2>/dev/null
-[ -f "$OUT/verify.log" ] && grep -E "PASS|FAIL|passed|failed" "$OUT/verify.log" | tail -n 3
-grep -h "first divergence" "$OUT"/trace_*.log 2>/dev/null
+grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS"/memcheck.log "$LOGS"/racecheck.log 2>/dev/null
+grep -hE "^test result" "$LOGS"/tests.log "$LOGS"/fixtures.log 2>/dev/null
+[ -f "$LOGS/verify.log" ] && grep -E "PASS|FAIL|passed|failed" "$LOGS/verify.log" | tail -n 3
+grep -h "first divergence:" "$LOGS"/trace_*.log 2>/dev/null
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0
