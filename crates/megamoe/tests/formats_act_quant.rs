@@ -87,3 +87,19 @@ fn nvfp4_act_saturates_and_flags_bad_global_scale() {
         assert!(out.iter().all(|v| v.is_nan()), "global scale {bad}");
     }
 }
+
+#[test]
+fn nan_poisons_its_whole_block_as_in_torch() {
+    use megamoe::formats::act_quant::{fp8_block128_ue8m0, nvfp4_block16};
+    let mut x = vec![1.0f32; 256];
+    x[5] = f32::NAN;
+    let mut out = vec![0.0f32; 256];
+    fp8_block128_ue8m0(&x, &mut out);
+    assert!(out[..128].iter().all(|v| v.is_nan()), "the NaN's 128-block is NaN");
+    assert!(out[128..].iter().all(|&v| v == 1.0), "the next block is untouched");
+    let mut out = vec![0.0f32; 256];
+    nvfp4_block16(&x, 1.0 / 448.0, &mut out);
+    assert!(out[..16].iter().all(|v| v.is_nan()), "the NaN's 16-block is NaN");
+    assert!(out[16..].iter().all(|v| v.is_finite()));
+    assert_eq!(megamoe::formats::e2m1::encode_ties_even(f32::NAN) & 7, 7);
+}

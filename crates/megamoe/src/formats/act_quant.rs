@@ -24,9 +24,13 @@ pub fn fp8_block128_ue8m0(x: &[f32], out: &mut [f32]) {
     // torch.tensor(1.0 / 448.0): the double 1/448 rounded to f32.
     let inv448 = (1.0f64 / 448.0) as f32;
     for (xb, ob) in x.chunks(FP8_BLOCK).zip(out.chunks_mut(FP8_BLOCK)) {
-        let amax = xb.iter().fold(0.0f32, |m, &a| if a.abs() > m { a.abs() } else { m });
-        // clamp_min(1e-4); NaN propagates as in torch.
-        let amax = if amax.is_nan() { amax } else { amax.max(1e-4) };
+        // NaN propagates through amax (and so through the whole block's scale), as in torch.
+        let amax = block_amax(xb);
+        if amax.is_nan() {
+            ob.fill(f32::NAN);
+            continue;
+        }
+        let amax = amax.max(1e-4);
         let e = super::mxfp4::ceil_log2_clamped(amax * inv448);
         let s = pow2(e);
         for (o, &v) in ob.iter_mut().zip(xb) {
@@ -34,6 +38,11 @@ pub fn fp8_block128_ue8m0(x: &[f32], out: &mut [f32]) {
             *o = e4m3::decode(e4m3::encode(q)) * s;
         }
     }
+}
+
+/// Largest magnitude of a block; NaN if any element is NaN (torch's `amax`).
+fn block_amax(xb: &[f32]) -> f32 {
+    xb.iter().fold(0.0f32, |m, &a| if a.is_nan() || m.is_nan() { f32::NAN } else { m.max(a.abs()) })
 }
 
 /// `2^e` for `e` in -149..=127 (exact).
@@ -65,7 +74,12 @@ pub fn nvfp4_block16(x: &[f32], global_scale: f32, out: &mut [f32]) {
         return;
     }
     for (xb, ob) in x.chunks(nvfp4::BLOCK).zip(out.chunks_mut(nvfp4::BLOCK)) {
-        let amax = xb.iter().fold(0.0f32, |m, &a| if a.abs() > m { a.abs() } else { m });
+        let amax = block_amax(xb);
+        if amax.is_nan() {
+            // torch: a NaN amax makes the block scale, and so the whole block, NaN.
+            ob.fill(f32::NAN);
+            continue;
+        }
         let s = nvfp4::block_scale(amax, global_scale);
         let p = e4m3::decode(s) * global_scale;
         for (o, &v) in ob.iter_mut().zip(xb) {

@@ -47,7 +47,10 @@ pub(crate) fn index_ties_even(a: f32) -> u8 {
 /// gives `0x0`, exactly as ModelOpt. NaN is not representable; it encodes as `0x7` (6.0).
 #[inline]
 pub fn encode_ties_even(x: f32) -> u8 {
-    (((x < 0.0) as u8) << 3) | index_ties_even(x.abs())
+    let a = x.abs();
+    // NaN compares false everywhere; send it to the largest magnitude, as documented.
+    let idx = if a.is_nan() { 7 } else { index_ties_even(a) };
+    (((x < 0.0) as u8) << 3) | idx
 }
 
 /// Encodes `x` with round-to-nearest, ties toward zero, saturating at +-6 (ModelOpt MXFP4 magnitude

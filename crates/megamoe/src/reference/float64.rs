@@ -53,8 +53,10 @@ fn expert64(
         .map(|r| {
             let mut g = dot(&row64(w1, r, &mut buf[..w1.cols]), x);
             let mut u = dot(&row64(w3, r, &mut buf[..w3.cols]), x);
-            if limit > 0.0 {
+            if limit > 0.0 && !g.is_nan() {
                 g = g.min(limit);
+            }
+            if limit > 0.0 {
                 u = u.clamp(-limit, limit);
             }
             bf16::from_f64(g / (1.0 + (-g).exp()) * u * rw).to_f64()

@@ -179,6 +179,16 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// The clamped SwiGLU inputs: `gate = min(gate, L)`, `up = clamp(up, -L, L)`, no clamp when
+/// `L == 0`. NaN stays NaN (as torch's `clamp` keeps it; `f32::min` alone would turn it into L).
+fn swiglu_clamp(g: f32, u: f32, limit: f32) -> (f32, f32) {
+    if limit > 0.0 {
+        (if g.is_nan() { g } else { g.min(limit) }, u.clamp(-limit, limit))
+    } else {
+        (g, u)
+    }
+}
+
 /// Per-job results of the L1 phase `[n, I]`: activations and, when tracing, gate, up and the
 /// quantized activation.
 struct L1Out {
@@ -212,7 +222,7 @@ fn run_jobs(jobs: &[Job<'_>], inter: usize, hidden: usize, limit: f32, keep: boo
                 .zip(&up)
                 .enumerate()
                 .map(|(idx, (&g, &u))| {
-                    let (g, u) = if limit > 0.0 { (g.min(limit), u.clamp(-limit, limit)) } else { (g, u) };
+                    let (g, u) = swiglu_clamp(g, u, limit);
                     let w = job.row_weight.as_ref().map_or(1.0, |rw| rw[idx / width]);
                     bf16::from_f32(silu(g) * u * w).to_f32()
                 })
