@@ -9,12 +9,12 @@ use crate::backend::gpu_layout::{self, L1_INTERLEAVE};
 use crate::config::{MoeConfig, ScoringFunc};
 use crate::error::Result;
 use crate::forward::Mode;
+use std::ffi::c_void;
 
 /// The sizes of one forward, as the host needs them and as the kernels take them (`i32`).
 struct Dims {
     t: usize,
     h: usize,
-    i: usize,
     e: usize,
     slots: usize,
     ti: i32,
@@ -38,7 +38,6 @@ impl Dims {
         Dims {
             t,
             h,
-            i,
             e,
             slots,
             ti: t as i32,
@@ -51,6 +50,57 @@ impl Dims {
             tiles: gpu_layout::max_tiles(slots, e, bm) as u32,
         }
     }
+}
+
+/// The operands every `moe_gemm_*` launch takes first: A (bf16 rows), the weights and their
+/// scales, the tile schedule and the sizes. The dense shared expert has no tile table (null
+/// pointers) and covers rows `[0, dense_rows)`.
+struct GemmOperands {
+    a: u64,
+    wq: u64,
+    ws: u64,
+    /// Per-group weight global scales (NVFP4), or null.
+    alpha_w: u64,
+    /// Per-group activation global scales (W4A4), or null.
+    alpha_in: u64,
+    tiles: u64,
+    num_tiles: u64,
+    offsets: u64,
+    dense_rows: i32,
+    h: i32,
+    /// The GEMM's intermediate size (I, or I_s for the shared expert).
+    inter: i32,
+}
+
+impl GemmOperands {
+    /// The leading kernel arguments, in the order of `moe_gemm_l1_*` / `moe_gemm_l2_*` (pointers
+    /// into `self`: valid while it lives).
+    fn args(&self) -> Vec<*mut c_void> {
+        vec![
+            p(&self.a),
+            p(&self.wq),
+            p(&self.ws),
+            p(&self.alpha_w),
+            p(&self.alpha_in),
+            p(&self.tiles),
+            p(&self.num_tiles),
+            p(&self.offsets),
+            p(&self.dense_rows),
+            p(&self.h),
+            p(&self.inter),
+        ]
+    }
+}
+
+/// What the L1 SwiGLU epilogue reads and writes: routing weights by plan row (null: weight 1),
+/// the clamp limit, the bf16 activation and the optional f32 gate/up traces.
+struct L1Epilogue {
+    perm: u64,
+    topk_w: u64,
+    limit: f32,
+    act: u64,
+    gate_tr: u64,
+    up_tr: u64,
 }
 
 /// The `mode` argument of `moe_quant_rows`.
@@ -173,64 +223,104 @@ impl CudaEngine {
         }
     }
 
-    /// Expert inputs: gather each plan row's token and quantize it for `mode`.
-    fn enqueue_input_quant(&self, d: &Dims, mode: Mode) -> Result<()> {
+    /// `moe_quant_rows` over the S plan rows, quantize-dequantizing for `mode` either the expert
+    /// inputs (`input`: row r gathers token `perm[r] / K` of x into xin; H columns; L1 activation
+    /// scales) or the L1 output (act -> actq row by row; I columns; L2 activation scales).
+    fn launch_quant_rows(&self, d: &Dims, mode: Mode, input: bool) -> Result<()> {
         let b = &self.b;
+        let (src, dst, gather, cols, in_scale) = if input {
+            (b.x.ptr, b.xin.ptr, 1i32, d.hi, self.in1_ptr(mode))
+        } else {
+            (b.act.ptr, b.actq.ptr, 0i32, d.ii, self.in2_ptr(mode))
+        };
         let qmode = qmode(mode);
-        let one = 1i32;
-        let in1 = self.in1_ptr(mode);
         self.launch(
             "moe_quant_rows",
             (d.slots as u32, 1, 1),
             0,
             &mut [
-                p(&b.x.ptr),
-                p(&b.xin.ptr),
+                p(&src),
+                p(&dst),
                 p(&b.perm.ptr),
                 p(&b.topk_ids.ptr),
                 p(&d.ki),
-                p(&one),
+                p(&gather),
                 p(&d.si),
-                p(&d.hi),
+                p(&cols),
                 p(&qmode),
-                p(&in1),
+                p(&in_scale),
             ],
         )
+    }
+
+    /// `moe_gemm_l1_w{wf}_m{bm}` over `tiles` row tiles, with the SwiGLU epilogue `ep`.
+    fn launch_gemm_l1(
+        &self,
+        wf: i32,
+        bm: usize,
+        tiles: u32,
+        g: &GemmOperands,
+        ep: &L1Epilogue,
+    ) -> Result<()> {
+        let mut args = g.args();
+        args.extend([p(&ep.perm), p(&ep.topk_w), p(&ep.limit), p(&ep.act), p(&ep.gate_tr), p(&ep.up_tr)]);
+        let grid = (tiles, (g.inter as usize / L1_INTERLEAVE) as u32, 1);
+        self.launch(&format!("moe_gemm_l1_w{wf}_m{bm}"), grid, 0, &mut args)
+    }
+
+    /// `moe_gemm_l2_w{wf}_m{bm}` over `tiles` row tiles, writing f32 rows of H to `out`.
+    fn launch_gemm_l2(&self, wf: i32, bm: usize, tiles: u32, g: &GemmOperands, out: u64) -> Result<()> {
+        let mut args = g.args();
+        args.push(p(&out));
+        let grid = (tiles, (g.h as usize / gpu_layout::N_TILE) as u32, 1);
+        self.launch(&format!("moe_gemm_l2_w{wf}_m{bm}"), grid, 0, &mut args)
+    }
+
+    /// The operands of a routed (grouped, tile-table scheduled) GEMM.
+    fn routed_gemm(&self, d: &Dims, a: u64, wq: u64, ws: u64, alpha_w: u64, alpha_in: u64) -> GemmOperands {
+        let b = &self.b;
+        GemmOperands {
+            a,
+            wq,
+            ws,
+            alpha_w,
+            alpha_in,
+            tiles: b.tiles.ptr,
+            num_tiles: b.num_tiles.ptr,
+            offsets: b.offsets.ptr,
+            dense_rows: 0,
+            h: d.hi,
+            inter: d.ii,
+        }
+    }
+
+    /// Expert inputs: gather each plan row's token and quantize it for `mode`.
+    fn enqueue_input_quant(&self, d: &Dims, mode: Mode) -> Result<()> {
+        self.launch_quant_rows(d, mode, true)
     }
 
     /// L1 grouped GEMM with the fused SwiGLU epilogue (gate/up pre-activations kept when tracing).
     fn enqueue_l1(&self, d: &Dims, mode: Mode, trace: bool) -> Result<()> {
         let b = &self.b;
-        let zero = 0i32;
-        let limit = self.layer.config.swiglu_limit;
-        let (gtr, utr) = if trace { (b.gate_tr.ptr, b.up_tr.ptr) } else { (0u64, 0u64) };
         let x = &self.experts;
-        let (a13, in1a) = (opt_ptr(&x.alpha13), self.in1_ptr(mode));
-        let w13s = opt_ptr(&x.w13s);
-        self.launch(
-            &format!("moe_gemm_l1_w{}_m{}", x.wf, d.bm),
-            (d.tiles, (d.i / L1_INTERLEAVE) as u32, 1),
-            0,
-            &mut [
-                p(&b.xin.ptr),
-                p(&x.w13q.ptr),
-                p(&w13s),
-                p(&a13),
-                p(&in1a),
-                p(&b.tiles.ptr),
-                p(&b.num_tiles.ptr),
-                p(&b.offsets.ptr),
-                p(&zero),
-                p(&d.hi),
-                p(&d.ii),
-                p(&b.perm.ptr),
-                p(&b.topk_w.ptr),
-                p(&limit),
-                p(&b.act.ptr),
-                p(&gtr),
-                p(&utr),
-            ],
-        )
+        let (gate_tr, up_tr) = if trace { (b.gate_tr.ptr, b.up_tr.ptr) } else { (0u64, 0u64) };
+        let g = self.routed_gemm(
+            d,
+            b.xin.ptr,
+            x.w13q.ptr,
+            opt_ptr(&x.w13s),
+            opt_ptr(&x.alpha13),
+            self.in1_ptr(mode),
+        );
+        let ep = L1Epilogue {
+            perm: b.perm.ptr,
+            topk_w: b.topk_w.ptr,
+            limit: self.layer.config.swiglu_limit,
+            act: b.act.ptr,
+            gate_tr,
+            up_tr,
+        };
+        self.launch_gemm_l1(x.wf, d.bm, d.tiles, &g, &ep)
     }
 
     /// Activation quantization (W4A8 / W4A4). Returns the L2 input: `act` itself in W4A16.
@@ -239,56 +329,16 @@ impl CudaEngine {
         if mode == Mode::W4A16 {
             return Ok(b.act.ptr);
         }
-        let qmode = qmode(mode);
-        let zero = 0i32;
-        let in2 = self.in2_ptr(mode);
-        self.launch(
-            "moe_quant_rows",
-            (d.slots as u32, 1, 1),
-            0,
-            &mut [
-                p(&b.act.ptr),
-                p(&b.actq.ptr),
-                p(&b.perm.ptr),
-                p(&b.topk_ids.ptr),
-                p(&d.ki),
-                p(&zero),
-                p(&d.si),
-                p(&d.ii),
-                p(&qmode),
-                p(&in2),
-            ],
-        )?;
+        self.launch_quant_rows(d, mode, false)?;
         Ok(b.actq.ptr)
     }
 
     /// L2 grouped GEMM: f32 output rows in plan order.
     fn enqueue_l2(&self, d: &Dims, mode: Mode, l2_in: u64) -> Result<()> {
-        let b = &self.b;
         let x = &self.experts;
-        let zero = 0i32;
-        let a2 = opt_ptr(&x.alpha2);
-        let in2a = self.in2_ptr(mode);
-        let w2s = opt_ptr(&x.w2s);
-        self.launch(
-            &format!("moe_gemm_l2_w{}_m{}", x.wf, d.bm),
-            (d.tiles, (d.h / gpu_layout::N_TILE) as u32, 1),
-            0,
-            &mut [
-                p(&l2_in),
-                p(&x.w2q.ptr),
-                p(&w2s),
-                p(&a2),
-                p(&in2a),
-                p(&b.tiles.ptr),
-                p(&b.num_tiles.ptr),
-                p(&b.offsets.ptr),
-                p(&zero),
-                p(&d.hi),
-                p(&d.ii),
-                p(&b.l2.ptr),
-            ],
-        )
+        let g =
+            self.routed_gemm(d, l2_in, x.w2q.ptr, opt_ptr(&x.w2s), opt_ptr(&x.alpha2), self.in2_ptr(mode));
+        self.launch_gemm_l2(x.wf, d.bm, d.tiles, &g, self.b.l2.ptr)
     }
 
     /// Shared expert: dense L1 + L2 over all T tokens (bf16 activations in every mode). Returns
@@ -298,55 +348,33 @@ impl CudaEngine {
             return Ok(0u64);
         };
         let b = &self.b;
-        let limit = self.layer.config.swiglu_limit;
         let sbm = if d.t <= 16 { 16 } else { 64 };
         let stiles = d.t.div_ceil(sbm) as u32;
-        let isi = sh.inter as i32;
-        let null = 0u64;
-        let (s13, s2) = (opt_ptr(&sh.w13s), opt_ptr(&sh.w2s));
-        self.launch(
-            &format!("moe_gemm_l1_w{}_m{sbm}", sh.wf),
-            (stiles, (sh.inter / L1_INTERLEAVE) as u32, 1),
-            0,
-            &mut [
-                p(&b.x.ptr),
-                p(&sh.w13q.ptr),
-                p(&s13),
-                p(&null),
-                p(&null),
-                p(&null),
-                p(&null),
-                p(&null),
-                p(&d.ti),
-                p(&d.hi),
-                p(&isi),
-                p(&null),
-                p(&null),
-                p(&limit),
-                p(&b.sact.ptr),
-                p(&null),
-                p(&null),
-            ],
-        )?;
-        self.launch(
-            &format!("moe_gemm_l2_w{}_m{sbm}", sh.wf),
-            (stiles, (d.h / gpu_layout::N_TILE) as u32, 1),
-            0,
-            &mut [
-                p(&b.sact.ptr),
-                p(&sh.w2q.ptr),
-                p(&s2),
-                p(&null),
-                p(&null),
-                p(&null),
-                p(&null),
-                p(&null),
-                p(&d.ti),
-                p(&d.hi),
-                p(&isi),
-                p(&b.shared_out.ptr),
-            ],
-        )?;
+        // Dense: no tile table, global or activation scales; rows [0, T).
+        let dense = |a: u64, wq: u64, ws: u64| GemmOperands {
+            a,
+            wq,
+            ws,
+            alpha_w: 0,
+            alpha_in: 0,
+            tiles: 0,
+            num_tiles: 0,
+            offsets: 0,
+            dense_rows: d.ti,
+            h: d.hi,
+            inter: sh.inter as i32,
+        };
+        let ep = L1Epilogue {
+            perm: 0,
+            topk_w: 0,
+            limit: self.layer.config.swiglu_limit,
+            act: b.sact.ptr,
+            gate_tr: 0,
+            up_tr: 0,
+        };
+        self.launch_gemm_l1(sh.wf, sbm, stiles, &dense(b.x.ptr, sh.w13q.ptr, opt_ptr(&sh.w13s)), &ep)?;
+        let g2 = dense(b.sact.ptr, sh.w2q.ptr, opt_ptr(&sh.w2s));
+        self.launch_gemm_l2(sh.wf, sbm, stiles, &g2, b.shared_out.ptr)?;
         Ok(b.shared_out.ptr)
     }
 

@@ -35,6 +35,26 @@ pub(super) struct ExpertsDev {
     pub(super) in2_host: Option<Vec<f32>>,
 }
 
+impl ExpertsDev {
+    /// Experts with weights and block scales only (MXFP4, BF16); NVFP4 adds its global and
+    /// activation scales.
+    fn weights_only(wf: i32, w13q: DevBuf, w13s: Option<DevBuf>, w2q: DevBuf, w2s: Option<DevBuf>) -> Self {
+        ExpertsDev {
+            wf,
+            w13q,
+            w13s,
+            w2q,
+            w2s,
+            alpha13: None,
+            alpha2: None,
+            in1: None,
+            in2: None,
+            in1_host: None,
+            in2_host: None,
+        }
+    }
+}
+
 /// The shared expert on the device: one dense group in `gemm.cu`'s bf16 (2) or FP8 (3) format.
 pub(super) struct SharedDev {
     /// Weight-format code of `gemm.cu` (2 bf16, 3 fp8 with 128x128 block scales).
@@ -129,6 +149,16 @@ pub(super) fn upload_experts(stream: &Arc<CudaStream>, layer: &MoeLayer) -> Resu
     let nm = |p: &str, t: &str| format!("layers.{}.ffn.experts.*.{p}.{t}", layer.index);
     let il = |g: &[u8], u: &[u8], len: usize| gpu_layout::interleave_gate_up(g, u, e, i, len, L1_INTERLEAVE);
     let wf = wf_code(layer.format());
+    // FP4 codes and block scales (`block` elements per scale), gate/up rows interleaved.
+    let fp4 = |p1: &[u8], s1: &[u8], p2: &[u8], s2: &[u8], p3: &[u8], s3: &[u8], block: usize| {
+        Ok::<_, MegaError>(ExpertsDev::weights_only(
+            wf,
+            DevBuf::from_host(stream, &il(p1, p3, h / 2)?, "w13")?,
+            Some(DevBuf::from_host(stream, &il(s1, s3, h / block)?, "w13 scales")?),
+            DevBuf::from_host(stream, p2, "w2")?,
+            Some(DevBuf::from_host(stream, s2, "w2 scales")?),
+        ))
+    };
     match (&layer.w1.data, &layer.w2.data, &layer.w3.data) {
         (
             ProjData::Nvfp4 { packed: p1, scales: s1, global_scale: g1, input_scale: in1 },
@@ -149,18 +179,15 @@ pub(super) fn upload_experts(stream: &Arc<CudaStream>, layer: &MoeLayer) -> Resu
             }
             let in1_host = in1.clone().filter(|v| v.len() == e);
             let in2_host = in2.clone().filter(|v| v.len() == e);
+            let weights = fp4(p1, s1, p2, s2, p3, s3, 16)?;
             Ok(ExpertsDev {
-                wf,
-                w13q: DevBuf::from_host(stream, &il(p1, p3, h / 2)?, "w13")?,
-                w13s: Some(DevBuf::from_host(stream, &il(s1, s3, h / 16)?, "w13 scales")?),
-                w2q: DevBuf::from_host(stream, p2, "w2")?,
-                w2s: Some(DevBuf::from_host(stream, s2, "w2 scales")?),
                 alpha13: Some(DevBuf::from_host(stream, &a13, "alpha13")?),
                 alpha2: Some(DevBuf::from_host(stream, g2, "alpha2")?),
                 in1: in1_host.as_ref().map(|v| DevBuf::from_host(stream, v, "input_scale w1")).transpose()?,
                 in2: in2_host.as_ref().map(|v| DevBuf::from_host(stream, v, "input_scale w2")).transpose()?,
                 in1_host,
                 in2_host,
+                ..weights
             })
         }
         (
@@ -172,19 +199,7 @@ pub(super) fn upload_experts(stream: &Arc<CudaStream>, layer: &MoeLayer) -> Resu
                 len_check(nm(n, "weight"), p.len(), e * r * cc / 2)?;
                 len_check(nm(n, "scale"), s.len(), e * r * cc / 32)?;
             }
-            Ok(ExpertsDev {
-                wf,
-                w13q: DevBuf::from_host(stream, &il(p1, p3, h / 2)?, "w13")?,
-                w13s: Some(DevBuf::from_host(stream, &il(s1, s3, h / 32)?, "w13 scales")?),
-                w2q: DevBuf::from_host(stream, p2, "w2")?,
-                w2s: Some(DevBuf::from_host(stream, s2, "w2 scales")?),
-                alpha13: None,
-                alpha2: None,
-                in1: None,
-                in2: None,
-                in1_host: None,
-                in2_host: None,
-            })
+            fp4(p1, s1, p2, s2, p3, s3, 32)
         }
         (ProjData::Bf16 { weight: w1 }, ProjData::Bf16 { weight: w2 }, ProjData::Bf16 { weight: w3 }) => {
             for (n, w, r, cc) in [("w1", w1, i, h), ("w2", w2, h, i), ("w3", w3, i, h)] {
@@ -192,19 +207,13 @@ pub(super) fn upload_experts(stream: &Arc<CudaStream>, layer: &MoeLayer) -> Resu
             }
             let (b1, b3): (&[u16], &[u16]) = (bytemuck::cast_slice(w1), bytemuck::cast_slice(w3));
             let w13 = gpu_layout::interleave_gate_up(b1, b3, e, i, h, L1_INTERLEAVE)?;
-            Ok(ExpertsDev {
+            Ok(ExpertsDev::weights_only(
                 wf,
-                w13q: DevBuf::from_host(stream, &w13, "w13")?,
-                w13s: None,
-                w2q: DevBuf::from_host(stream, bytemuck::cast_slice::<_, u16>(w2), "w2")?,
-                w2s: None,
-                alpha13: None,
-                alpha2: None,
-                in1: None,
-                in2: None,
-                in1_host: None,
-                in2_host: None,
-            })
+                DevBuf::from_host(stream, &w13, "w13")?,
+                None,
+                DevBuf::from_host(stream, bytemuck::cast_slice::<_, u16>(w2), "w2")?,
+                None,
+            ))
         }
         _ => Err(MegaError::tensor(
             format!("layers.{}.ffn.experts", layer.index),
