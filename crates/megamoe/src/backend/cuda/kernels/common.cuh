@@ -5,6 +5,8 @@
 // nibble. e4m3 / e8m0 scales are raw bytes, decoded here bit by bit (never a numeric cast).
 // All conversions are exact except f2bf (round to nearest even) and the quantizers, which round
 // exactly as DESIGN.md specifies (RNE, subnormals, saturation).
+// Tiling: none here (device functions only); warp_sum / warp_max are full-warp xor-shuffle trees
+// with a fixed order, so every kernel's reductions are deterministic.
 
 typedef unsigned short bf16_t;
 typedef unsigned char u8;

@@ -12,6 +12,13 @@
 // epilogue needs no second pass: g = acc_gate*alpha_gate*alpha_in, u = acc_up*alpha_up*alpha_in,
 // u = clamp(u,-L,L), g = min(g,L) (L > 0), a = bf16(silu(g) * u * w) with w the slot's routing weight
 // (1 for the dense shared expert). L2 (moe_gemm_l2_*) stores f32 rows.
+// Other operands: alpha_w [G][2] (L1: gate, up) or [G] (L2) f32 weight global scales, nullable;
+// alpha_in [G] f32 activation global scales (W4A4), nullable; tiles [num_tiles][2] i32 = (group,
+// first row) and offsets [G+1] u32 from plan.cu; perm [rows] u32 and topk_w [S] f32 give each row's
+// routing weight (L1); outputs act [rows, I] bf16, gate_tr / up_tr [rows, I] f32 (nullable, trace),
+// out [rows, H] f32 (L2).
+// Grid: x = tile (sized for the worst case, CTAs past num_tiles exit), y = block of 64 weight rows
+// (L1: I/32 blocks of 32 gate + 32 up rows; L2: H/64).
 // Tiling: CTA tile BM rows (tokens) x 64 weight rows x BK 64, 256 threads, each thread a (BM/16) x 4
 // micro-tile (rows ty+16i, cols tx+16j). Weights are dequantized while staged into shared memory
 // (e2m1 -> f32 by bit manipulation, times the exact scale). SIMT FMA: correct first; the tile

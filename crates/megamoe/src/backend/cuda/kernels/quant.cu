@@ -8,6 +8,10 @@
 // bs = e4m3(clamp(amax16 / (6 gs), 2^-9, 448)) (amax 0 -> 1), q = e2m1(x / (bs*gs)) (ties to even);
 // the stored value is q*bs (exact in bf16), gs is applied later as an fp32 alpha in the GEMM.
 // Tiling: one CTA (256 threads) per plan row; each thread owns whole quantization blocks.
+//
+// moe_combine: l2 [S, H] f32 in plan-row order, row_of_slot [S] u32, shared_out [T, H] f32 (nullable),
+// y [T, H] f32. y[t] = sum over j = 0..K-1 in order of l2[row_of_slot[t*K + j]] (+ shared_out[t]).
+// Tiling: one CTA per token, threads stride over H; fixed fp32 add order, no atomics.
 
 extern "C" __global__ void moe_quant_rows(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst,
                                           const unsigned* __restrict__ perm, const int* __restrict__ ids,

@@ -1,0 +1,85 @@
+//! CUDA-graph capture of one forward and its replay (a whole forward as one launch).
+
+use super::device_buf::{derr, err};
+use super::engine::CudaEngine;
+use crate::error::{MegaError, Result};
+use crate::forward::{ForwardInput, ForwardOutput, Mode};
+use cudarc::driver::{sys, CudaGraph};
+
+/// A forward captured for a fixed token count and mode.
+pub(super) struct Captured {
+    tokens: usize,
+    mode: Mode,
+    graph: CudaGraph,
+}
+
+impl CudaEngine {
+    /// Captures a forward of exactly `tokens` tokens in `mode` into a CUDA graph (replacing an
+    /// earlier capture). Replay it with [`CudaEngine::replay`].
+    pub fn capture_graph(&mut self, tokens: usize, mode: Mode) -> Result<()> {
+        self.check_mode(mode)?;
+        if tokens == 0 || tokens > self.max_tokens {
+            return Err(MegaError::Input(format!(
+                "capture_graph: tokens must be in 1..={}",
+                self.max_tokens
+            )));
+        }
+        self.graph = None;
+        self.sync("before capture")?;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(derr("begin capture"))?;
+        let enq = self.enqueue(tokens, mode, false);
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        enq?;
+        let graph =
+            graph.map_err(derr("end capture"))?.ok_or_else(|| err("graph capture produced no graph"))?;
+        graph.upload().map_err(derr("graph upload"))?;
+        self.graph = Some(Captured { tokens, mode, graph });
+        Ok(())
+    }
+
+    /// Copies `input` in, replays the captured graph and copies the results out.
+    pub fn replay(&mut self, input: &ForwardInput<'_>) -> Result<ForwardOutput> {
+        let (tokens, _) = self.captured()?;
+        let t = self.upload_input(input)?;
+        if t != tokens {
+            return Err(MegaError::Input(format!(
+                "replay: the graph was captured for {tokens} tokens, got {t}"
+            )));
+        }
+        self.graph.as_ref().expect("checked").graph.launch().map_err(derr("graph launch"))?;
+        self.collect(t)
+    }
+
+    /// Times `iters` replays of the captured graph on `input` with CUDA events (ms each), after one
+    /// warm-up replay.
+    pub fn time_replays(&mut self, input: &ForwardInput<'_>, iters: usize) -> Result<Vec<f32>> {
+        let (tokens, _) = self.captured()?;
+        let t = self.upload_input(input)?;
+        if t != tokens {
+            return Err(MegaError::Input(format!("time_replays: captured for {tokens} tokens, got {t}")));
+        }
+        let g = &self.graph.as_ref().expect("checked").graph;
+        g.launch().map_err(derr("graph launch"))?;
+        let mut out = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let a = self.stream.record_event(flags).map_err(derr("event"))?;
+            g.launch().map_err(derr("graph launch"))?;
+            let z = self.stream.record_event(flags).map_err(derr("event"))?;
+            z.synchronize().map_err(derr("event sync"))?;
+            out.push(a.elapsed_ms(&z).map_err(derr("elapsed"))?);
+        }
+        self.sync("timing")?;
+        Ok(out)
+    }
+
+    /// The `(tokens, mode)` of the captured graph.
+    pub fn captured(&self) -> Result<(usize, Mode)> {
+        self.graph
+            .as_ref()
+            .map(|g| (g.tokens, g.mode))
+            .ok_or_else(|| MegaError::Input("no graph captured (call capture_graph first)".into()))
+    }
+}
