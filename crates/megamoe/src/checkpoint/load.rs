@@ -81,7 +81,14 @@ fn e8m0_value(b: u8) -> f32 {
 }
 
 /// Fails when any byte of a `[rows, cols]` byte matrix is NaN, reporting count and first position.
-fn scan_nan_bytes(name: &str, data: &[u8], cols: usize, is_nan: fn(u8) -> bool, what: &str) -> Result<()> {
+/// Shared with the backends that validate layers built in code (`is_nan`: e.g. [`crate::formats::e4m3::is_nan`]).
+pub(crate) fn scan_nan_bytes(
+    name: &str,
+    data: &[u8],
+    cols: usize,
+    is_nan: fn(u8) -> bool,
+    what: &str,
+) -> Result<()> {
     let mut count = 0usize;
     let mut first = None;
     for (i, &b) in data.iter().enumerate() {

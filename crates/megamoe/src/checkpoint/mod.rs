@@ -20,6 +20,8 @@ pub mod writer;
 pub use layer::{
     DenseData, DenseProj, ExpertFormat, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert,
 };
+#[cfg(feature = "cuda")]
+pub(crate) use load::scan_nan_bytes;
 pub use load::{LoadOptions, LoadedLayer};
 pub use naming::{Naming, Proj};
 pub use safetensors::tensor::TensorView;

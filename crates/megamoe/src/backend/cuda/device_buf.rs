@@ -54,6 +54,11 @@ pub(super) fn opt_ptr(b: &Option<DevBuf>) -> u64 {
     b.as_ref().map_or(0, |b| b.ptr)
 }
 
+/// A lazily allocated buffer (`buffers.rs`), or an error if the forward did not allocate it first.
+pub(super) fn lazy<'a>(b: &'a Option<DevBuf>, what: &str) -> Result<&'a DevBuf> {
+    b.as_ref().ok_or_else(|| err(format!("internal: the {what} buffer was not allocated before the forward")))
+}
+
 /// A kernel argument: the address of a live local whose type matches the kernel's parameter.
 pub(super) fn p<T>(v: &T) -> *mut c_void {
     v as *const T as *mut c_void

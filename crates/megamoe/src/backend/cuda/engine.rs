@@ -8,7 +8,8 @@ use super::graph::Captured;
 use super::kernels::{self, THREADS};
 use super::runtime;
 use super::upload::{
-    check_layer, upload_experts, upload_router, upload_shared, ExpertsDev, RouterDev, SharedDev,
+    check_layer, check_max_tokens, check_scales, upload_experts, upload_router, upload_shared, ExpertsDev,
+    RouterDev, SharedDev,
 };
 use crate::backend::MoeEngine;
 use crate::checkpoint::{ExpertFormat, MoeLayer};
@@ -39,16 +40,22 @@ pub struct CudaEngine {
 }
 
 impl CudaEngine {
-    /// Uploads `layer` (once, in the kernels' layout) and allocates every buffer a forward of up to
-    /// `max_tokens` tokens needs. Fails with [`MegaError::Backend`] when there is no usable GPU,
-    /// driver or NVRTC, and with a clear error for shapes the kernels do not support.
+    /// Uploads `layer` (once, in the kernels' layout) and allocates the buffers a forward of up to
+    /// `max_tokens` tokens needs (the quantized-activation and trace scratch are allocated once, by
+    /// the first forward that needs them: see `buffers.rs`).
+    ///
+    /// The layer is validated first, on the host, as the CPU reference does
+    /// ([`crate::reference::check_layer`]: sizes, finite global scales) plus what only the
+    /// checkpoint loader checks otherwise (NaN block-scale bytes), so that a layer built in code
+    /// cannot turn a fault into finite numbers. Fails with [`MegaError::Backend`] when there is no
+    /// usable GPU, driver or NVRTC, and with a clear error for shapes the kernels do not support.
     pub fn new(layer: Arc<MoeLayer>, max_tokens: usize) -> Result<Self> {
+        crate::reference::check_layer(&layer)?;
+        check_layer(&layer)?;
+        check_scales(&layer)?;
+        check_max_tokens(&layer, max_tokens)?;
         runtime::probe_driver()?;
         runtime::probe_nvrtc()?;
-        check_layer(&layer)?;
-        if max_tokens == 0 {
-            return Err(MegaError::Input("max_tokens must be at least 1".into()));
-        }
         cudarc::driver::result::init().map_err(derr("cuInit"))?;
         let n = CudaContext::device_count().map_err(derr("cuDeviceGetCount"))?;
         if n < 1 {
@@ -287,6 +294,8 @@ impl MoeEngine for CudaEngine {
         if t == 0 {
             return Ok(Self::empty_output());
         }
+        // The first quantized or traced forward allocates its scratch (once; never while capturing).
+        self.b.ensure(&self.stream, mode != Mode::W4A16, trace.is_some())?;
         self.enqueue(t, mode, trace.is_some())?;
         let out = self.collect(t)?;
         if let Some(tr) = trace {

@@ -25,6 +25,8 @@ impl CudaEngine {
             )));
         }
         self.graph = None;
+        // Allocations are not allowed inside a capture: make the mode's lazy scratch exist first.
+        self.b.ensure(&self.stream, mode != Mode::W4A16, false)?;
         self.sync("before capture")?;
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)

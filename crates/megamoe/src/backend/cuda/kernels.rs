@@ -1,7 +1,7 @@
 //! The kernel catalogue: the entry points of each source in `kernels/`, the launch constants the
 //! host shares with them, and loading the NVRTC-compiled modules into a name -> function map.
 
-use super::device_buf::derr;
+use super::device_buf::{derr, err};
 use super::runtime;
 use crate::checkpoint::ExpertFormat;
 use crate::error::Result;
@@ -29,23 +29,44 @@ pub(super) fn wf_code(f: ExpertFormat) -> i32 {
     }
 }
 
+/// The grouped-GEMM entry points `moe_gemm_l{layer}_w{wf}_m{bm}`, by `[layer - 1][wf][bm == 64]`
+/// (static names: a launch looks its kernel up without formatting a string).
+const GEMM_KERNELS: [[[&str; 2]; 4]; 2] = [
+    [
+        ["moe_gemm_l1_w0_m16", "moe_gemm_l1_w0_m64"],
+        ["moe_gemm_l1_w1_m16", "moe_gemm_l1_w1_m64"],
+        ["moe_gemm_l1_w2_m16", "moe_gemm_l1_w2_m64"],
+        ["moe_gemm_l1_w3_m16", "moe_gemm_l1_w3_m64"],
+    ],
+    [
+        ["moe_gemm_l2_w0_m16", "moe_gemm_l2_w0_m64"],
+        ["moe_gemm_l2_w1_m16", "moe_gemm_l2_w1_m64"],
+        ["moe_gemm_l2_w2_m16", "moe_gemm_l2_w2_m64"],
+        ["moe_gemm_l2_w3_m16", "moe_gemm_l2_w3_m64"],
+    ],
+];
+
+/// The name of the GEMM kernel for `layer` (1 or 2), weight format `wf` and `bm` rows per tile.
+pub(super) fn gemm_kernel(layer: usize, wf: i32, bm: usize) -> Result<&'static str> {
+    let bi = match bm {
+        16 => 0,
+        64 => 1,
+        _ => return Err(err(format!("no GEMM kernel with {bm} rows per tile"))),
+    };
+    GEMM_KERNELS
+        .get(layer.wrapping_sub(1))
+        .and_then(|l| l.get(usize::try_from(wf).ok()?))
+        .map(|w| w[bi])
+        .ok_or_else(|| err(format!("no GEMM kernel for layer {layer}, weight format {wf}")))
+}
+
 /// Kernel entry points of each source file.
 pub fn kernel_names(source: &str) -> Vec<String> {
     match source {
         "router" => vec!["moe_router".into()],
         "plan" => vec!["moe_plan_count".into(), "moe_plan_offsets".into(), "moe_plan_scatter".into()],
         "quant" => vec!["moe_quant_rows".into(), "moe_combine".into()],
-        "gemm" => {
-            let mut v = Vec::new();
-            for l in [1, 2] {
-                for wf in 0..4 {
-                    for bm in [16, 64] {
-                        v.push(format!("moe_gemm_l{l}_w{wf}_m{bm}"));
-                    }
-                }
-            }
-            v
-        }
+        "gemm" => GEMM_KERNELS.iter().flatten().flatten().map(|n| n.to_string()).collect(),
         _ => Vec::new(),
     }
 }

@@ -2,9 +2,9 @@
 //! host synchronisation (so the whole sequence can be captured in a CUDA graph). Grids are sized
 //! for the worst case; the per-expert counts stay on the device and idle CTAs exit early.
 
-use super::device_buf::{opt_ptr, p};
+use super::device_buf::{lazy, opt_ptr, p};
 use super::engine::CudaEngine;
-use super::kernels::{router_smem, THREADS};
+use super::kernels::{gemm_kernel, router_smem, THREADS};
 use crate::backend::gpu_layout::{self, L1_INTERLEAVE};
 use crate::config::{MoeConfig, ScoringFunc};
 use crate::error::Result;
@@ -72,11 +72,14 @@ struct GemmOperands {
     inter: i32,
 }
 
+/// Leading arguments of every `moe_gemm_*` kernel ([`GemmOperands::args`]).
+const GEMM_ARGS: usize = 11;
+
 impl GemmOperands {
     /// The leading kernel arguments, in the order of `moe_gemm_l1_*` / `moe_gemm_l2_*` (pointers
-    /// into `self`: valid while it lives).
-    fn args(&self) -> Vec<*mut c_void> {
-        vec![
+    /// into `self`: valid while it lives). A fixed array: a launch makes no host allocation.
+    fn args(&self) -> [*mut c_void; GEMM_ARGS] {
+        [
             p(&self.a),
             p(&self.wq),
             p(&self.ws),
@@ -231,7 +234,7 @@ impl CudaEngine {
         let (src, dst, gather, cols, in_scale) = if input {
             (b.x.ptr, b.xin.ptr, 1i32, d.hi, self.in1_ptr(mode))
         } else {
-            (b.act.ptr, b.actq.ptr, 0i32, d.ii, self.in2_ptr(mode))
+            (b.act.ptr, lazy(&b.actq, "quantized activations")?.ptr, 0i32, d.ii, self.in2_ptr(mode))
         };
         let qmode = qmode(mode);
         self.launch(
@@ -262,18 +265,27 @@ impl CudaEngine {
         g: &GemmOperands,
         ep: &L1Epilogue,
     ) -> Result<()> {
-        let mut args = g.args();
-        args.extend([p(&ep.perm), p(&ep.topk_w), p(&ep.limit), p(&ep.act), p(&ep.gate_tr), p(&ep.up_tr)]);
+        let mut args = [std::ptr::null_mut(); GEMM_ARGS + 6];
+        args[..GEMM_ARGS].copy_from_slice(&g.args());
+        args[GEMM_ARGS..].copy_from_slice(&[
+            p(&ep.perm),
+            p(&ep.topk_w),
+            p(&ep.limit),
+            p(&ep.act),
+            p(&ep.gate_tr),
+            p(&ep.up_tr),
+        ]);
         let grid = (tiles, (g.inter as usize / L1_INTERLEAVE) as u32, 1);
-        self.launch(&format!("moe_gemm_l1_w{wf}_m{bm}"), grid, 0, &mut args)
+        self.launch(gemm_kernel(1, wf, bm)?, grid, 0, &mut args)
     }
 
     /// `moe_gemm_l2_w{wf}_m{bm}` over `tiles` row tiles, writing f32 rows of H to `out`.
     fn launch_gemm_l2(&self, wf: i32, bm: usize, tiles: u32, g: &GemmOperands, out: u64) -> Result<()> {
-        let mut args = g.args();
-        args.push(p(&out));
+        let mut args = [std::ptr::null_mut(); GEMM_ARGS + 1];
+        args[..GEMM_ARGS].copy_from_slice(&g.args());
+        args[GEMM_ARGS] = p(&out);
         let grid = (tiles, (g.h as usize / gpu_layout::N_TILE) as u32, 1);
-        self.launch(&format!("moe_gemm_l2_w{wf}_m{bm}"), grid, 0, &mut args)
+        self.launch(gemm_kernel(2, wf, bm)?, grid, 0, &mut args)
     }
 
     /// The operands of a routed (grouped, tile-table scheduled) GEMM.
@@ -303,7 +315,11 @@ impl CudaEngine {
     fn enqueue_l1(&self, d: &Dims, mode: Mode, trace: bool) -> Result<()> {
         let b = &self.b;
         let x = &self.experts;
-        let (gate_tr, up_tr) = if trace { (b.gate_tr.ptr, b.up_tr.ptr) } else { (0u64, 0u64) };
+        let (gate_tr, up_tr) = if trace {
+            (lazy(&b.gate_tr, "gate trace")?.ptr, lazy(&b.up_tr, "up trace")?.ptr)
+        } else {
+            (0u64, 0u64)
+        };
         let g = self.routed_gemm(
             d,
             b.xin.ptr,
@@ -330,7 +346,7 @@ impl CudaEngine {
             return Ok(b.act.ptr);
         }
         self.launch_quant_rows(d, mode, false)?;
-        Ok(b.actq.ptr)
+        Ok(lazy(&b.actq, "quantized activations")?.ptr)
     }
 
     /// L2 grouped GEMM: f32 output rows in plan order.

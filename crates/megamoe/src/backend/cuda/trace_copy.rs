@@ -2,6 +2,7 @@
 //! [`StageTrace`] layouts (per token or per slot in slot order, as the CPU reference records
 //! them), undoing the plan's row permutation and the W4A4 activation global scales.
 
+use super::device_buf::lazy;
 use super::engine::CudaEngine;
 use crate::error::Result;
 use crate::forward::Mode;
@@ -22,13 +23,13 @@ impl CudaEngine {
         let counts = self.download::<u32>(&self.b.counts, e, "trace")?;
         let ros = self.download::<u32>(&self.b.row_of_slot, s, "trace")?;
         let xin = self.download::<u16>(&self.b.xin, s * h, "trace")?;
-        let gate = self.download::<f32>(&self.b.gate_tr, s * i, "trace")?;
-        let up = self.download::<f32>(&self.b.up_tr, s * i, "trace")?;
+        let gate = self.download::<f32>(lazy(&self.b.gate_tr, "gate trace")?, s * i, "trace")?;
+        let up = self.download::<f32>(lazy(&self.b.up_tr, "up trace")?, s * i, "trace")?;
         let act = self.download::<u16>(&self.b.act, s * i, "trace")?;
         let actq = if mode == Mode::W4A16 {
             act.clone()
         } else {
-            self.download::<u16>(&self.b.actq, s * i, "trace")?
+            self.download::<u16>(lazy(&self.b.actq, "quantized activations")?, s * i, "trace")?
         };
         let l2 = self.download::<f32>(&self.b.l2, s * h, "trace")?;
         let shared = if self.shared.is_some() {

@@ -12,6 +12,7 @@ typedef unsigned short bf16_t;
 typedef unsigned char u8;
 
 #define MM_INF __int_as_float(0x7f800000)
+#define MM_NAN __int_as_float(0x7fc00000)
 
 __device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
 
@@ -74,8 +75,10 @@ __device__ __forceinline__ float round_e2m1(float v) {
     return copysignf(r, v);
 }
 
-// 2^ceil(log2(v)) for v > 0, exactly (frexp instead of a rounded log2).
+// 2^ceil(log2(v)) for v > 0, exactly (frexp instead of a rounded log2). +inf and NaN pass
+// (frexpf(inf) reports exponent 0, which would give 1; torch's exp2(ceil(log2(inf))) is inf).
 __device__ __forceinline__ float pow2_ceil(float v) {
+    if (!(v == v) || v == MM_INF) return v;
     int e;
     float m = frexpf(v, &e);    // v = m * 2^e, m in [0.5, 1)
     return (m == 0.5f) ? ldexpf(1.f, e - 1) : ldexpf(1.f, e);

@@ -196,7 +196,11 @@ __device__ void gemm_l1(const bf16_t* __restrict__ A, const u8* __restrict__ wq,
             const int col = blockIdx.y * 32 + tx + 16 * p;
             float gt = acc[i][p] * ag, u = acc[i][p + 2] * au;
             if (gate_tr) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
-            if (limit > 0.f) { u = fminf(fmaxf(u, -limit), limit); gt = fminf(gt, limit); }
+            // NaN stays NaN (torch's clamp); fminf / fmaxf alone would turn it into +-limit.
+            if (limit > 0.f) {
+                if (u == u) u = fminf(fmaxf(u, -limit), limit);
+                if (gt == gt) gt = fminf(gt, limit);
+            }
             const float s = gt / (1.f + expf(-gt));
             act[(size_t)m * I + col] = f2bf(s * u * w);
         }

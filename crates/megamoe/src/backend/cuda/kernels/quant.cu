@@ -5,13 +5,27 @@
 // mode 0 (W4A16): copy. mode 1 (W4A8): DeepSeek act_quant, 128-element blocks,
 // s = 2^ceil(log2(max(amax,1e-4)/448)), value = e4m3(clamp(x/s)) * s — exact in bf16.
 // mode 2 (W4A4): ModelOpt NVFP4 with global scale gs = in_scale[expert of row]: block scale
-// bs = e4m3(clamp(amax16 / (6 gs), 2^-9, 448)) (amax 0 -> 1), q = e2m1(x / (bs*gs)) (ties to even);
+// bs = e4m3(clamp(amax16 / (6 gs), 2^-9, 448)) (a quotient of 0 -> 1), q = e2m1(x / (bs*gs)) (ties to even);
 // the stored value is q*bs (exact in bf16), gs is applied later as an fp32 alpha in the GEMM.
+// NaN as torch: a NaN anywhere in a quantization block makes the whole block NaN (its amax, and so
+// its scale, is NaN); in mode 1 an Inf makes the scale inf and the whole block NaN (0 * inf, inf / inf).
 // Tiling: one CTA (256 threads) per plan row; each thread owns whole quantization blocks.
 //
 // moe_combine: l2 [S, H] f32 in plan-row order, row_of_slot [S] u32, shared_out [T, H] f32 (nullable),
 // y [T, H] f32. y[t] = sum over j = 0..K-1 in order of l2[row_of_slot[t*K + j]] (+ shared_out[t]).
 // Tiling: one CTA per token, threads stride over H; fixed fp32 add order, no atomics.
+
+// Largest magnitude of n bf16 values; `nan` tells whether any is NaN (fmaxf alone would skip it).
+__device__ __forceinline__ float block_amax(const bf16_t* sb, int n, bool& nan) {
+    float amax = 0.f;
+    nan = false;
+    for (int i = 0; i < n; ++i) {
+        const float a = fabsf(bf2f(sb[i]));
+        nan |= !(a == a);
+        amax = fmaxf(amax, a);
+    }
+    return amax;
+}
 
 extern "C" __global__ void moe_quant_rows(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst,
                                           const unsigned* __restrict__ perm, const int* __restrict__ ids,
@@ -38,12 +52,17 @@ extern "C" __global__ void moe_quant_rows(const bf16_t* __restrict__ src, bf16_t
     if (mode == 1) {
         for (int b = threadIdx.x; b < cols / 128; b += blockDim.x) {
             const bf16_t* sb = s + b * 128;
-            float amax = 0.f;
-            for (int i = 0; i < 128; ++i) amax = fmaxf(amax, fabsf(bf2f(sb[i])));
+            bool nan;
+            const float amax = block_amax(sb, 128, nan);
+            if (nan) {
+                for (int i = 0; i < 128; ++i) d[b * 128 + i] = f2bf(MM_NAN);
+                continue;
+            }
+            // amax = +inf gives sc = inf: finite elements 0 * inf and the Inf inf / inf are NaN.
             float sc = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
             for (int i = 0; i < 128; ++i) {
                 float v = bf2f(sb[i]) / sc;
-                v = fminf(fmaxf(v, -448.f), 448.f);
+                if (v == v) v = fminf(fmaxf(v, -448.f), 448.f);   // fmaxf would turn NaN into -448
                 d[b * 128 + i] = f2bf(round_e4m3(v) * sc);
             }
         }
@@ -52,10 +71,14 @@ extern "C" __global__ void moe_quant_rows(const bf16_t* __restrict__ src, bf16_t
     const float gs = in_scale[e];
     for (int b = threadIdx.x; b < cols / 16; b += blockDim.x) {
         const bf16_t* sb = s + b * 16;
-        float amax = 0.f;
-        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(bf2f(sb[i])));
+        bool nan;
+        const float amax = block_amax(sb, 16, nan);
+        if (nan) {
+            for (int i = 0; i < 16; ++i) d[b * 16 + i] = f2bf(MM_NAN);
+            continue;
+        }
         float bs = amax / (6.f * gs);
-        if (amax == 0.f) bs = 1.f;
+        if (bs == 0.f) bs = 1.f;   // tested after the division, as the CPU (an underflow counts too)
         bs = fminf(fmaxf(bs, 0.001953125f), 448.f);
         bs = round_e4m3(bs);
         const float dv = bs * gs;

@@ -96,7 +96,7 @@ extern "C" __global__ void moe_router(
         float w = (lane < K) ? sc[my_id] : 0.f;
         float sum = warp_sum(w);
         if (lane < K) {
-            if (renorm) w = w / sum;
+            if (renorm && sum != 0.f) w = w / sum;   // all-zero choice: keep 0 (as the CPU), not 0/0
             w *= route_scale;
             topk_ids[(size_t)t * K + lane] = my_id;
             topk_w[(size_t)t * K + lane] = w;
