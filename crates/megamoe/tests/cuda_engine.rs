@@ -395,3 +395,139 @@ fn trace_records_every_stage_in_canonical_layout() {
     let counts: f32 = tr.get(Stage::PlanCounts).unwrap().data.iter().sum();
     assert_eq!(counts, 28.0);
 }
+
+/// Element-wise NaN mask.
+fn nan_mask(v: &[f32]) -> Vec<bool> {
+    v.iter().map(|x| x.is_nan()).collect()
+}
+
+/// Relative L2 distance over the elements finite in both (the NaN masks are compared separately).
+fn rel_l2_finite(a: &[f32], b: &[f32]) -> f64 {
+    let (x, y): (Vec<f32>, Vec<f64>) =
+        a.iter().zip(b).filter(|(p, q)| p.is_finite() && q.is_finite()).map(|(&p, &q)| (p, q as f64)).unzip();
+    rel_l2(&x, &y)
+}
+
+#[test]
+fn nan_and_inf_tokens_match_the_cpu_reference_in_every_mode() {
+    // H = 256 and I = 128 are multiples of 128 (W4A8); NVFP4 with input scales (W4A4); shared expert.
+    let layer =
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 51));
+    let Some(mut eng) = engine(&layer, 8) else { return };
+    let (t, h, k) = (5, 256, 4);
+    let mut x = synthetic::random_hidden(t, h, 17);
+    // Token 1: one NaN (in its second 128-block); token 3: one +Inf (in its first block).
+    x[h + 130] = bf16::NAN;
+    x[3 * h + 5] = bf16::INFINITY;
+    let input = ForwardInput { x: &x, input_ids: None };
+    let (_, _, margin) = host_router(&layer, &x, None);
+    for mode in Mode::ALL {
+        let (mut gtr, mut ctr) = (StageTrace::default(), StageTrace::default());
+        eng.poison(0x7F).unwrap();
+        let g = eng.forward(&input, mode, Some(&mut gtr)).unwrap();
+        let c = megamoe::reference::forward(&layer, &input, mode, Some(&mut ctr)).unwrap();
+        for (tok, &m) in margin.iter().enumerate() {
+            let (a, b) = (&g.topk_ids[tok * k..(tok + 1) * k], &c.topk_ids[tok * k..(tok + 1) * k]);
+            if tok == 1 || tok == 3 {
+                assert_eq!(a, b, "{mode} token {tok}: topk_ids differ");
+            } else if m > 1e-4 {
+                let (mut a, mut b) = (a.to_vec(), b.to_vec());
+                a.sort();
+                b.sort();
+                assert_eq!(a, b, "{mode} token {tok}: routing differs");
+            }
+        }
+        assert_eq!(nan_mask(&g.y), nan_mask(&c.y), "{mode}: NaN mask of y differs");
+        assert!(g.y[h..2 * h].iter().all(|v| v.is_nan()), "{mode}: the NaN token's output must be NaN");
+        assert!(g.y[..h].iter().all(|v| v.is_finite()), "{mode}: a finite token became non-finite");
+        // Stage by stage: the quantized input (NaN poisons its whole block) and the shared expert
+        // (the SwiGLU clamp keeps NaN).
+        for stage in [Stage::InputQuant, Stage::SharedOut, Stage::TopkWeights] {
+            let (a, b) = (&gtr.get(stage).unwrap().data, &ctr.get(stage).unwrap().data);
+            assert_eq!(nan_mask(a), nan_mask(b), "{mode}: NaN mask of {} differs", stage.name());
+        }
+        let xq = &gtr.get(Stage::InputQuant).unwrap().data;
+        let nans = xq[h..2 * h].iter().filter(|v| v.is_nan()).count();
+        let block = match mode {
+            Mode::W4A16 => 1,
+            Mode::W4A8 => 128,
+            Mode::W4A4 => 16,
+        };
+        assert_eq!(nans, block, "{mode}: NaN token's quantized input has {nans} NaN, expected {block}");
+        let infs = xq[3 * h..4 * h].iter().filter(|v| v.is_nan()).count();
+        // W4A8: the Inf makes the block scale inf, so the whole block is NaN (0 * inf, inf / inf).
+        let want = if mode == Mode::W4A8 { 128 } else { 0 };
+        assert_eq!(infs, want, "{mode}: Inf token's quantized input has {infs} NaN, expected {want}");
+        let err = rel_l2_finite(&g.y, &c.y);
+        eprintln!("{mode}: NaN/Inf tokens, finite elements rel L2 {err:.2e}");
+        assert!(err < tol(mode), "{mode}: finite elements rel L2 {err:.3e} > {}", tol(mode));
+    }
+}
+
+#[test]
+fn all_zero_routing_scores_keep_zero_weights_as_the_cpu() {
+    // Hash layer: the experts are fixed by tid2eid whatever their score. Router logits of about
+    // -25600 make every score exactly 0, so the renormalisation sum is 0 (no 0/0 = NaN).
+    let mut layer = synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 0, true, 61);
+    layer.router.weight.iter_mut().for_each(|w| *w = -1.0);
+    let layer = Arc::new(layer);
+    let Some(mut eng) = engine(&layer, 4) else { return };
+    let x = vec![bf16::from_f32(100.0); 3 * 256];
+    let ids = [1i64, 2, 3];
+    let input = ForwardInput { x: &x, input_ids: Some(&ids) };
+    let g = eng.forward(&input, Mode::W4A16, None).unwrap();
+    let c = megamoe::reference::forward(&layer, &input, Mode::W4A16, None).unwrap();
+    assert!(c.topk_weights.iter().all(|&w| w == 0.0), "CPU weights {:?}", c.topk_weights);
+    assert_eq!(g.topk_ids, c.topk_ids);
+    assert!(g.topk_weights.iter().all(|&w| w == 0.0), "GPU weights {:?}", g.topk_weights);
+    assert!(g.y.iter().all(|v| v.is_finite()), "all-zero routing must give a finite output");
+    let err = rel_l2_finite(&g.y, &c.y);
+    assert!(err < tol(Mode::W4A16), "rel L2 {err:.3e}");
+}
+
+/// The error of creating an engine on `layer` (checked on the host, before any GPU is needed).
+fn creation_error(layer: MoeLayer) -> String {
+    match CudaEngine::new(Arc::new(layer), 4) {
+        Ok(_) => panic!("an invalid layer was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn engine_rejects_nan_scale_bytes_and_non_finite_global_scales() {
+    let cfg = synthetic::tiny_config();
+    let nv = synthetic::random_layer(&cfg, ExpertFormat::Nvfp4, 1, false, 71);
+    // e4m3 NaN (0x7F / 0xFF) in expert 3's w2 block scales.
+    for byte in [0x7Fu8, 0xFF] {
+        let mut l = nv.clone();
+        if let ProjData::Nvfp4 { scales, .. } = &mut l.w2.data {
+            let per = scales.len() / 16;
+            scales[3 * per + 5] = byte;
+        }
+        let e = creation_error(l);
+        assert!(e.contains("layers.1.ffn.experts.3.w2.weight_scale"), "{e}");
+        assert!(e.contains("NaN"), "{e}");
+    }
+    // Non-finite weight_scale_2 of expert 2's w1 (the CPU reference's check_layer).
+    for g in [f32::NAN, f32::INFINITY] {
+        let mut l = nv.clone();
+        if let ProjData::Nvfp4 { global_scale, .. } = &mut l.w1.data {
+            global_scale[2] = g;
+        }
+        let e = creation_error(l);
+        assert!(e.contains("layers.1.ffn.experts.2.w1.weight_scale_2"), "{e}");
+    }
+    // e8m0 NaN (0xFF) in expert 5's w3 scales.
+    let mut mx = synthetic::random_layer(&cfg, ExpertFormat::Mxfp4, 1, false, 72);
+    if let ProjData::Mxfp4 { scales, .. } = &mut mx.w3.data {
+        let per = scales.len() / 16;
+        scales[5 * per] = 0xFF;
+    }
+    let e = creation_error(mx);
+    assert!(e.contains("layers.1.ffn.experts.5.w3.scale"), "{e}");
+    // Slot counts beyond the kernels' int range.
+    match CudaEngine::new(Arc::new(nv), usize::MAX / 2) {
+        Ok(_) => panic!("max_tokens * k > i32::MAX was accepted"),
+        Err(e) => assert!(e.to_string().contains("i32::MAX"), "{e}"),
+    }
+}
