@@ -181,6 +181,14 @@ fn fmt_name(f: ExpertFormat) -> &'static str {
 /// Runs the command.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let kind: BackendKind = args.backend.parse()?;
+    if args.timings || args.timings_only {
+        // Fail before the sweep and before generating a 48-expert V4-Pro layer (tens of seconds)
+        // when no GPU can run the timings.
+        let probe =
+            Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 1));
+        create_engine(BackendKind::Cuda, probe, 1)
+            .map_err(|e| anyhow::anyhow!("--timings needs a usable CUDA GPU: {e}"))?;
+    }
     let mut failures = 0usize;
     if !args.timings_only {
         failures += sweep(kind, &args)?;
