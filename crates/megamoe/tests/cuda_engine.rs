@@ -222,6 +222,8 @@ fn host_router(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> (Vec<
             let bias = layer.router.bias.as_ref();
             let mut key: Vec<(f64, usize)> =
                 (0..e).map(|ex| (sc[ex] + bias.map_or(0.0, |b| b[ex] as f64), ex)).collect();
+            // NaN scores choose like -inf (the engines' rule), so the sort has a total order.
+            key.iter_mut().filter(|p| p.0.is_nan()).for_each(|p| p.0 = f64::NEG_INFINITY);
             key.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
             margins.push(if k < e { key[k - 1].0 - key[k].0 } else { f64::INFINITY });
             key[..k].iter().map(|p| p.1).collect()
