@@ -476,23 +476,9 @@ impl Checkpoint {
                     ));
                     None
                 };
-                let (pk, sc) = (rows * cols / 2, rows * cols / 16);
-                let mut packed = vec![0u8; e_n * pk];
-                let mut scales = vec![0u8; e_n * sc];
-                let results: Vec<Result<()>> = packed
-                    .par_chunks_mut(pk)
-                    .zip(scales.par_chunks_mut(sc))
-                    .zip(modules.par_iter())
-                    .map(|((dp, ds), m)| {
-                        copy_bytes(self, &format!("{m}.weight"), dp)?;
-                        let sname = format!("{m}.weight_scale");
-                        copy_bytes(self, &sname, ds)?;
-                        scan_nan_bytes(&sname, ds, cols / 16, e4m3_is_nan, "e4m3 scale")?;
-                        progress.inc();
-                        Ok(())
-                    })
-                    .collect();
-                results.into_iter().collect::<Result<()>>()?;
+                let scale = |m: &String| format!("{m}.weight_scale");
+                let (packed, scales) =
+                    self.stack_fp4(&modules, rows, cols, 16, &scale, (e4m3_is_nan, "e4m3 scale"), progress)?;
                 ProjData::Nvfp4 { packed, scales, global_scale, input_scale }
             }
             ExpertFormat::Mxfp4 => {
@@ -506,23 +492,15 @@ impl Checkpoint {
                     check_dtype(&sc, d, &[Dtype::F8_E8M0, Dtype::U8], "MXFP4 e8m0 block scales")?;
                     check_shape(&sc, &s, &[rows, cols / 32], "one scale per 32 elements, row-major")?;
                 }
-                let (pk, sc) = (rows * cols / 2, rows * cols / 32);
-                let mut packed = vec![0u8; e_n * pk];
-                let mut scales = vec![0u8; e_n * sc];
-                let results: Vec<Result<()>> = packed
-                    .par_chunks_mut(pk)
-                    .zip(scales.par_chunks_mut(sc))
-                    .zip(modules.par_iter())
-                    .map(|((dp, ds), m)| {
-                        copy_bytes(self, &format!("{m}.weight"), dp)?;
-                        let sname = scale_name(m);
-                        copy_bytes(self, &sname, ds)?;
-                        scan_nan_bytes(&sname, ds, cols / 32, e8m0_is_nan, "e8m0 scale")?;
-                        progress.inc();
-                        Ok(())
-                    })
-                    .collect();
-                results.into_iter().collect::<Result<()>>()?;
+                let (packed, scales) = self.stack_fp4(
+                    &modules,
+                    rows,
+                    cols,
+                    32,
+                    &|m: &String| scale_name(m),
+                    (e8m0_is_nan, "e8m0 scale"),
+                    progress,
+                )?;
                 ProjData::Mxfp4 { packed, scales }
             }
             ExpertFormat::Bf16 => {
@@ -555,6 +533,40 @@ impl Checkpoint {
             }
         };
         Ok(ExpertProj { experts: e_n, rows, cols, data })
+    }
+
+    /// Copies every expert's packed FP4 codes and block scales (one per `block` inputs) into one
+    /// stacked pair, in parallel, scanning the scales for NaN bytes. The first error reported is
+    /// that of the lowest-numbered expert.
+    #[allow(clippy::too_many_arguments)]
+    fn stack_fp4(
+        &self,
+        modules: &[String],
+        rows: usize,
+        cols: usize,
+        block: usize,
+        scale_name: &(dyn Fn(&String) -> String + Sync),
+        (is_nan, what): (fn(u8) -> bool, &str),
+        progress: &Progress,
+    ) -> Result<(Vec<u8>, Vec<u8>)> {
+        let (pk, sc) = (rows * cols / 2, rows * cols / block);
+        let mut packed = vec![0u8; modules.len() * pk];
+        let mut scales = vec![0u8; modules.len() * sc];
+        let results: Vec<Result<()>> = packed
+            .par_chunks_mut(pk)
+            .zip(scales.par_chunks_mut(sc))
+            .zip(modules.par_iter())
+            .map(|((dp, ds), m)| {
+                copy_bytes(self, &format!("{m}.weight"), dp)?;
+                let sname = scale_name(m);
+                copy_bytes(self, &sname, ds)?;
+                scan_nan_bytes(&sname, ds, cols / block, is_nan, what)?;
+                progress.inc();
+                Ok(())
+            })
+            .collect();
+        results.into_iter().collect::<Result<()>>()?;
+        Ok((packed, scales))
     }
 
     fn warn_w13_mismatch(&self, layer: usize, g1: &[f32], g3: &[f32], warnings: &mut Vec<String>) {

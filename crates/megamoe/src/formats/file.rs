@@ -93,11 +93,21 @@ pub fn quantize_file_with(
     opts: &QuantizeOptions,
     progress: Progress<'_>,
 ) -> Result<FileSummary> {
+    transform_file(input, output, |st| quantize_tensors(st, opts, progress))
+}
+
+/// Maps `input`, converts its tensors with `convert` and writes them to `output` (never over the
+/// input; written atomically).
+fn transform_file(
+    input: &Path,
+    output: &Path,
+    convert: impl FnOnce(&SafeTensors<'_>) -> Result<(BTreeMap<String, OwnedTensor>, FileSummary)>,
+) -> Result<FileSummary> {
     refuse_same_file(input, output)?;
     let map = map_file(input)?;
     let st = SafeTensors::deserialize(&map)
         .map_err(|e| MegaError::file(input, format!("not a valid safetensors file: {e}")))?;
-    let (tensors, summary) = quantize_tensors(&st, opts, progress)?;
+    let (tensors, summary) = convert(&st)?;
     write_safetensors(output, &tensors)?;
     Ok(summary)
 }
@@ -211,13 +221,7 @@ pub fn dequantize_file_with(
     dtype: OutputDtype,
     progress: Progress<'_>,
 ) -> Result<FileSummary> {
-    refuse_same_file(input, output)?;
-    let map = map_file(input)?;
-    let st = SafeTensors::deserialize(&map)
-        .map_err(|e| MegaError::file(input, format!("not a valid safetensors file: {e}")))?;
-    let (tensors, summary) = dequantize_tensors(&st, dtype, progress)?;
-    write_safetensors(output, &tensors)?;
-    Ok(summary)
+    transform_file(input, output, |st| dequantize_tensors(st, dtype, progress))
 }
 
 /// Dequantizes the NVFP4 / MXFP4 weights of a parsed safetensors file.

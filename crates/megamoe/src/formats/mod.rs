@@ -62,6 +62,26 @@ pub(crate) fn check_matrix(len: usize, rows: usize, cols: usize, block: usize, f
     Ok(())
 }
 
+/// Checks the parts of a packed FP4 matrix: codes `[rows, cols/2]`, one scale per `block`
+/// elements `[rows, cols/block]`, and `cols % block == 0`.
+pub(crate) fn check_fp4_parts(
+    packed_len: usize,
+    scales_len: usize,
+    rows: usize,
+    cols: usize,
+    block: usize,
+    format: &str,
+) -> Result<()> {
+    check_matrix(packed_len * 2, rows, cols, block, format)?;
+    let want = rows * cols / block;
+    if scales_len != want {
+        return Err(MegaError::Input(format!(
+            "{scales_len} block scales for a {rows} x {cols} {format} matrix, expected {want}"
+        )));
+    }
+    Ok(())
+}
+
 /// Largest magnitude of a row-major matrix, or an error naming the first non-finite element.
 /// Rows are reduced in parallel; the inner loop has no early exit so it vectorises.
 pub(crate) fn amax_finite<T: FloatElement>(w: &[T], cols: usize) -> Result<f32> {

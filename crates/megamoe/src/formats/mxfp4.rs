@@ -8,7 +8,7 @@
 //!   and exact zeros (+0.0 and -0.0 alike) get 0x8;
 //! - scale byte `e + 127`; even element in the low nibble.
 
-use super::{amax_finite, check_matrix, e2m1, e8m0, FloatElement};
+use super::{amax_finite, check_fp4_parts, check_matrix, e2m1, e8m0, FloatElement};
 use crate::error::{MegaError, Result};
 use rayon::prelude::*;
 
@@ -175,17 +175,7 @@ impl Mxfp4Matrix {
 
     /// Checks the lengths (packed `[rows, cols/2]`, scales `[rows, cols/32]`) and `cols % 32`.
     pub fn validate(&self) -> Result<()> {
-        check_matrix(self.packed.len() * 2, self.rows, self.cols, BLOCK, "MXFP4")?;
-        if self.scales.len() != self.rows * self.cols / BLOCK {
-            return Err(MegaError::Input(format!(
-                "{} block scales for a {} x {} MXFP4 matrix, expected {}",
-                self.scales.len(),
-                self.rows,
-                self.cols,
-                self.rows * self.cols / BLOCK
-            )));
-        }
-        Ok(())
+        check_fp4_parts(self.packed.len(), self.scales.len(), self.rows, self.cols, BLOCK, "MXFP4")
     }
 
     /// Row-major f32 values `e2m1 * 2^(scale - 127)` (exact; equal to ModelOpt's dequantize).

@@ -15,7 +15,7 @@
 //! matrix gets global scale 1.0 and block scales 1.0 (ModelOpt would divide 0 by 0 and write NaN
 //! scales); it dequantizes to zeros.
 
-use super::{amax_finite, check_matrix, e2m1, e4m3, FloatElement};
+use super::{amax_finite, check_fp4_parts, check_matrix, e2m1, e4m3, FloatElement};
 use crate::error::{MegaError, Result};
 use rayon::prelude::*;
 
@@ -190,17 +190,7 @@ impl Nvfp4Matrix {
 
     /// Checks the lengths (packed `[rows, cols/2]`, scales `[rows, cols/16]`) and `cols % 16`.
     pub fn validate(&self) -> Result<()> {
-        check_matrix(self.packed.len() * 2, self.rows, self.cols, BLOCK, "NVFP4")?;
-        if self.scales.len() != self.rows * self.cols / BLOCK {
-            return Err(MegaError::Input(format!(
-                "{} block scales for a {} x {} NVFP4 matrix, expected {}",
-                self.scales.len(),
-                self.rows,
-                self.cols,
-                self.rows * self.cols / BLOCK
-            )));
-        }
-        Ok(())
+        check_fp4_parts(self.packed.len(), self.scales.len(), self.rows, self.cols, BLOCK, "NVFP4")
     }
 
     /// Row-major f32 values `e2m1 * (f32(scale) * global_scale)`, computed in ModelOpt's order
