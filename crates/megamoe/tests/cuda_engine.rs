@@ -533,3 +533,61 @@ fn engine_rejects_nan_scale_bytes_and_non_finite_global_scales() {
         Err(e) => assert!(e.to_string().contains("i32::MAX"), "{e}"),
     }
 }
+
+/// The decode path: at T = 1..8 the heuristic picks the weight-streaming GEMV kernels for the routed
+/// experts and the shared expert (asserted), and every format and mode matches the CPU reference
+/// (tokens whose routing flips at a near-tie are left out), repeats bitwise, and replays in a graph.
+#[test]
+fn gemv_decode_path_matches_the_cpu_reference_at_t1_to_8() {
+    use megamoe::backend::gpu_layout;
+    for (fi, format) in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4, ExpertFormat::Bf16].into_iter().enumerate()
+    {
+        let layer =
+            Arc::new(synthetic::random_layer(&synthetic::tiny_config(), format, 1, false, 61 + fi as u64));
+        let Some(mut eng) = engine(&layer, 8) else { return };
+        let c = layer.config.clone();
+        let (h, k, e) = (c.hidden_size, c.num_experts_per_tok, c.n_routed_experts);
+        for t in 1..=8usize {
+            assert!(gpu_layout::is_gemv(gpu_layout::choose_block_m(t * k, e)), "T={t}: GEMV not chosen");
+            assert!(gpu_layout::is_gemv(gpu_layout::choose_dense_block_m(t)));
+            let x = synthetic::random_hidden(t, h, 300 + t as u64);
+            let input = ForwardInput { x: &x, input_ids: None };
+            for mode in Mode::ALL {
+                if mode == Mode::W4A4 && format != ExpertFormat::Nvfp4 {
+                    continue;
+                }
+                eng.poison(0xFF).unwrap();
+                let g = eng.forward(&input, mode, None).unwrap();
+                let r = megamoe::reference::forward(&layer, &input, mode, None).unwrap();
+                let (mut gy, mut ry) = (Vec::new(), Vec::new());
+                for tok in 0..t {
+                    let (mut a, mut b) = (
+                        g.topk_ids[tok * k..(tok + 1) * k].to_vec(),
+                        r.topk_ids[tok * k..(tok + 1) * k].to_vec(),
+                    );
+                    a.sort();
+                    b.sort();
+                    if a == b {
+                        gy.extend_from_slice(&g.y[tok * h..(tok + 1) * h]);
+                        ry.extend(r.y[tok * h..(tok + 1) * h].iter().map(|&v| v as f64));
+                    }
+                }
+                assert!(gy.len() * 2 >= t * h, "{format:?} {mode} T={t}: most tokens routed differently");
+                assert!(g.y.iter().all(|v| v.is_finite()), "{format:?} {mode} T={t}: non-finite output");
+                let err = rel_l2(&gy, &ry);
+                eprintln!("GEMV {format:?} {mode} T={t}: rel L2 vs CPU reference {err:.2e}");
+                assert!(err < tol(mode), "{format:?} {mode} T={t}: rel L2 {err:.3e} > {}", tol(mode));
+                eng.poison(0xA5).unwrap();
+                let g2 = eng.forward(&input, mode, None).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&g.y), bits(&g2.y), "{format:?} {mode} T={t}: repeat differs");
+                if t == 5 {
+                    eng.capture_graph(t, mode).unwrap();
+                    eng.poison(0x5A).unwrap();
+                    let gr = eng.replay(&input).unwrap();
+                    assert_eq!(bits(&g.y), bits(&gr.y), "{format:?} {mode} T={t}: graph replay differs");
+                }
+            }
+        }
+    }
+}

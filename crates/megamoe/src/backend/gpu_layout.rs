@@ -102,14 +102,62 @@ pub fn expand_block_scales(scale: &[f32], rows: usize, cols: usize) -> Result<Ve
     Ok(out)
 }
 
+/// Tile height of the decode path: tiles of at most this many rows run the weight-streaming grouped
+/// GEMV kernels (`moe_gemv_*`) instead of the SIMT GEMM tiles.
+pub const GEMV_BLOCK_M: usize = 8;
+
+/// The smallest tile height [`choose_block_m`] returns (sizes the worst-case tile table).
+pub const MIN_BLOCK_M: usize = GEMV_BLOCK_M;
+
 /// The token-tile height of the grouped GEMMs for `slots = T*k` routing slots over `experts`:
-/// 16 when an active expert expects at most 16 rows (decode), else 64 (prefill).
+/// [`GEMV_BLOCK_M`] (the weight-streaming GEMV, decode) when an active expert expects at most 8
+/// rows, 16 when at most 16, else 64 (prefill). Heuristic only: every height is correct for every
+/// routing (a hot expert simply gets more tiles).
 pub fn choose_block_m(slots: usize, experts: usize) -> usize {
     let active = experts.min(slots).max(1);
-    if slots.div_ceil(active) <= 16 {
+    let per_expert = slots.div_ceil(active);
+    if per_expert <= GEMV_BLOCK_M {
+        GEMV_BLOCK_M
+    } else if per_expert <= 16 {
         16
     } else {
         64
+    }
+}
+
+/// The tile height of the dense shared-expert GEMMs over `tokens` rows (same kernels, one group).
+pub fn choose_dense_block_m(tokens: usize) -> usize {
+    if tokens <= GEMV_BLOCK_M {
+        GEMV_BLOCK_M
+    } else if tokens <= 16 {
+        16
+    } else {
+        64
+    }
+}
+
+/// Whether tiles of `block_m` rows run the GEMV kernels.
+pub fn is_gemv(block_m: usize) -> bool {
+    block_m <= GEMV_BLOCK_M
+}
+
+/// `grid.y` of an L1 launch over intermediate size `inter`: the GEMV's CTAs own 16 gate/up column
+/// pairs (8 warps x 2), the GEMM's 32 (one interleave block of 64 weight rows).
+pub fn l1_grid_y(inter: usize, block_m: usize) -> usize {
+    if is_gemv(block_m) {
+        inter / 16
+    } else {
+        inter / L1_INTERLEAVE
+    }
+}
+
+/// `grid.y` of an L2 launch over `hidden` output rows: 32 rows per GEMV CTA (8 warps x 4), 64 per
+/// GEMM CTA.
+pub fn l2_grid_y(hidden: usize, block_m: usize) -> usize {
+    if is_gemv(block_m) {
+        hidden / 32
+    } else {
+        hidden / N_TILE
     }
 }
 
@@ -178,7 +226,7 @@ mod tests {
     #[test]
     fn tiles_cover_every_row_once_and_fit_the_worst_case() {
         let counts = [0u32, 17, 16, 1, 0, 40];
-        for bm in [16usize, 64] {
+        for bm in [8usize, 16, 64] {
             let t = tile_table(&counts, bm);
             let total: u32 = counts.iter().sum();
             let mut covered = vec![0u8; total as usize];
@@ -201,9 +249,18 @@ mod tests {
 
     #[test]
     fn block_m_heuristic() {
-        assert_eq!(choose_block_m(6, 384), 16);
-        assert_eq!(choose_block_m(512 * 6, 384), 16);
+        assert_eq!(choose_block_m(6, 384), 8);
+        assert_eq!(choose_block_m(64 * 6, 48), 8);
+        assert_eq!(choose_block_m(65 * 6, 48), 16);
+        assert_eq!(choose_block_m(512 * 6, 384), 8);
+        assert_eq!(choose_block_m(1024 * 6, 384), 16);
         assert_eq!(choose_block_m(4096 * 6, 384), 64);
-        assert_eq!(choose_block_m(0, 8), 16);
+        assert_eq!(choose_block_m(0, 8), 8);
+        assert!(is_gemv(choose_dense_block_m(8)) && !is_gemv(choose_dense_block_m(9)));
+        assert_eq!(choose_dense_block_m(17), 64);
+        assert_eq!(l1_grid_y(3072, 8), 192);
+        assert_eq!(l1_grid_y(3072, 16), 96);
+        assert_eq!(l2_grid_y(7168, 8), 224);
+        assert_eq!(l2_grid_y(7168, 64), 112);
     }
 }

@@ -118,7 +118,7 @@ impl Buffers {
         let (h, i, e, k) =
             (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);
         let s = bytes(&[mt, k], "slots")?;
-        let tiles = gpu_layout::max_tiles(s, e, 16).max(gpu_layout::max_tiles(s, e, 64));
+        let tiles = gpu_layout::max_tiles(s, e, gpu_layout::MIN_BLOCK_M);
         let z = |dims: &[usize], what: &str| DevBuf::zeros(stream, bytes(dims, what)?, what);
         Ok(Buffers {
             x: z(&[mt, h, 2], "x")?,

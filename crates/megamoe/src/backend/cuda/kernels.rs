@@ -29,28 +29,30 @@ pub(super) fn wf_code(f: ExpertFormat) -> i32 {
     }
 }
 
-/// The grouped-GEMM entry points `moe_gemm_l{layer}_w{wf}_m{bm}`, by `[layer - 1][wf][bm == 64]`
-/// (static names: a launch looks its kernel up without formatting a string).
-const GEMM_KERNELS: [[[&str; 2]; 4]; 2] = [
+/// The grouped-GEMM entry points by `[layer - 1][wf][bm: 8 (GEMV), 16, 64]`: the decode GEMV
+/// `moe_gemv_l{layer}_w{wf}` and the SIMT tiles `moe_gemm_l{layer}_w{wf}_m{bm}` (static names: a
+/// launch looks its kernel up without formatting a string).
+const GEMM_KERNELS: [[[&str; 3]; 4]; 2] = [
     [
-        ["moe_gemm_l1_w0_m16", "moe_gemm_l1_w0_m64"],
-        ["moe_gemm_l1_w1_m16", "moe_gemm_l1_w1_m64"],
-        ["moe_gemm_l1_w2_m16", "moe_gemm_l1_w2_m64"],
-        ["moe_gemm_l1_w3_m16", "moe_gemm_l1_w3_m64"],
+        ["moe_gemv_l1_w0", "moe_gemm_l1_w0_m16", "moe_gemm_l1_w0_m64"],
+        ["moe_gemv_l1_w1", "moe_gemm_l1_w1_m16", "moe_gemm_l1_w1_m64"],
+        ["moe_gemv_l1_w2", "moe_gemm_l1_w2_m16", "moe_gemm_l1_w2_m64"],
+        ["moe_gemv_l1_w3", "moe_gemm_l1_w3_m16", "moe_gemm_l1_w3_m64"],
     ],
     [
-        ["moe_gemm_l2_w0_m16", "moe_gemm_l2_w0_m64"],
-        ["moe_gemm_l2_w1_m16", "moe_gemm_l2_w1_m64"],
-        ["moe_gemm_l2_w2_m16", "moe_gemm_l2_w2_m64"],
-        ["moe_gemm_l2_w3_m16", "moe_gemm_l2_w3_m64"],
+        ["moe_gemv_l2_w0", "moe_gemm_l2_w0_m16", "moe_gemm_l2_w0_m64"],
+        ["moe_gemv_l2_w1", "moe_gemm_l2_w1_m16", "moe_gemm_l2_w1_m64"],
+        ["moe_gemv_l2_w2", "moe_gemm_l2_w2_m16", "moe_gemm_l2_w2_m64"],
+        ["moe_gemv_l2_w3", "moe_gemm_l2_w3_m16", "moe_gemm_l2_w3_m64"],
     ],
 ];
 
 /// The name of the GEMM kernel for `layer` (1 or 2), weight format `wf` and `bm` rows per tile.
 pub(super) fn gemm_kernel(layer: usize, wf: i32, bm: usize) -> Result<&'static str> {
     let bi = match bm {
-        16 => 0,
-        64 => 1,
+        8 => 0,
+        16 => 1,
+        64 => 2,
         _ => return Err(err(format!("no GEMM kernel with {bm} rows per tile"))),
     };
     GEMM_KERNELS

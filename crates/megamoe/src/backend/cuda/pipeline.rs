@@ -5,7 +5,7 @@
 use super::device_buf::{lazy, opt_ptr, p};
 use super::engine::CudaEngine;
 use super::kernels::{gemm_kernel, router_smem, THREADS};
-use crate::backend::gpu_layout::{self, L1_INTERLEAVE};
+use crate::backend::gpu_layout;
 use crate::config::{MoeConfig, ScoringFunc};
 use crate::error::Result;
 use crate::forward::Mode;
@@ -275,7 +275,7 @@ impl CudaEngine {
             p(&ep.gate_tr),
             p(&ep.up_tr),
         ]);
-        let grid = (tiles, (g.inter as usize / L1_INTERLEAVE) as u32, 1);
+        let grid = (tiles, gpu_layout::l1_grid_y(g.inter as usize, bm) as u32, 1);
         self.launch(gemm_kernel(1, wf, bm)?, grid, 0, &mut args)
     }
 
@@ -284,7 +284,7 @@ impl CudaEngine {
         let mut args = [std::ptr::null_mut(); GEMM_ARGS + 1];
         args[..GEMM_ARGS].copy_from_slice(&g.args());
         args[GEMM_ARGS] = p(&out);
-        let grid = (tiles, (g.h as usize / gpu_layout::N_TILE) as u32, 1);
+        let grid = (tiles, gpu_layout::l2_grid_y(g.h as usize, bm) as u32, 1);
         self.launch(gemm_kernel(2, wf, bm)?, grid, 0, &mut args)
     }
 
@@ -364,7 +364,7 @@ impl CudaEngine {
             return Ok(0u64);
         };
         let b = &self.b;
-        let sbm = if d.t <= 16 { 16 } else { 64 };
+        let sbm = gpu_layout::choose_dense_block_m(d.t);
         let stiles = d.t.div_ceil(sbm) as u32;
         // Dense: no tile table, global or activation scales; rows [0, T).
         let dense = |a: u64, wq: u64, ws: u64| GemmOperands {

@@ -188,7 +188,7 @@ pub(super) fn check_max_tokens(layer: &MoeLayer, max_tokens: usize) -> Result<()
             i32::MAX
         ))
     })?;
-    let tiles = gpu_layout::max_tiles(slots, e, 16);
+    let tiles = gpu_layout::max_tiles(slots, e, gpu_layout::MIN_BLOCK_M);
     if tiles > u32::MAX as usize {
         return Err(MegaError::Input(format!(
             "max_tokens={max_tokens}: {tiles} GEMM tiles exceed a u32 grid dimension"

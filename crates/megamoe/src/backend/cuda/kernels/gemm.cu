@@ -254,3 +254,237 @@ __device__ void gemm_l2(const bf16_t* __restrict__ A, const u8* __restrict__ wq,
 
 MM_L1(0, 16) MM_L1(0, 64) MM_L1(1, 16) MM_L1(1, 64) MM_L1(2, 16) MM_L1(2, 64) MM_L1(3, 16) MM_L1(3, 64)
 MM_L2(0, 16) MM_L2(0, 64) MM_L2(1, 16) MM_L2(1, 64) MM_L2(2, 16) MM_L2(2, 64) MM_L2(3, 16) MM_L2(3, 64)
+
+// ---------------------------------------------------------------------------------------------
+// Decode path: weight-streaming grouped GEMV (moe_gemv_l1_* / moe_gemv_l2_*), for tiles of at most
+// GV_MT = 8 rows (gpu_layout::choose_block_m returns 8 when an active expert expects <= 8 rows).
+// Same operands, tile table, epilogues and output layouts as moe_gemm_l1_* / moe_gemm_l2_*.
+// Tiling: 256 threads = 8 warps; each warp owns GV_RW = 4 weight rows of one expert and streams them
+// over all of K: lane l takes 16-byte chunks l, l+32, ... (coalesced 512-byte warp loads, GV_U chunks
+// per row loaded before first use, read-only path), dequantizes in registers (exact e2m1 * scale) and
+// multiplies against the tile's <= 8 bf16 rows read through L1 (`__ldg`, tiny and hot). fp32
+// accumulators acc[row][token] per lane, summed in chunk order, then warp_sum's fixed xor tree: the
+// result is bitwise deterministic run to run (it differs from the SIMT kernels' summation order).
+// L1: CTA y owns gate/up columns 16y..16y+15 (warp w: columns 16y+2w, +1; interleaved rows of gate
+// column j: 64(j/32) + j%32, of up: that + 32); grid (tiles, I/16). L2: CTA y owns output rows
+// 32y..32y+31 (warp w: 32y+4w..+3); grid (tiles, H/32).
+
+#define GV_MT 8
+#define GV_RW 4
+#define GV_U 2
+
+// Elements of K per 16-byte chunk of weight codes.
+template <int WF> struct GvFmt { static constexpr int KC = (WF == 0 || WF == 1) ? 32 : (WF == 2 ? 8 : 16); };
+
+// Dequantizes elements 8q..8q+7 of a 16-byte chunk `v` (starting at element k) of one weight row.
+template <int WF>
+__device__ __forceinline__ void gv_dequant8(float (&w)[8], const uint4& v, int q, float s01, float s23)
+{
+    const unsigned x[4] = {v.x, v.y, v.z, v.w};
+    if (WF == 0 || WF == 1) {
+        const unsigned c = x[q];
+        const float sc = (q < 2) ? s01 : s23;
+        #pragma unroll
+        for (int n = 0; n < 8; ++n) w[n] = e2m1_to_f32((c >> (4 * n)) & 15u) * sc;
+    } else if (WF == 2) {
+        #pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            w[2 * n] = __uint_as_float(x[n] << 16);
+            w[2 * n + 1] = __uint_as_float(x[n] & 0xffff0000u);
+        }
+    } else {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+            #pragma unroll
+            for (int n = 0; n < 4; ++n) w[4 * h + n] = e4m3_to_f32((x[2 * q + h] >> (8 * n)) & 255u) * s01;
+    }
+}
+
+// The chunk's scales for one row (s01: elements 0..15, s23: 16..31; one scale for MXFP4 / FP8).
+template <int WF>
+__device__ __forceinline__ void gv_scales(const u8* __restrict__ ws, size_t row, int K, int k, float& s01,
+                                          float& s23)
+{
+    if (WF == 0) {
+        const unsigned short b = __ldg((const unsigned short*)(ws + row * (K / 16) + k / 16));
+        s01 = e4m3_to_f32(b & 255u);
+        s23 = e4m3_to_f32(b >> 8);
+    } else if (WF == 1) {
+        s01 = s23 = e8m0_to_f32(__ldg(ws + row * (K / 32) + k / 32));
+    } else if (WF == 3) {
+        s01 = s23 = __ldg((const float*)ws + row * (K / 64) + k / 64);
+    } else {
+        s01 = s23 = 1.f;
+    }
+}
+
+// acc[r][m] = sum_k A[m0 + m, k] * W[rows[r], k] over this warp (all lanes hold the totals), m < mc.
+template <int WF>
+__device__ __forceinline__ void gv_mainloop(float (&acc)[GV_RW][GV_MT], const bf16_t* __restrict__ A, int m0,
+                                            int mc, int K, const u8* __restrict__ wq,
+                                            const u8* __restrict__ ws, const size_t (&rows)[GV_RW])
+{
+    constexpr int KC = GvFmt<WF>::KC;
+    constexpr int CB = 16;                        // bytes per chunk
+    const int lane = threadIdx.x & 31;
+    const int nch = K / KC;                       // chunks per row (K % 64 == 0)
+    const size_t rb = (WF == 0 || WF == 1) ? (size_t)(K / 2) : (WF == 2 ? (size_t)K * 2 : (size_t)K);
+    #pragma unroll
+    for (int r = 0; r < GV_RW; ++r)
+        #pragma unroll
+        for (int m = 0; m < GV_MT; ++m) acc[r][m] = 0.f;
+    for (int c0 = lane; c0 < nch; c0 += 32 * GV_U) {
+        uint4 v[GV_U][GV_RW];
+        float s01[GV_U][GV_RW], s23[GV_U][GV_RW];
+        // Issue every load of this step before the first use (bytes in flight hide DRAM latency).
+        #pragma unroll
+        for (int u = 0; u < GV_U; ++u) {
+            const int c = c0 + 32 * u;
+            #pragma unroll
+            for (int r = 0; r < GV_RW; ++r) {
+                if (c < nch) {
+                    v[u][r] = __ldg((const uint4*)(wq + rows[r] * rb + (size_t)c * CB));
+                    gv_scales<WF>(ws, rows[r], K, c * KC, s01[u][r], s23[u][r]);
+                } else {
+                    v[u][r] = make_uint4(0u, 0u, 0u, 0u);
+                    s01[u][r] = s23[u][r] = 0.f;
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < GV_U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c >= nch) break;
+            #pragma unroll
+            for (int q = 0; q < KC / 8; ++q) {
+                float w[GV_RW][8];
+                #pragma unroll
+                for (int r = 0; r < GV_RW; ++r) gv_dequant8<WF>(w[r], v[u][r], q, s01[u][r], s23[u][r]);
+                const int k = c * KC + 8 * q;
+                #pragma unroll
+                for (int m = 0; m < GV_MT; ++m) {
+                    if (m >= mc) break;
+                    const uint4 xa = __ldg((const uint4*)(A + (size_t)(m0 + m) * K + k));
+                    const unsigned xs[4] = {xa.x, xa.y, xa.z, xa.w};
+                    float a[8];
+                    #pragma unroll
+                    for (int n = 0; n < 4; ++n) {
+                        a[2 * n] = __uint_as_float(xs[n] << 16);
+                        a[2 * n + 1] = __uint_as_float(xs[n] & 0xffff0000u);
+                    }
+                    #pragma unroll
+                    for (int r = 0; r < GV_RW; ++r)
+                        #pragma unroll
+                        for (int n = 0; n < 8; ++n) acc[r][m] = fmaf(a[n], w[r][n], acc[r][m]);
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < GV_MT; ++m) {
+        if (m >= mc) break;                       // uniform over the warp
+        #pragma unroll
+        for (int r = 0; r < GV_RW; ++r) acc[r][m] = warp_sum(acc[r][m]);
+    }
+}
+
+template <int WF>
+__device__ void gemv_l1(const bf16_t* __restrict__ A, const u8* __restrict__ wq, const u8* __restrict__ ws,
+                        const float* __restrict__ alpha_w, const float* __restrict__ alpha_in,
+                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
+                        const unsigned* __restrict__ offsets, int dense_rows, int H, int I,
+                        const unsigned* __restrict__ perm, const float* __restrict__ topk_w, float limit,
+                        bf16_t* __restrict__ act, float* __restrict__ gate_tr, float* __restrict__ up_tr)
+{
+    int g, m0, mend;
+    if (!tile_of<GV_MT>(tiles, num_tiles, offsets, dense_rows, g, m0, mend)) return;
+    const int mc = min(mend - m0, GV_MT);
+    const size_t R = 2 * (size_t)I;
+    const u8* wqg = wq + (size_t)g * w_group_bytes<WF>(R, H);
+    const u8* wsg = ws ? ws + (size_t)g * s_group_bytes<WF>(R, H) : ws;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j0 = blockIdx.y * 16 + warp * 2;    // this warp's gate/up columns j0, j0 + 1
+    size_t rows[GV_RW];
+    #pragma unroll
+    for (int p = 0; p < 2; ++p) {
+        const size_t base = (size_t)((j0 + p) / 32) * 64 + (size_t)((j0 + p) % 32);
+        rows[p] = base;                           // gate
+        rows[p + 2] = base + 32;                  // up
+    }
+    float acc[GV_RW][GV_MT];
+    gv_mainloop<WF>(acc, A, m0, mc, H, wqg, wsg, rows);
+    float ag = 1.f, au = 1.f;
+    if (alpha_w) { ag = alpha_w[2 * g]; au = alpha_w[2 * g + 1]; }
+    if (alpha_in) { ag *= alpha_in[g]; au *= alpha_in[g]; }
+    #pragma unroll
+    for (int m = 0; m < GV_MT; ++m) {
+        if (m >= mc) break;
+        #pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            if (lane != 2 * m + p) continue;      // one lane per (token, column) stores
+            const int row = m0 + m, col = j0 + p;
+            const float w = perm ? topk_w[perm[row]] : 1.f;
+            float gt = acc[p][m] * ag, u = acc[p + 2][m] * au;
+            if (gate_tr) { gate_tr[(size_t)row * I + col] = gt; up_tr[(size_t)row * I + col] = u; }
+            // NaN stays NaN (torch's clamp), as in gemm_l1.
+            if (limit > 0.f) {
+                if (u == u) u = fminf(fmaxf(u, -limit), limit);
+                if (gt == gt) gt = fminf(gt, limit);
+            }
+            const float s = gt / (1.f + expf(-gt));
+            act[(size_t)row * I + col] = f2bf(s * u * w);
+        }
+    }
+}
+
+template <int WF>
+__device__ void gemv_l2(const bf16_t* __restrict__ A, const u8* __restrict__ wq, const u8* __restrict__ ws,
+                        const float* __restrict__ alpha_w, const float* __restrict__ alpha_in,
+                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
+                        const unsigned* __restrict__ offsets, int dense_rows, int H, int I,
+                        float* __restrict__ out)
+{
+    int g, m0, mend;
+    if (!tile_of<GV_MT>(tiles, num_tiles, offsets, dense_rows, g, m0, mend)) return;
+    const int mc = min(mend - m0, GV_MT);
+    const u8* wqg = wq + (size_t)g * w_group_bytes<WF>((size_t)H, I);
+    const u8* wsg = ws ? ws + (size_t)g * s_group_bytes<WF>((size_t)H, I) : ws;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = blockIdx.y * 32 + warp * GV_RW;
+    size_t rows[GV_RW];
+    #pragma unroll
+    for (int r = 0; r < GV_RW; ++r) rows[r] = (size_t)(n0 + r);
+    float acc[GV_RW][GV_MT];
+    gv_mainloop<WF>(acc, A, m0, mc, I, wqg, wsg, rows);
+    float a = alpha_w ? alpha_w[g] : 1.f;
+    if (alpha_in) a *= alpha_in[g];
+    #pragma unroll
+    for (int m = 0; m < GV_MT; ++m) {
+        if (m >= mc) break;
+        #pragma unroll
+        for (int r = 0; r < GV_RW; ++r)
+            if (lane == GV_RW * m + r) out[(size_t)(m0 + m) * H + n0 + r] = acc[r][m] * a;
+    }
+}
+
+#define GV_L1(WF)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NT) moe_gemv_l1_w##WF(                                   \
+        const bf16_t* A, const u8* wq, const u8* ws, const float* alpha_w, const float* alpha_in,        \
+        const int* tiles, const int* num_tiles, const unsigned* offsets, int dense_rows, int H, int I,    \
+        const unsigned* perm, const float* topk_w, float limit, bf16_t* act, float* gate_tr,             \
+        float* up_tr)                                                                                    \
+    {                                                                                                     \
+        gemv_l1<WF>(A, wq, ws, alpha_w, alpha_in, tiles, num_tiles, offsets, dense_rows, H, I, perm,     \
+                    topk_w, limit, act, gate_tr, up_tr);                                                 \
+    }
+#define GV_L2(WF)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NT) moe_gemv_l2_w##WF(                                   \
+        const bf16_t* A, const u8* wq, const u8* ws, const float* alpha_w, const float* alpha_in,        \
+        const int* tiles, const int* num_tiles, const unsigned* offsets, int dense_rows, int H, int I,    \
+        float* out)                                                                                      \
+    {                                                                                                     \
+        gemv_l2<WF>(A, wq, ws, alpha_w, alpha_in, tiles, num_tiles, offsets, dense_rows, H, I, out);     \
+    }
+
+GV_L1(0) GV_L1(1) GV_L1(2) GV_L1(3)
+GV_L2(0) GV_L2(1) GV_L2(2) GV_L2(3)
