@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Run HERE (no GPU needed): builds the release `megamoe` binary and the CUDA test executables,
-# stages them with scripts/device/run.sh into /work/main/.device-carry/ (git-ignored), and prints
+# stages them with scripts/device/run.sh into .device-carry/ (git-ignored), and prints
 # the device `run` call to make. The companion script runs THERE, on the GPU machine.
 # Usage: bash scripts/device.sh [--carry-dir DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-carry="${CARRY_DIR:-/work/main/.device-carry}"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/work/main/target}"
+carry="${CARRY_DIR:-$PWD/.device-carry}"
+# This checkout's own target dir: several checkouts sharing one would overwrite each other's
+# target/release/megamoe, and a stale binary would be staged.
+export CARGO_TARGET_DIR="$PWD/target"
 cargo build --release -p megamoe-cli
 targets=""
 for f in crates/megamoe/tests/cuda_*.rs; do n=$(basename "$f" .rs); [ "$n" != cuda_compile ] && targets="$targets --test $n"; done
