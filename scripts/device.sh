@@ -2,7 +2,7 @@
 # Run HERE (no GPU needed): builds the release `megamoe` binary and the CUDA test executables,
 # stages them with scripts/device/run.sh into .device-carry/ (git-ignored), and prints
 # the device `run` call to make. The companion script runs THERE, on the GPU machine.
-# Usage: bash scripts/device.sh [--carry-dir DIR]
+# Usage: bash scripts/device.sh   (env CARRY_DIR: where to stage, default .device-carry)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 carry="${CARRY_DIR:-$PWD/.device-carry}"

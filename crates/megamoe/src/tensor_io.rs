@@ -51,10 +51,16 @@ impl safetensors::View for &OwnedTensor {
     }
 }
 
-/// Writes tensors to `path` (sorted by name), refusing to overwrite any of `protected` inputs.
+/// Writes tensors to `path` (sorted by name) through a temporary file renamed into place, so a
+/// failure never leaves a truncated output. Callers refuse paths that name their inputs.
 pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, OwnedTensor>) -> Result<()> {
     let data = safetensors::serialize(tensors.iter().map(|(k, v)| (k.clone(), v)), None)
         .map_err(|e| MegaError::file(path, format!("cannot serialize: {e}")))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.is_dir() {
+            return Err(MegaError::file(path, format!("the output folder {} does not exist", dir.display())));
+        }
+    }
     // Write to a temporary file first so a failure never leaves a truncated output.
     let tmp = path.with_extension("safetensors.partial");
     std::fs::write(&tmp, data).map_err(|e| MegaError::file(&tmp, e))?;

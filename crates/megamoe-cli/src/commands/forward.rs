@@ -38,8 +38,13 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         mode: args.mode,
         backend: args.backend,
     })?;
-    for w in &report.warnings {
-        eprintln!("warning: {w}");
+    // Load warnings were already logged (tracing, at the default `warn` level); count them here
+    // so they are not lost under a quieter MEGAMOE_LOG.
+    if !report.warnings.is_empty() {
+        eprintln!(
+            "{} load warning(s); see the log above or `megamoe inspect --validate`",
+            report.warnings.len()
+        );
     }
     println!(
         "layer {}: {} tokens x H {} in {} on {}: {:.2} ms -> {}",
