@@ -14,11 +14,14 @@ pub(super) const THREADS: u32 = 256;
 /// The shared memory a kernel may use without opting in to more.
 pub(super) const MAX_STATIC_SMEM: usize = 48 * 1024;
 
-/// Dynamic shared memory of `moe_router`: the token row and two score arrays (f32) plus a taken
+/// Dynamic shared memory of `moe_router` (the top-k tail): two score arrays (f32) plus a taken
 /// flag per expert.
-pub(super) fn router_smem(h: usize, e: usize) -> usize {
-    (h + 2 * e) * 4 + e
+pub(super) fn router_smem(e: usize) -> usize {
+    2 * e * 4 + e
 }
+
+/// Experts per CTA of `moe_router_logits` (`RT_EPC` in `kernels/router.cu`).
+pub(super) const ROUTER_EXPERTS_PER_CTA: u32 = 2;
 
 /// Kernel weight-format codes (the `WF` template parameter of `gemm.cu`).
 pub(super) fn wf_code(f: ExpertFormat) -> i32 {
@@ -65,7 +68,7 @@ pub(super) fn gemm_kernel(layer: usize, wf: i32, bm: usize) -> Result<&'static s
 /// Kernel entry points of each source file.
 pub fn kernel_names(source: &str) -> Vec<String> {
     match source {
-        "router" => vec!["moe_router".into()],
+        "router" => vec!["moe_router_logits".into(), "moe_router".into()],
         "plan" => vec!["moe_plan_count".into(), "moe_plan_offsets".into(), "moe_plan_scatter".into()],
         "quant" => vec!["moe_quant_rows".into(), "moe_combine".into()],
         "gemm" => GEMM_KERNELS.iter().flatten().flatten().map(|n| n.to_string()).collect(),

@@ -16,7 +16,8 @@
 //! Kernel sources (each starts with its data layouts and tiling):
 //! - `kernels/common.cuh`: bf16 / e2m1 / e4m3 / e8m0 conversions, rounding, warp reductions
 //!   (prepended to every source);
-//! - `kernels/router.cu`: `moe_router` (scores, biased top-k or hash lookup, weights);
+//! - `kernels/router.cu`: `moe_router_logits` (gate logits over many CTAs) and `moe_router` (scores,
+//!   biased top-k or hash lookup, weights);
 //! - `kernels/plan.cu`: `moe_plan_count`, `moe_plan_offsets`, `moe_plan_scatter` (the per-expert plan);
 //! - `kernels/quant.cu`: `moe_quant_rows` (stage + quantize rows per mode) and `moe_combine`;
 //! - `kernels/gemm.cu`: `moe_gemm_l{1,2}_w{format}_m{BM}` (grouped GEMMs, dequantizing in registers).

@@ -4,7 +4,7 @@
 
 use super::device_buf::{lazy, opt_ptr, p};
 use super::engine::CudaEngine;
-use super::kernels::{gemm_kernel, router_smem, THREADS};
+use super::kernels::{gemm_kernel, router_smem, ROUTER_EXPERTS_PER_CTA, THREADS};
 use crate::backend::gpu_layout;
 use crate::config::{MoeConfig, ScoringFunc};
 use crate::error::Result;
@@ -14,7 +14,6 @@ use std::ffi::c_void;
 /// The sizes of one forward, as the host needs them and as the kernels take them (`i32`).
 struct Dims {
     t: usize,
-    h: usize,
     e: usize,
     slots: usize,
     ti: i32,
@@ -37,7 +36,6 @@ impl Dims {
         let bm = gpu_layout::choose_block_m(slots, e);
         Dims {
             t,
-            h,
             e,
             slots,
             ti: t as i32,
@@ -129,7 +127,8 @@ impl CudaEngine {
         self.enqueue_combine(&d, shared_out)
     }
 
-    /// Router: scores, top-k (or hash lookup) and routing weights, one CTA per token.
+    /// Router: logits over (block of experts, token) CTAs, then scores, top-k (or hash lookup) and
+    /// routing weights, one CTA per token.
     fn enqueue_router(&self, d: &Dims) -> Result<()> {
         let c = &self.layer.config;
         let b = &self.b;
@@ -142,19 +141,22 @@ impl CudaEngine {
         let rsf = c.routed_scaling_factor;
         let (bias, t2e) = (opt_ptr(&self.router.bias), opt_ptr(&self.router.tid2eid));
         let tok_ids = if t2e != 0 { b.ids.ptr } else { 0u64 };
-        let smem = router_smem(d.h, d.e) as u32;
+        self.launch(
+            "moe_router_logits",
+            (d.t as u32, (d.e as u32).div_ceil(ROUTER_EXPERTS_PER_CTA), 1),
+            0,
+            &mut [p(&b.x.ptr), p(&self.router.weight.ptr), p(&d.ti), p(&d.hi), p(&d.ei), p(&b.scores.ptr)],
+        )?;
+        let smem = router_smem(d.e) as u32;
         self.launch(
             "moe_router",
             (d.t as u32, 1, 1),
             smem,
             &mut [
-                p(&b.x.ptr),
-                p(&self.router.weight.ptr),
                 p(&bias),
                 p(&t2e),
                 p(&tok_ids),
                 p(&d.ti),
-                p(&d.hi),
                 p(&d.ei),
                 p(&d.ki),
                 p(&score_func),

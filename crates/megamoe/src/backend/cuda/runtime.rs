@@ -108,6 +108,13 @@ fn options(arch: &str) -> Vec<String> {
     if let Some(d) = include_dir() {
         o.push(format!("--include-path={d}"));
     }
+    // Tuning override of the decode GEMV's load depth (`GV_U` in kernels/gemm.cu); part of the
+    // cache key like every option. Ignored unless 1..=8.
+    if let Some(u) = std::env::var("MEGAMOE_GEMV_UNROLL").ok().and_then(|v| v.parse::<u32>().ok()) {
+        if (1..=8).contains(&u) {
+            o.push(format!("-DGV_U={u}"));
+        }
+    }
     o
 }
 

@@ -96,10 +96,10 @@ pub(super) fn check_layer(layer: &MoeLayer) -> Result<()> {
     if e == 0 || k == 0 || k > 32 || k > e {
         return Err(MegaError::Config(format!("the CUDA backend needs 1 <= k <= min(32, E) (k={k}, E={e})")));
     }
-    if router_smem(h, e) > MAX_STATIC_SMEM {
+    if router_smem(e) > MAX_STATIC_SMEM {
         return Err(MegaError::Config(format!(
-            "router: H={h} and E={e} need {} bytes of shared memory (limit {MAX_STATIC_SMEM})",
-            router_smem(h, e)
+            "router: E={e} needs {} bytes of shared memory (limit {MAX_STATIC_SMEM})",
+            router_smem(e)
         )));
     }
     for (name, p, rows, cols) in [("w1", &layer.w1, i, h), ("w2", &layer.w2, h, i), ("w3", &layer.w3, i, h)] {

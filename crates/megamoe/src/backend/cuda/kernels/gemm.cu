@@ -271,7 +271,12 @@ MM_L2(0, 16) MM_L2(0, 64) MM_L2(1, 16) MM_L2(1, 64) MM_L2(2, 16) MM_L2(2, 64) MM
 
 #define GV_MT 8
 #define GV_RW 4
+// Chunks per row loaded before first use (GV_U * GV_RW independent 16-byte loads per lane in
+// flight); tuning override: MEGAMOE_GEMV_UNROLL (runtime.rs passes -DGV_U). Measured on an H200
+// (V4-Pro rank, T=1 / 64): 2 -> 0.549 / 8.29 ms, 4 -> 0.761 / 10.6 ms, 8 -> 1.01 / 12.5 ms, so 2 stays.
+#ifndef GV_U
 #define GV_U 2
+#endif
 
 // Elements of K per 16-byte chunk of weight codes.
 template <int WF> struct GvFmt { static constexpr int KC = (WF == 0 || WF == 1) ? 32 : (WF == 2 ? 8 : 16); };

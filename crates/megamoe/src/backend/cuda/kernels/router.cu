@@ -4,41 +4,101 @@
 // tid2eid [vocab, K] i32 and token ids [T] i32 (hash layers; ids validated on the host).
 // Outputs: scores [T, E] f32 (after the score function, before bias), topk_ids [T, K] i32,
 // topk_w [T, K] f32.
-// Tiling: one CTA (256 threads) per token. The token's row is staged in shared memory as f32; each
-// warp computes whole dot products (lanes stride over H, fixed xor-shuffle reduction: deterministic).
-// Top-k: warp 0, K rounds of a warp argmax over the not-yet-chosen experts; NaN keys count as -inf
-// and equal keys go to the lower index, so ids are always distinct and in range (NaN rows included).
-// Dynamic shared memory: (H + 2E) * 4 bytes + E bytes.
+// Two kernels (the decode router is bound by reading the [E, H] gate weight, so that read is spread
+// over many CTAs):
+// - moe_router_logits: grid (T, ceil(E / RT_EPC)), 256 threads. CTA (t, b) computes the logits of
+//   token t for experts RT_EPC*b .. +RT_EPC-1 into scores (overwritten by the tail): RT_SPLIT warps
+//   per expert, each over its share of H in 16-byte chunks (8 bf16 of x, 8 f32 of wg; chunk
+//   c = s*32 + lane + 32*RT_SPLIT*i for warp slice s), RT_U chunks loaded before use; per lane fp32
+//   in chunk order, warp_sum's fixed xor tree, then the slices added in slice order: deterministic.
+//   H % 64 == 0 (checked on the host), so every chunk is whole and 16-byte aligned.
+// - moe_router: one CTA per token, warp 0 only: score function over the logits, then top-k: K
+//   rounds of a warp argmax over the not-yet-chosen experts; NaN keys count as -inf and equal keys
+//   go to the lower index, so ids are always distinct and in range (NaN rows included).
+//   Dynamic shared memory: 2E * 4 bytes + E bytes.
+
+#define RT_SPLIT 4
+#define RT_EPC 2
+#define RT_U 4
+
+extern "C" __global__ void moe_router_logits(
+    const bf16_t* __restrict__ x, const float* __restrict__ wg, int T, int H, int E,
+    float* __restrict__ scores)
+{
+    __shared__ float part[RT_EPC][RT_SPLIT];
+    const int t = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int el = warp / RT_SPLIT, s = warp % RT_SPLIT;
+    const int e = blockIdx.y * RT_EPC + el;
+    if (t >= T) return;                           // uniform over the CTA
+    float acc = 0.f;
+    if (e < E) {
+        const uint4* xr = (const uint4*)(x + (size_t)t * H);
+        const float4* wr = (const float4*)(wg + (size_t)e * H);
+        const int nch = H / 8;
+        constexpr int STEP = 32 * RT_SPLIT;
+        for (int c0 = s * 32 + lane; c0 < nch; c0 += STEP * RT_U) {
+            uint4 xv[RT_U];
+            float4 w0[RT_U], w1[RT_U];
+            #pragma unroll
+            for (int u = 0; u < RT_U; ++u) {
+                const int c = c0 + STEP * u;
+                if (c < nch) {
+                    xv[u] = __ldg(xr + c);
+                    w0[u] = __ldg(wr + 2 * c);
+                    w1[u] = __ldg(wr + 2 * c + 1);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < RT_U; ++u) {
+                const int c = c0 + STEP * u;
+                if (c >= nch) break;
+                const float wv[8] = {w0[u].x, w0[u].y, w0[u].z, w0[u].w, w1[u].x, w1[u].y, w1[u].z, w1[u].w};
+                const unsigned xs[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
+                #pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    acc = fmaf(__uint_as_float(xs[n] << 16), wv[2 * n], acc);
+                    acc = fmaf(__uint_as_float(xs[n] & 0xffff0000u), wv[2 * n + 1], acc);
+                }
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) part[el][s] = acc;
+    __syncthreads();
+    if (threadIdx.x < RT_EPC) {
+        const int ee = blockIdx.y * RT_EPC + threadIdx.x;
+        if (ee < E) {
+            float l = 0.f;
+            #pragma unroll
+            for (int q = 0; q < RT_SPLIT; ++q) l += part[threadIdx.x][q];
+            scores[(size_t)t * E + ee] = l;   // logits; moe_router applies the score function
+        }
+    }
+}
 
 extern "C" __global__ void moe_router(
-    const bf16_t* __restrict__ x, const float* __restrict__ wg, const float* __restrict__ bias,
+    const float* __restrict__ bias,
     const int* __restrict__ tid2eid, const int* __restrict__ token_ids,
-    int T, int H, int E, int K, int score_func, int renorm, float route_scale,
+    int T, int E, int K, int score_func, int renorm, float route_scale,
     float* __restrict__ scores, int* __restrict__ topk_ids, float* __restrict__ topk_w)
 {
     extern __shared__ float smem[];
-    float* xs = smem;              // [H]
-    float* sc = xs + H;            // [E] scores
+    float* sc = smem;              // [E] scores
     float* key = sc + E;           // [E] choice keys
     unsigned char* taken = (unsigned char*)(key + E);
     const int t = blockIdx.x;
     if (t >= T) return;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (warp != 0) return;         // one warp per token does the rest
 
-    for (int h = tid; h < H; h += blockDim.x) xs[h] = bf2f(x[(size_t)t * H + h]);
-    for (int e = tid; e < E; e += blockDim.x) taken[e] = 0;
-    __syncthreads();
-
-    for (int e = warp; e < E; e += nwarps) {
-        const float* w = wg + (size_t)e * H;
-        float acc = 0.f;
-        for (int h = lane; h < H; h += 32) acc = fmaf(xs[h], w[h], acc);
-        acc = warp_sum(acc);
-        if (lane == 0) sc[e] = acc;   // logits for now
+    // Logits from moe_router_logits (this token's row only: read, then overwritten with scores).
+    for (int e = lane; e < E; e += 32) {
+        taken[e] = 0;
+        sc[e] = scores[(size_t)t * E + e];
     }
-    __syncthreads();
-
-    if (warp == 0) {
+    __syncwarp();
+    {
         if (score_func == 2) {        // softmax over experts
             float m = -MM_INF;
             for (int e = lane; e < E; e += 32) m = fmaxf(m, sc[e]);
