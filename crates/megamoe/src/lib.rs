@@ -7,11 +7,12 @@
 //!   validation, and [`checkpoint::MoeLayer`], the plain struct every backend consumes.
 //! - [`router`]: scores, biased top-k, hash routing, weight normalisation.
 //! - [`plan`]: the shape of a forward and the per-expert token plan shared by all backends.
-//! - [`reference`]: the exact, multi-threaded CPU reference forward (the oracle).
+//! - [`reference`](mod@reference): the exact, multi-threaded CPU reference forward (the oracle).
 //! - [`backend`]: the engines that run a forward (CPU, CUDA).
 //! - [`trace`]: per-stage tensors for diagnostics.
 //! - [`parallel`]: expert sharding across ranks.
-//! - [`diagnostics`]: the checkpoint doctor.
+//! - [`diagnostics`]: the checkpoint doctor, the stage tracer, test-only fault injection.
+//! - [`synthetic`]: random V4-shaped layers and inputs (demo, verify, tests).
 
 pub mod backend;
 pub mod checkpoint;

@@ -14,7 +14,7 @@ pub struct Args {
     /// MoE layer index.
     #[arg(long)]
     pub layer: usize,
-    /// Input safetensors: `x` BF16/F32 [T, H], and `input_ids` I64 [T] for hash-routed layers.
+    /// Input safetensors: `x` BF16/F32 [T, H], and `input_ids` I64 `[T]` for hash-routed layers.
     #[arg(long)]
     pub input: PathBuf,
     /// Output safetensors (written): `y` F32 [T, H], `topk_ids` I32 [T, k], `topk_weights` F32 [T, k].

@@ -5,7 +5,7 @@
 //! - [`scale_layout`]: row-major, 128x4-swizzled and packed-u32 block-scale layouts.
 //! - [`nvfp4`], [`mxfp4`]: whole-matrix quantize / dequantize, bit-exact with NVIDIA ModelOpt 0.47.
 //! - [`act_quant`]: the activation quant-dequant rules of the W4A8 and W4A4 modes.
-//! - [`file`]: the `megamoe quantize` / `dequantize` file-level logic.
+//! - [`file`](mod@file): the `megamoe quantize` / `dequantize` file-level logic.
 
 pub mod act_quant;
 pub mod e2m1;
