@@ -8,15 +8,9 @@ use std::path::PathBuf;
 /// Arguments of `megamoe forward`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory (config.json + model.safetensors or sharded index).
-    #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// MoE layer index.
-    #[arg(long)]
-    pub layer: usize,
-    /// Input safetensors: `x` BF16/F32 [T, H], and `input_ids` I64 `[T]` for hash-routed layers.
-    #[arg(long)]
-    pub input: PathBuf,
+    /// Checkpoint, layer and activations.
+    #[command(flatten)]
+    pub at: super::LayerInput,
     /// Output safetensors (written): `y` F32 [T, H], `topk_ids` I32 [T, k], `topk_weights` F32 [T, k].
     #[arg(long)]
     pub output: PathBuf,
@@ -31,9 +25,9 @@ pub struct Args {
 /// Runs the command.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let report = forward_file(&ForwardFileOptions {
-        checkpoint: args.checkpoint,
-        layer: args.layer,
-        input: args.input,
+        checkpoint: args.at.checkpoint,
+        layer: args.at.layer,
+        input: args.at.input,
         output: args.output.clone(),
         mode: args.mode,
         backend: args.backend,
@@ -48,7 +42,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     }
     println!(
         "layer {}: {} tokens x H {} in {} on {}: {:.2} ms -> {}",
-        args.layer,
+        args.at.layer,
         report.tokens,
         report.hidden,
         args.mode,

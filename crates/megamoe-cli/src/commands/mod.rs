@@ -10,6 +10,22 @@ pub mod quantize;
 pub mod trace;
 pub mod verify;
 
+/// Which layer of which checkpoint runs on which activations (shared by `forward` and `trace`).
+#[derive(clap::Args)]
+pub struct LayerInput {
+    /// Checkpoint directory (config.json + model.safetensors or a sharded index).
+    #[arg(long)]
+    pub checkpoint: std::path::PathBuf,
+    /// MoE layer index.
+    #[arg(long)]
+    pub layer: usize,
+    /// Activations: a safetensors file with the hidden states `x` (BF16/F32, `[T, H]`; `trace` also
+    /// takes `hidden_states`, `L.x` or the only 2-D float tensor with H columns) and, for
+    /// hash-routed layers, `input_ids` (I64 `[T]`).
+    #[arg(long)]
+    pub input: std::path::PathBuf,
+}
+
 /// Structured logs on stderr; verbosity from `MEGAMOE_LOG` (e.g. `info`, `megamoe=debug`).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("MEGAMOE_LOG")

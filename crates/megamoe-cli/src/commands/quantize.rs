@@ -53,7 +53,8 @@ pub struct DequantizeArgs {
     pub dtype: DtypeArg,
 }
 
-fn bar(verb: &str) -> indicatif::ProgressBar {
+/// Runs `work` with a progress bar fed by its per-tensor callback, cleared when it returns.
+fn with_bar<T>(verb: &str, work: impl FnOnce(file::Progress<'_>) -> T) -> T {
     let pb = indicatif::ProgressBar::new(0);
     pb.set_style(
         indicatif::ProgressStyle::with_template("{prefix} [{bar:40}] {pos}/{len} {wide_msg}")
@@ -61,7 +62,13 @@ fn bar(verb: &str) -> indicatif::ProgressBar {
             .progress_chars("=> "),
     );
     pb.set_prefix(verb.to_string());
-    pb
+    let out = work(&mut |done, total, name| {
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+        pb.set_message(name.to_string());
+    });
+    pb.finish_and_clear();
+    out
 }
 
 fn report(verb: &str, s: &file::FileSummary, output: &std::path::Path) {
@@ -80,15 +87,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         FormatArg::Nvfp4 => Fp4Format::Nvfp4,
         FormatArg::Mxfp4 => Fp4Format::Mxfp4,
     };
-    let pb = bar("quantize");
     let opts = QuantizeOptions { format, exclude: args.exclude };
-    let summary = file::quantize_file_with(&args.input, &args.output, &opts, &mut |done, total, name| {
-        pb.set_length(total as u64);
-        pb.set_position(done as u64);
-        pb.set_message(name.to_string());
-    });
-    pb.finish_and_clear();
-    let summary = summary?;
+    let summary = with_bar("quantize", |progress| {
+        file::quantize_file_with(&args.input, &args.output, &opts, progress)
+    })?;
     report("quantized", &summary, &args.output);
     Ok(0)
 }
@@ -99,14 +101,9 @@ pub fn run_dequantize(args: DequantizeArgs) -> anyhow::Result<i32> {
         DtypeArg::Bf16 => OutputDtype::Bf16,
         DtypeArg::F32 => OutputDtype::F32,
     };
-    let pb = bar("dequantize");
-    let summary = file::dequantize_file_with(&args.input, &args.output, dtype, &mut |done, total, name| {
-        pb.set_length(total as u64);
-        pb.set_position(done as u64);
-        pb.set_message(name.to_string());
-    });
-    pb.finish_and_clear();
-    let summary = summary?;
+    let summary = with_bar("dequantize", |progress| {
+        file::dequantize_file_with(&args.input, &args.output, dtype, progress)
+    })?;
     report("dequantized", &summary, &args.output);
     Ok(0)
 }

@@ -18,16 +18,9 @@ use std::sync::Arc;
 /// Arguments of `megamoe trace`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory.
-    #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// The MoE layer to run.
-    #[arg(long)]
-    pub layer: usize,
-    /// Activations: a safetensors file with the hidden states `[T, H]` (`x`, `hidden_states`,
-    /// `L.x`, or the only 2-D float tensor with H columns) and, for hash layers, `input_ids`.
-    #[arg(long)]
-    pub input: PathBuf,
+    /// Checkpoint, layer and activations.
+    #[command(flatten)]
+    pub at: super::LayerInput,
     /// Backend to check: cpu, cuda or auto.
     #[arg(long, default_value = "auto")]
     pub backend: String,
@@ -81,15 +74,15 @@ fn pick_float(
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let mode: Mode = args.mode.parse()?;
     let kind: BackendKind = args.backend.parse()?;
-    let ck = Checkpoint::open(&args.checkpoint)?;
-    let loaded = ck.load_layer_for(args.layer, mode)?;
+    let ck = Checkpoint::open(&args.at.checkpoint)?;
+    let loaded = ck.load_layer_for(args.at.layer, mode)?;
     let layer = Arc::new(loaded.layer);
     let (h, k) = (layer.config.hidden_size, layer.config.num_experts_per_tok);
 
-    let bytes = megamoe::tensor_io::read_file(&args.input)?;
-    let st = megamoe::tensor_io::parse(&args.input, &bytes)?;
-    let xnames = ["x".to_string(), "hidden_states".to_string(), format!("{}.x", args.layer)];
-    let xname = pick_float(&st, &xnames, |s| s.len() == 2 && s[1] == h, "hidden-state", &args.input)?;
+    let bytes = megamoe::tensor_io::read_file(&args.at.input)?;
+    let st = megamoe::tensor_io::parse(&args.at.input, &bytes)?;
+    let xnames = ["x".to_string(), "hidden_states".to_string(), format!("{}.x", args.at.layer)];
+    let xname = pick_float(&st, &xnames, |s| s.len() == 2 && s[1] == h, "hidden-state", &args.at.input)?;
     let (tokens, x) = megamoe::tensor_io::read_hidden_states(&xname, &st.tensor(&xname)?, h)?;
     let ids: Option<Vec<i64>> = match st.tensor("input_ids") {
         Ok(v) => Some(megamoe::tensor_io::to_i64("input_ids", &v)?.1),
@@ -98,7 +91,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     if let Some(ids) = &ids {
         anyhow::ensure!(ids.len() == tokens, "input_ids has {} ids for {tokens} tokens", ids.len());
     }
-    tracing::info!("trace: layer {} ({tokens} tokens from `{xname}`), mode {mode}", args.layer);
+    tracing::info!("trace: layer {} ({tokens} tokens from `{xname}`), mode {mode}", args.at.layer);
     let input = ForwardInput { x: &x, input_ids: ids.as_deref() };
 
     let mut backend = fault::engine(kind, layer.clone(), tokens)?;
@@ -109,7 +102,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     if let Some(path) = &args.expect {
         let eb = megamoe::tensor_io::read_file(path)?;
         let es = megamoe::tensor_io::parse(path, &eb)?;
-        let names = ["y".to_string(), "out".to_string(), format!("{}.out_{}", args.layer, mode.name())];
+        let names = ["y".to_string(), "out".to_string(), format!("{}.out_{}", args.at.layer, mode.name())];
         let name = pick_float(&es, &names, |s| s.iter().product::<usize>() == tokens * h, "output", path)?;
         let (_, expected) = megamoe::tensor_io::to_f32(&name, &es.tensor(&name)?)?;
         result.report.expect =
