@@ -179,6 +179,7 @@ pub fn random_layer(
     });
     MoeLayer {
         index: layer_index,
+        expert_range: 0..e,
         config: cfg.clone(),
         router: RouterWeights { weight, bias, tid2eid },
         w1: random_proj(format, e, i, h, seed, 1),

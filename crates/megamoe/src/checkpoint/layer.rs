@@ -5,17 +5,10 @@
 
 use crate::config::MoeConfig;
 use half::bf16;
+use std::ops::Range;
 
-/// The storage format of the routed experts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub enum ExpertFormat {
-    /// ModelOpt NVFP4: E2M1 codes, e4m3 scales per 16, one f32 global scale per projection.
-    Nvfp4,
-    /// Official DeepSeek-V4 MXFP4: E2M1 codes, e8m0 scales per 32.
-    Mxfp4,
-    /// Unquantized bf16.
-    Bf16,
-}
+/// The storage format of the routed experts (the crate's one format type).
+pub use crate::formats::WeightFormat as ExpertFormat;
 
 /// The weights of one projection (W1, W2 or W3) of every routed expert.
 #[derive(Clone, Debug)]
@@ -122,6 +115,10 @@ pub struct RouterWeights {
 pub struct MoeLayer {
     /// Layer index in the model.
     pub index: usize,
+    /// Global ids of the routed experts this layer holds: `0..E` for a whole layer, a rank's
+    /// contiguous range when loaded or sliced for expert parallelism. The expert tensors hold
+    /// `expert_range.len()` experts; the router always covers all `E`.
+    pub expert_range: Range<usize>,
     /// The model's MoE hyper-parameters.
     pub config: MoeConfig,
     /// Router.
@@ -144,5 +141,17 @@ impl MoeLayer {
     /// The routed experts' storage format.
     pub fn format(&self) -> ExpertFormat {
         self.w1.format()
+    }
+    /// Routed experts held (`expert_range.len()`).
+    pub fn local_experts(&self) -> usize {
+        self.expert_range.len()
+    }
+    /// The local index of global expert `id`, if this layer holds it (`None` for -1 and for
+    /// experts of other ranks).
+    pub fn local_expert(&self, id: i32) -> Option<usize> {
+        usize::try_from(id)
+            .ok()
+            .filter(|g| self.expert_range.contains(g))
+            .map(|g| g - self.expert_range.start)
     }
 }

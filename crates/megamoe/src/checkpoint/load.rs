@@ -276,7 +276,16 @@ impl Checkpoint {
             tracing::warn!("{w}");
         }
         Ok(LoadedLayer {
-            layer: MoeLayer { index: layer, config: cfg, router, w1, w2, w3, shared },
+            layer: MoeLayer {
+                index: layer,
+                expert_range: 0..cfg.n_routed_experts,
+                config: cfg,
+                router,
+                w1,
+                w2,
+                w3,
+                shared,
+            },
             warnings,
         })
     }

@@ -15,13 +15,12 @@ pub mod layer;
 mod load;
 pub mod naming;
 pub mod store;
+mod validate;
 pub mod writer;
 
 pub use layer::{
     DenseData, DenseProj, ExpertFormat, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert,
 };
-#[cfg(feature = "cuda")]
-pub(crate) use load::scan_nan_bytes;
 pub use load::{LoadOptions, LoadedLayer};
 pub use naming::{Naming, Proj};
 pub use safetensors::tensor::TensorView;

@@ -6,6 +6,7 @@
 //! - [`nvfp4`], [`mxfp4`]: whole-matrix quantize / dequantize, bit-exact with NVIDIA ModelOpt 0.47.
 //! - [`act_quant`]: the activation quant-dequant rules of the W4A8 and W4A4 modes.
 //! - [`file`](mod@file): the `megamoe quantize` / `dequantize` file-level logic.
+//! - [`weight_format`]: [`WeightFormat`], the one description of a storage format.
 
 pub mod act_quant;
 pub mod e2m1;
@@ -16,6 +17,9 @@ pub mod mxfp4;
 pub mod nvfp4;
 pub mod packing;
 pub mod scale_layout;
+pub mod weight_format;
+
+pub use weight_format::{ScaleCode, WeightFormat};
 
 use crate::error::{MegaError, Result};
 use rayon::prelude::*;

@@ -67,6 +67,7 @@ impl ExpertShard {
             )));
         }
         let mut out = layer.clone();
+        out.expert_range = self.experts.clone();
         out.w1 = slice_proj(&layer.w1, &self.experts);
         out.w2 = slice_proj(&layer.w2, &self.experts);
         out.w3 = slice_proj(&layer.w3, &self.experts);

@@ -79,7 +79,7 @@ pub fn forward_w4a16_with_ids(
     input_ids: Option<&[i64]>,
     force_ids: Option<&[i32]>,
 ) -> Result<Output64> {
-    super::check_layer(layer)?;
+    layer.validate()?;
     let c = &layer.config;
     let (h, e_count, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
     if !x.len().is_multiple_of(h) {

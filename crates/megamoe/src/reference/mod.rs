@@ -25,7 +25,6 @@ use crate::router;
 use crate::trace::{Stage, StageTrace};
 use half::bf16;
 use rayon::prelude::*;
-pub use weights::check_layer;
 use weights::MatView;
 
 /// Tokens processed together when no trace is requested (bounds the scratch memory; weights are
@@ -314,7 +313,7 @@ pub fn forward_detailed(
     mode: Mode,
     trace: Option<&mut StageTrace>,
 ) -> Result<ReferenceOutput> {
-    check_layer(layer)?;
+    layer.validate()?;
     check_mode(layer, mode)?;
     let tokens = input.x.len() / layer.config.hidden_size.max(1);
     let shape = ForwardShape::of(layer, tokens);

@@ -2,8 +2,7 @@
 //! whole dequantized copy of the experts, it dequantizes one row into a small buffer and uses it
 //! for every token routed to that expert.
 
-use crate::checkpoint::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData};
-use crate::error::{MegaError, Result};
+use crate::checkpoint::{DenseData, DenseProj, ExpertProj, ProjData};
 use crate::formats as fmt;
 use half::bf16;
 
@@ -28,7 +27,8 @@ enum Kind<'a> {
 }
 
 impl<'a> MatView<'a> {
-    /// Expert `e` of an expert-stacked projection (shapes must have been checked by [`check_layer`]).
+    /// Expert `e` of an expert-stacked projection (shapes must have been checked by
+    /// [`crate::checkpoint::MoeLayer::validate`]).
     pub fn expert(p: &'a ExpertProj, e: usize) -> Self {
         let n = p.rows * p.cols;
         let (kind, alpha) = match &p.data {
@@ -105,110 +105,6 @@ fn decode_fp4_row(packed: &[u8], scales: &[u8], block: usize, scale: fn(u8) -> f
             pair[1] = lut[(b >> 4) as usize];
         }
     }
-}
-
-fn expect_len(name: &str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got != want {
-        return Err(MegaError::tensor(name, format!("{what} has {got} elements, expected {want}")));
-    }
-    Ok(())
-}
-
-fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, cols: usize) -> Result<()> {
-    let name = format!("layers.{}.ffn.experts.*.{proj}", layer.index);
-    let e = layer.config.n_routed_experts;
-    if p.experts != e || p.rows != rows || p.cols != cols {
-        return Err(MegaError::tensor(
-            &name,
-            format!("shape [{}, {}, {}], expected [E={e}, {rows}, {cols}]", p.experts, p.rows, p.cols),
-        ));
-    }
-    let n = e * rows * cols;
-    match &p.data {
-        ProjData::Nvfp4 { packed, scales, global_scale, input_scale } => {
-            if !cols.is_multiple_of(16) {
-                return Err(MegaError::tensor(
-                    &name,
-                    format!("{cols} columns, NVFP4 needs a multiple of 16"),
-                ));
-            }
-            expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
-            expect_len(&name, "weight_scale", scales.len(), n / 16)?;
-            expect_len(&name, "weight_scale_2", global_scale.len(), e)?;
-            if let Some((i, g)) = global_scale.iter().enumerate().find(|(_, g)| !g.is_finite()) {
-                return Err(MegaError::tensor(
-                    format!("layers.{}.ffn.experts.{i}.{proj}.weight_scale_2", layer.index),
-                    format!("is {g}, expected a finite global scale"),
-                ));
-            }
-            if let Some(s) = input_scale {
-                expect_len(&name, "input_scale", s.len(), e)?;
-            }
-        }
-        ProjData::Mxfp4 { packed, scales } => {
-            if !cols.is_multiple_of(32) {
-                return Err(MegaError::tensor(
-                    &name,
-                    format!("{cols} columns, MXFP4 needs a multiple of 32"),
-                ));
-            }
-            expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
-            expect_len(&name, "scale", scales.len(), n / 32)?;
-        }
-        ProjData::Bf16 { weight } => expect_len(&name, "weight", weight.len(), n)?,
-    }
-    Ok(())
-}
-
-fn check_dense(layer: &MoeLayer, p: &DenseProj, proj: &str, rows: usize, cols: usize) -> Result<()> {
-    let name = format!("layers.{}.ffn.shared_experts.{proj}.weight", layer.index);
-    if p.rows != rows || p.cols != cols {
-        return Err(MegaError::tensor(
-            name,
-            format!("shape [{}, {}], expected [{rows}, {cols}]", p.rows, p.cols),
-        ));
-    }
-    match &p.data {
-        DenseData::Bf16(w) => expect_len(&name, "weight", w.len(), rows * cols),
-        DenseData::Fp8Block { weight, scale } => {
-            expect_len(&name, "weight", weight.len(), rows * cols)?;
-            expect_len(&name, "scale", scale.len(), rows.div_ceil(128) * cols.div_ceil(128))
-        }
-    }
-}
-
-/// Checks that every buffer of `layer` has the size its config implies, so that the reference
-/// can slice without panicking on a hand-built or corrupted layer.
-pub fn check_layer(layer: &MoeLayer) -> Result<()> {
-    let c = &layer.config;
-    let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
-    if h == 0 || i == 0 || e == 0 {
-        return Err(MegaError::Config(format!(
-            "hidden_size={h}, moe_intermediate_size={i}, n_routed_experts={e}"
-        )));
-    }
-    if c.num_experts_per_tok == 0 || c.num_experts_per_tok > e {
-        return Err(MegaError::Config(format!(
-            "num_experts_per_tok={} must be in 1..={e}",
-            c.num_experts_per_tok
-        )));
-    }
-    expect_len(
-        &format!("layers.{}.ffn.gate.weight", layer.index),
-        "weight",
-        layer.router.weight.len(),
-        e * h,
-    )?;
-    check_expert_proj(layer, &layer.w1, "w1", i, h)?;
-    check_expert_proj(layer, &layer.w3, "w3", i, h)?;
-    check_expert_proj(layer, &layer.w2, "w2", h, i)?;
-    if let Some(s) = &layer.shared {
-        let is = s.w1.rows;
-        check_dense(layer, &s.w1, "w1", is, h)?;
-        check_dense(layer, &s.w3, "w3", is, h)?;
-        check_dense(layer, &s.w2, "w2", h, is)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

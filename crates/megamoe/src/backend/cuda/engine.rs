@@ -8,8 +8,8 @@ use super::graph::Captured;
 use super::kernels::{self, THREADS};
 use super::runtime;
 use super::upload::{
-    check_layer, check_max_tokens, check_scales, upload_experts, upload_router, upload_shared, ExpertsDev,
-    RouterDev, SharedDev,
+    check_layer, check_max_tokens, upload_experts, upload_router, upload_shared, ExpertsDev, RouterDev,
+    SharedDev,
 };
 use crate::backend::MoeEngine;
 use crate::checkpoint::{ExpertFormat, MoeLayer};
@@ -50,9 +50,8 @@ impl CudaEngine {
     /// cannot turn a fault into finite numbers. Fails with [`MegaError::Backend`] when there is no
     /// usable GPU, driver or NVRTC, and with a clear error for shapes the kernels do not support.
     pub fn new(layer: Arc<MoeLayer>, max_tokens: usize) -> Result<Self> {
-        crate::reference::check_layer(&layer)?;
+        layer.validate()?;
         check_layer(&layer)?;
-        check_scales(&layer)?;
         check_max_tokens(&layer, max_tokens)?;
         runtime::probe_driver()?;
         runtime::probe_nvrtc()?;

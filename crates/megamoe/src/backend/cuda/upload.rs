@@ -134,46 +134,6 @@ pub(super) fn check_layer(layer: &MoeLayer) -> Result<()> {
     Ok(())
 }
 
-/// Rejects NaN block-scale bytes (e4m3 0x7F/0xFF, e8m0 0xFF) of the routed experts and NaN e4m3
-/// weight bytes or non-positive / non-finite block multipliers of an FP8 shared expert: the
-/// checkpoint loader rejects them too, but a layer built in code reaches the engine directly,
-/// and the kernels would otherwise compute with them. Expects a layer whose sizes passed
-/// [`crate::reference::check_layer`].
-pub(super) fn check_scales(layer: &MoeLayer) -> Result<()> {
-    use crate::checkpoint::scan_nan_bytes;
-    use crate::formats::{e4m3, e8m0};
-    let l = layer.index;
-    for (name, p) in [("w1", &layer.w1), ("w2", &layer.w2), ("w3", &layer.w3)] {
-        // Per expert, so that the error names it: `[rows, cols / block]` scale bytes each.
-        let scan = |scales: &[u8], block: usize, is_nan: fn(u8) -> bool, tensor: &str, what: &str| {
-            let (per_expert, cols) = ((p.rows * p.cols / block).max(1), (p.cols / block).max(1));
-            scales.chunks(per_expert).enumerate().try_for_each(|(e, sc)| {
-                scan_nan_bytes(&format!("layers.{l}.ffn.experts.{e}.{name}.{tensor}"), sc, cols, is_nan, what)
-            })
-        };
-        match &p.data {
-            ProjData::Nvfp4 { scales, .. } => scan(scales, 16, e4m3::is_nan, "weight_scale", "e4m3 scale")?,
-            ProjData::Mxfp4 { scales, .. } => scan(scales, 32, e8m0::is_nan, "scale", "e8m0 scale")?,
-            ProjData::Bf16 { .. } => {}
-        }
-    }
-    if let Some(sh) = &layer.shared {
-        for (name, d) in [("w1", &sh.w1), ("w2", &sh.w2), ("w3", &sh.w3)] {
-            if let DenseData::Fp8Block { weight, scale } = &d.data {
-                let base = format!("layers.{l}.ffn.shared_experts.{name}");
-                scan_nan_bytes(&format!("{base}.weight"), weight, d.cols, e4m3::is_nan, "e4m3 weight")?;
-                if let Some((i, v)) = scale.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
-                    return Err(MegaError::tensor(
-                        format!("{base}.scale"),
-                        format!("block {i} is {v}, expected a finite value > 0"),
-                    ));
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Bounds `max_tokens` so that every slot index and grid size fits the kernels' `int` / `u32`:
 /// `max_tokens * k` slots must not exceed `i32::MAX` (and so neither may the tile counts).
 pub(super) fn check_max_tokens(layer: &MoeLayer, max_tokens: usize) -> Result<()> {
