@@ -1,6 +1,6 @@
 //! CUDA-graph capture of one forward and its replay (a whole forward as one launch).
 
-use super::device_buf::{derr, err};
+use super::buffer::{derr, err};
 use super::engine::CudaEngine;
 use crate::error::{MegaError, Result};
 use crate::forward::{ForwardInput, ForwardOutput, Mode};
@@ -17,7 +17,7 @@ impl CudaEngine {
     /// Captures a forward of exactly `tokens` tokens in `mode` into a CUDA graph (replacing an
     /// earlier capture). Replay it with [`CudaEngine::replay`].
     pub fn capture_graph(&mut self, tokens: usize, mode: Mode) -> Result<()> {
-        self.check_mode(mode)?;
+        self.weights.check_mode(mode)?;
         if tokens == 0 || tokens > self.max_tokens {
             return Err(MegaError::Input(format!(
                 "capture_graph: tokens must be in 1..={}",
@@ -26,12 +26,14 @@ impl CudaEngine {
         }
         self.graph = None;
         // Allocations are not allowed inside a capture: make the mode's lazy scratch exist first.
-        self.b.ensure(&self.stream, mode != Mode::W4A16, false)?;
+        self.ws.prepare(mode, false)?;
+        self.device.bind()?;
         self.sync("before capture")?;
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(derr("begin capture"))?;
-        let enq = self.enqueue(tokens, mode, false);
+        let io = self.forward_io(tokens);
+        let enq = self.weights.forward_stages(&self.ws, &io, mode, false, self.stream_ref());
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         enq?;
         let graph =

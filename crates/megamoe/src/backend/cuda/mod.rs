@@ -1,47 +1,55 @@
-//! The CUDA backend: the whole MoE forward on one GPU.
+//! The CUDA backend: the whole MoE forward on NVIDIA GPUs, as a runtime of parts with one job each.
 //!
-//! Kernels are CUDA C++ sources embedded in the binary (`kernels/*.cu`), compiled at run time by
-//! NVRTC for the device's architecture and cached on disk ([`runtime`]). Weights are uploaded once
-//! per [`CudaEngine`] in the layout of [`crate::backend::gpu_layout`]; every scratch buffer is
-//! allocated once for the `max_tokens` the caller declares. A forward is a fixed sequence of
-//! launches on one stream with no host synchronisation inside (per-expert counts stay on the
-//! device; grids are sized for the worst case and idle CTAs exit early), so it can be captured in a
-//! CUDA graph ([`CudaEngine::capture_graph`], [`CudaEngine::replay`]).
+//! - [`CudaDevice`] (`device.rs`): one GPU, any ordinal — context, architecture, the NVRTC kernel
+//!   modules (compiled at run time, cached on disk by [`runtime`], loaded once per device);
+//! - [`LayerWeights`] (`weights.rs`): one layer on the device in the layout of the GEMM family
+//!   chosen for it ([`gemm`]: tensor cores, or the SIMT fallback); the host copy can be dropped;
+//! - [`Workspace`] (`workspace.rs`): the scratch of one in-flight forward, sized for `max_tokens`,
+//!   shared by every layer run on the same stream;
+//! - enqueue (`enqueue.rs`): [`LayerWeights::enqueue_forward`] and the stages as seams
+//!   (route | plan over the layer's expert range | experts | shared | combine) on the caller's
+//!   device buffers ([`ForwardIo`], `io.rs`) and stream ([`StreamRef`]); no copy, no host sync;
+//! - the kernel ABI (`params.rs` -> `kernels/params.cuh`): one typed parameter struct per kernel,
+//!   launched through [`launch::Kernel`] (`cuLaunchKernelEx`: per-kernel block size, dynamic
+//!   shared memory above 48 KB, clusters, programmatic dependent launch);
+//! - [`CudaEngine`] (`engine.rs`, `graph.rs`, `trace_copy.rs`): the host-slice
+//!   [`super::MoeEngine`] over all of this, with CUDA-graph capture and stage traces.
 //!
-//! Pipeline: router -> plan (count, offsets + tile table, stable scatter) -> stage/quantize the
-//! expert inputs per plan row -> grouped L1 GEMM with fused SwiGLU epilogue -> quantize the
-//! activation (W4A8/W4A4) -> grouped L2 GEMM -> shared expert (dense L1 + L2) -> deterministic
-//! combine (gather-sum over the k slots in slot order, then + shared; no atomics).
-//!
-//! Kernel sources (each starts with its data layouts and tiling):
-//! - `kernels/common.cuh`: bf16 / e2m1 / e4m3 / e8m0 conversions, rounding, warp reductions
-//!   (prepended to every source);
-//! - `kernels/router.cu`: `moe_router_logits` (gate logits over many CTAs) and `moe_router` (scores,
-//!   biased top-k or hash lookup, weights);
-//! - `kernels/plan.cu`: `moe_plan_count`, `moe_plan_offsets`, `moe_plan_scatter` (the per-expert plan);
-//! - `kernels/quant.cu`: `moe_quant_rows` (stage + quantize rows per mode) and `moe_combine`;
-//! - `kernels/gemm.cu`: `moe_gemm_l{1,2}_w{format}_m{BM}` (grouped GEMMs, dequantizing in registers).
-//!
-//! Host side, one responsibility per file:
-//! - [`runtime`]: driver / NVRTC probing, architecture choice, compilation with a disk cache;
-//! - `kernels.rs`: the entry points of each source, launch constants, module loading;
-//! - `device_buf.rs`: raw device allocations and kernel-argument helpers;
-//! - `upload.rs`: layer checks and the one-time upload of experts, shared expert and router;
-//! - `buffers.rs`: the forward's scratch and output buffers;
-//! - `engine.rs`: [`CudaEngine`] (construction, input / output copies, [`super::MoeEngine`]);
-//! - `pipeline.rs`: one forward's launch sequence, one method per stage;
-//! - `graph.rs`: CUDA-graph capture and replay;
-//! - `trace_copy.rs`: copying traced intermediates into the canonical [`crate::trace`] layouts.
+//! Kernel sources (each opens with its data layouts, tiling and pipeline): `kernels/common.cuh`
+//! (conversions, reductions, PTX wrappers), `router.cu`, `plan.cu`, `quant.cu` (staging,
+//! activation quantization, combine), `gemm_tc.cu` (tensor-core family), `gemm_simt.cu` (SIMT
+//! family and decode GEMV).
 
-mod buffers;
-mod device_buf;
+mod buffer;
+mod device;
 mod engine;
+mod enqueue;
+pub(crate) mod gemm;
 mod graph;
-mod kernels;
-mod pipeline;
+mod io;
+pub mod launch;
+pub mod params;
 pub mod runtime;
 mod trace_copy;
-mod upload;
+mod weights;
+mod workspace;
 
+pub use buffer::DevBuf;
+pub use device::CudaDevice;
 pub use engine::CudaEngine;
-pub use kernels::kernel_names;
+pub use enqueue::Plan;
+pub use gemm::family_names;
+pub use io::{DType, DeviceTensor, ForwardIo, Routing};
+pub use launch::StreamRef;
+pub use weights::LayerWeights;
+pub use workspace::{Workspace, WorkspaceDims};
+
+/// Every kernel module the backend can load, with the entry points loaded from it: the core
+/// module and each GEMM family's instantiation per weight format (the CI compile test builds
+/// them all).
+pub fn module_catalogue() -> Vec<(runtime::ModuleSpec, Vec<String>)> {
+    let mut v = vec![(device::core_spec(), device::core_kernel_names())];
+    v.extend(gemm::tc::modules());
+    v.extend(gemm::simt::modules());
+    v
+}

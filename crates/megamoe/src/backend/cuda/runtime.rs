@@ -11,13 +11,43 @@ use std::sync::OnceLock;
 /// Shared helpers prepended to every kernel source.
 pub const COMMON: &str = include_str!("kernels/common.cuh");
 
-/// Every kernel source file: `(name, source)`. Each is compiled as `COMMON + source`.
-pub const SOURCES: [(&str, &str); 4] = [
+/// The kernel parameter structs and shared constants (generated from `params.rs`), prepended
+/// after [`COMMON`].
+pub const PARAMS: &str = include_str!("kernels/params.cuh");
+
+/// The router, plan, staging and combine kernels: one module, compiled once per device.
+pub const CORE_SOURCES: [(&str, &str); 3] = [
     ("router", include_str!("kernels/router.cu")),
     ("plan", include_str!("kernels/plan.cu")),
     ("quant", include_str!("kernels/quant.cu")),
-    ("gemm", include_str!("kernels/gemm.cu")),
 ];
+
+/// The SIMT GEMM family's source (compiled per weight format).
+pub const GEMM_SIMT: &str = include_str!("kernels/gemm_simt.cu");
+
+/// The tensor-core GEMM family's source (compiled per weight format).
+pub const GEMM_TC: &str = include_str!("kernels/gemm_tc.cu");
+
+/// Every source with its name (for the layout-comment check and the compile test).
+pub const ALL_SOURCES: [(&str, &str); 5] = [
+    CORE_SOURCES[0],
+    CORE_SOURCES[1],
+    CORE_SOURCES[2],
+    ("gemm_simt", GEMM_SIMT),
+    ("gemm_tc", GEMM_TC),
+];
+
+/// One NVRTC compilation unit: `COMMON + PARAMS + sources`, with extra `-D` definitions (a GEMM
+/// family's weight format, pipeline depth): one instantiation per configuration, cached on disk.
+#[derive(Clone, Debug)]
+pub struct ModuleSpec {
+    /// Cache and log name (e.g. `core`, `gemm_tc-nvfp4`).
+    pub name: String,
+    /// The sources, concatenated in order.
+    pub sources: Vec<&'static str>,
+    /// `NAME=VALUE` definitions passed as `-D`.
+    pub defines: Vec<String>,
+}
 
 fn err(msg: impl std::fmt::Display) -> MegaError {
     MegaError::backend("cuda", msg)
@@ -103,17 +133,15 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((a, b))
 }
 
-fn options(arch: &str) -> Vec<String> {
+fn options(arch: &str, defines: &[String]) -> Vec<String> {
     let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string(), "-lineinfo".into()];
+    o.extend(defines.iter().map(|d| format!("-D{d}")));
     if let Some(d) = include_dir() {
         o.push(format!("--include-path={d}"));
     }
-    // Tuning override of the decode GEMV's load depth (`GV_U` in kernels/gemm.cu); part of the
-    // cache key like every option. Ignored unless 1..=8.
-    if let Some(u) = std::env::var("MEGAMOE_GEMV_UNROLL").ok().and_then(|v| v.parse::<u32>().ok()) {
-        if (1..=8).contains(&u) {
-            o.push(format!("-DGV_U={u}"));
-        }
+    // ptxas' resource report (registers, shared memory, spills) in the log: part of the cache key.
+    if std::env::var_os("MEGAMOE_PTXAS_VERBOSE").is_some() {
+        o.push("--ptxas-options=-v".into());
     }
     o
 }
@@ -127,14 +155,22 @@ pub struct Compiled {
     pub is_ptx: bool,
     /// Whether it came from the disk cache.
     pub cache_hit: bool,
+    /// NVRTC's log (with `MEGAMOE_PTXAS_VERBOSE=1`: ptxas' registers, shared memory and spills
+    /// per kernel); empty on a cache hit.
+    pub log: String,
 }
 
-/// Compiles `COMMON + src` for `arch` with NVRTC, or loads it from the disk cache (keyed by the
-/// SHA-256 of the source, the options and the NVRTC version).
-pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
+/// Compiles `spec` for `arch` with NVRTC, or loads it from the disk cache (keyed by the SHA-256 of
+/// the full source, the options and the NVRTC version).
+pub fn compile(spec: &ModuleSpec, arch: &str) -> Result<Compiled> {
     let ver = nvrtc_version()?;
-    let full = format!("{COMMON}\n{src}");
-    let opts = options(arch);
+    let name = spec.name.as_str();
+    let mut full = format!("{COMMON}\n{PARAMS}\n");
+    for s in &spec.sources {
+        full.push_str(s);
+        full.push('\n');
+    }
+    let opts = options(arch, &spec.defines);
     let is_ptx = arch.starts_with("compute_");
     let mut h = Sha256::new();
     h.update(full.as_bytes());
@@ -147,12 +183,15 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
         if let Ok(image) = std::fs::read(p) {
             if !image.is_empty() {
                 tracing::debug!(kernel = name, arch, path = %p.display(), "kernel cache hit");
-                return Ok(Compiled { image, is_ptx, cache_hit: true });
+                return Ok(Compiled { image, is_ptx, cache_hit: true, log: String::new() });
             }
         }
     }
     let t0 = std::time::Instant::now();
-    let image = nvrtc_compile(name, &full, &opts, is_ptx)?;
+    let (image, log) = nvrtc_compile(name, &full, &opts, is_ptx)?;
+    if !log.trim().is_empty() {
+        tracing::info!(kernel = name, "NVRTC log:\n{log}");
+    }
     tracing::info!(kernel = name, arch, ms = t0.elapsed().as_millis() as u64, "compiled kernel with NVRTC");
     if let Some(p) = &path {
         // Best effort: a read-only cache only costs a recompile next time.
@@ -164,10 +203,10 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
             let _ = std::fs::rename(&tmp, p);
         }
     }
-    Ok(Compiled { image, is_ptx, cache_hit: false })
+    Ok(Compiled { image, is_ptx, cache_hit: false, log })
 }
 
-fn nvrtc_compile(name: &str, src: &str, opts: &[String], is_ptx: bool) -> Result<Vec<u8>> {
+fn nvrtc_compile(name: &str, src: &str, opts: &[String], is_ptx: bool) -> Result<(Vec<u8>, String)> {
     let csrc = CString::new(src).map_err(|_| err(format!("kernel {name}: NUL in source")))?;
     let cname = CString::new(format!("{name}.cu")).expect("no NUL in kernel names");
     let prog = nvrtc_result::create_program(&csrc, Some(&cname))
@@ -188,14 +227,17 @@ fn nvrtc_compile(name: &str, src: &str, opts: &[String], is_ptx: bool) -> Result
         let log = unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy().into_owned();
         return Err(err(format!("kernel {name}: NVRTC failed ({e:?}) with {opts:?}:\n{log}")));
     }
-    if is_ptx {
+    // SAFETY: compiled program.
+    let log = unsafe { nvrtc_result::get_program_log(g.0) }.unwrap_or_default();
+    let log = unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy().into_owned();
+    let image = if is_ptx {
         // SAFETY: compiled program.
         let ptx = unsafe { nvrtc_result::get_ptx(g.0) }.map_err(|e| err(format!("nvrtcGetPTX: {e:?}")))?;
         let mut v: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
         if v.last() != Some(&0) {
             v.push(0);
         }
-        Ok(v)
+        v
     } else {
         let mut n = 0usize;
         // SAFETY: compiled program, out-parameter.
@@ -207,8 +249,9 @@ fn nvrtc_compile(name: &str, src: &str, opts: &[String], is_ptx: bool) -> Result
         unsafe { nvrtc_sys::nvrtcGetCUBIN(g.0, v.as_mut_ptr() as *mut _) }
             .result()
             .map_err(|e| err(format!("nvrtcGetCUBIN: {e:?}")))?;
-        Ok(v)
-    }
+        v
+    };
+    Ok((image, log))
 }
 
 #[cfg(test)]
@@ -225,7 +268,7 @@ mod tests {
 
     #[test]
     fn every_source_documents_its_layout() {
-        for (name, src) in SOURCES {
+        for (name, src) in ALL_SOURCES {
             assert!(src.trim_start().starts_with("//"), "{name}.cu must start with its layout comment");
         }
     }

@@ -6,7 +6,10 @@
 // All conversions are exact except f2bf (round to nearest even) and the quantizers, which round
 // exactly as DESIGN.md specifies (RNE, subnormals, saturation).
 // Tiling: none here (device functions only); warp_sum / warp_max are full-warp xor-shuffle trees
-// with a fixed order, so every kernel's reductions are deterministic.
+// with a fixed order, so every kernel's reductions are deterministic. The parameter structs every
+// kernel takes (one per kernel, by value) are in params.cuh, generated from backend/cuda/params.rs.
+// Also here: the clamped SwiGLU of every L1 epilogue, and thin wrappers of the PTX the
+// tensor-core kernels use (cp.async, ldmatrix, mma.sync, bf16x2 FMA).
 
 typedef unsigned short bf16_t;
 typedef unsigned char u8;
@@ -94,4 +97,53 @@ __device__ __forceinline__ float warp_max(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+// The clamped SwiGLU of the L1 epilogues: up = clamp(up, -L, L), gate = min(gate, L) (L > 0; no
+// clamp when 0), silu(gate) * up * w. NaN stays NaN (torch's clamp; fminf / fmaxf alone would turn
+// it into +-L).
+__device__ __forceinline__ float swiglu(float gt, float u, float w, float limit) {
+    if (limit > 0.f) {
+        if (u == u) u = fminf(fmaxf(u, -limit), limit);
+        if (gt == gt) gt = fminf(gt, limit);
+    }
+    const float s = gt / (1.f + expf(-gt));
+    return s * u * w;
+}
+
+// The shared-state-space address of a generic pointer into shared memory.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte global -> shared copy, bypassing L1 (cp.async.cg); completes at cp_async_wait.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// Four 8x8 b16 matrices from shared memory; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// c += A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulators (the m16n8k16 fragments).
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// a * b on bf16x2, rounded once (fma with -0 keeps the sign of zero products; subnormal inputs are
+// exact: bf16 arithmetic has no flush to zero). sm_80+.
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+    unsigned d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
 }

@@ -1,75 +1,90 @@
-// plan.cu — the per-expert token plan on the device (same result as plan::RoutingPlan::build).
+// plan.cu — the per-expert token plan on the device (same result as plan::RoutingPlan::build over
+// the layer's local experts).
 //
-// Layouts: topk_ids [S = T*K] i32 (slot s = t*K + j); counts [E] u32; offsets [E+1] u32;
-// perm [S] u32 (perm[row] = slot, rows grouped by expert, slots ascending within one: a stable
-// counting sort); row_of_slot [S] u32; tiles [max_tiles][2] i32 = (expert, first row) of every
-// BM-row tile of every expert with tokens; num_tiles [1] i32.
-// Tiling: moe_plan_count and moe_plan_scatter give one warp to each expert; the warp scans the slots
-// 32 at a time with a ballot, so ranks are exact and stable without atomics. moe_plan_offsets is one
-// CTA: a serial prefix over experts (E is a few hundred), then one thread per expert writes its tiles.
-// Experts with no slots get no tiles, so the grouped GEMMs spend nothing on them.
+// Layouts: topk_ids [S = T*K] i32 global expert ids (slot s = t*K + j); -1 means "not here" (an
+// expert-parallel dispatch or a caller's router), and so does any id of another rank's range. A
+// slot is planned when expert_base <= id < expert_base + E_local, as local expert id - base. Ids
+// outside -1..global_experts set STATUS_BAD_EXPERT_ID and are not planned. counts [E_local] u32;
+// offsets [E_local+1] u32 (offsets[E_local] = rows planned); perm [rows] u32 (perm[row] = slot,
+// rows grouped by expert, slots ascending within one: a stable counting sort); row_of_slot [S]
+// u32 (ROW_NONE = 0xFFFFFFFF for slots not planned); tiles [max_tiles][2] i32 = (local expert,
+// first row) of every bm-row tile of every expert with slots; num_tiles [1] i32.
+// Parameters: PlanParams (params.cuh), one struct for the three kernels of the stage.
+// Tiling: moe_plan_count and moe_plan_scatter give one warp to each local expert; the warp scans
+// the slots 32 at a time with a ballot, so ranks are exact and stable without atomics.
+// moe_plan_offsets is one CTA: a serial prefix over experts (a few hundred), then one thread per
+// expert writes its tiles, and all threads mark the slots not planned here. Experts with no slots
+// get no tiles, so the grouped GEMMs spend nothing on them.
 
-extern "C" __global__ void moe_plan_count(const int* __restrict__ ids, int S, int E,
-                                          unsigned* __restrict__ counts)
+// The local expert of slot s's id, or -1.
+__device__ __forceinline__ int plan_local(const PlanParams& p, int id) {
+    const int l = id - p.expert_base;
+    return (l >= 0 && l < p.experts) ? l : -1;
+}
+
+extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
 {
     const int lane = threadIdx.x & 31;
     const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (e >= E) return;
+    if (e >= p.experts) return;
     unsigned c = 0;
-    for (int base = 0; base < S; base += 32) {
-        int s = base + lane;
-        bool p = (s < S) && ids[s] == e;
-        c += __popc(__ballot_sync(0xffffffffu, p));
+    for (int base = 0; base < p.slots; base += 32) {
+        const int s = base + lane;
+        const bool hit = (s < p.slots) && plan_local(p, p.topk_ids[s]) == e;
+        c += __popc(__ballot_sync(0xffffffffu, hit));
     }
-    if (lane == 0) counts[e] = c;
+    if (lane == 0) p.counts[e] = c;
 }
 
-extern "C" __global__ void moe_plan_offsets(const unsigned* __restrict__ counts, int E, int BM,
-                                            unsigned* __restrict__ offsets, int* __restrict__ tile_start,
-                                            int* __restrict__ tiles, int* __restrict__ num_tiles)
+extern "C" __global__ void moe_plan_offsets(const __grid_constant__ PlanParams p)
 {
-    // tile_start: scratch [E+1]
+    const int E = p.experts, BM = p.bm;
     if (threadIdx.x == 0) {
         unsigned o = 0;
         int nt = 0;
         for (int e = 0; e < E; ++e) {
-            offsets[e] = o;
-            tile_start[e] = nt;
-            o += counts[e];
-            nt += (int)((counts[e] + BM - 1) / BM);
+            p.offsets[e] = o;
+            p.tile_start[e] = nt;
+            o += p.counts[e];
+            nt += (int)((p.counts[e] + BM - 1) / BM);
         }
-        offsets[E] = o;
-        tile_start[E] = nt;
-        *num_tiles = nt;
+        p.offsets[E] = o;
+        p.tile_start[E] = nt;
+        *p.num_tiles = nt;
     }
-    __syncthreads();
+    // Slots not planned here (and malformed ids) get no row.
+    bool bad = false;
+    for (int s = threadIdx.x; s < p.slots; s += blockDim.x) {
+        const int id = p.topk_ids[s];
+        bad |= id < -1 || id >= p.global_experts;
+        if (plan_local(p, id) < 0) p.row_of_slot[s] = 0xFFFFFFFFu;
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int t0 = tile_start[e], t1 = tile_start[e + 1];
-        unsigned r = offsets[e];
+        const int t0 = p.tile_start[e], t1 = p.tile_start[e + 1];
+        unsigned r = p.offsets[e];
         for (int t = t0; t < t1; ++t, r += BM) {
-            tiles[2 * t] = e;
-            tiles[2 * t + 1] = (int)r;
+            p.tiles[2 * t] = e;
+            p.tiles[2 * t + 1] = (int)r;
         }
     }
 }
 
-extern "C" __global__ void moe_plan_scatter(const int* __restrict__ ids, int S, int E,
-                                            const unsigned* __restrict__ offsets,
-                                            unsigned* __restrict__ perm, unsigned* __restrict__ row_of_slot)
+extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p)
 {
     const int lane = threadIdx.x & 31;
     const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (e >= E) return;
-    unsigned cursor = offsets[e];
+    if (e >= p.experts) return;
+    unsigned cursor = p.offsets[e];
     const unsigned lt = (1u << lane) - 1u;
-    for (int base = 0; base < S; base += 32) {
-        int s = base + lane;
-        bool p = (s < S) && ids[s] == e;
-        unsigned b = __ballot_sync(0xffffffffu, p);
-        if (p) {
-            unsigned row = cursor + __popc(b & lt);
-            perm[row] = (unsigned)s;
-            row_of_slot[s] = row;
+    for (int base = 0; base < p.slots; base += 32) {
+        const int s = base + lane;
+        const bool hit = (s < p.slots) && plan_local(p, p.topk_ids[s]) == e;
+        const unsigned b = __ballot_sync(0xffffffffu, hit);
+        if (hit) {
+            const unsigned row = cursor + __popc(b & lt);
+            p.perm[row] = (unsigned)s;
+            p.row_of_slot[s] = row;
         }
         cursor += __popc(b);
     }

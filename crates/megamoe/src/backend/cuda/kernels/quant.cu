@@ -1,18 +1,21 @@
 // quant.cu — activation staging and quantization (quantize-dequantize to bf16 values).
 //
-// Layouts: src rows of `cols` bf16; dst [rows, cols] bf16 in plan-row order. With gather = 1 the
-// source row of plan row r is token perm[r] / K (the expert input), else r itself (the L1 output).
-// mode 0 (W4A16): copy. mode 1 (W4A8): DeepSeek act_quant, 128-element blocks,
+// Layouts: src rows of `cols` bf16; dst [rows, cols] bf16 in plan-row order, rows = offsets[E_local]
+// (the rows planned on this layer's experts; grid sized for all S slots, later CTAs exit). With
+// gather = 1 the source row of plan row r is token perm[r] / K (the expert input), else r itself
+// (the L1 output). Parameters: QuantRowsParams, CombineParams (params.cuh).
+// QUANT_COPY (W4A16): copy. QUANT_FP8_ACT (W4A8): DeepSeek act_quant, 128-element blocks,
 // s = 2^ceil(log2(max(amax,1e-4)/448)), value = e4m3(clamp(x/s)) * s — exact in bf16.
-// mode 2 (W4A4): ModelOpt NVFP4 with global scale gs = in_scale[expert of row]: block scale
+// QUANT_NVFP4_ACT (W4A4): ModelOpt NVFP4 with global scale gs = in_scale[local expert of row]: block scale
 // bs = e4m3(clamp(amax16 / (6 gs), 2^-9, 448)) (a quotient of 0 -> 1), q = e2m1(x / (bs*gs)) (ties to even);
 // the stored value is q*bs (exact in bf16), gs is applied later as an fp32 alpha in the GEMM.
 // NaN as torch: a NaN anywhere in a quantization block makes the whole block NaN (its amax, and so
 // its scale, is NaN); in mode 1 an Inf makes the scale inf and the whole block NaN (0 * inf, inf / inf).
 // Tiling: one CTA (256 threads) per plan row; each thread owns whole quantization blocks.
 //
-// moe_combine: l2 [S, H] f32 in plan-row order, row_of_slot [S] u32, shared_out [T, H] f32 (nullable),
-// y [T, H] f32. y[t] = sum over j = 0..K-1 in order of l2[row_of_slot[t*K + j]] (+ shared_out[t]).
+// moe_combine: l2 [rows, H] f32 in plan-row order, row_of_slot [S] u32, shared_out [T, H] f32
+// (nullable), y [T, H] f32 or bf16. y[t] = sum over j = 0..K-1 in order of l2[row_of_slot[t*K + j]]
+// for the slots planned here (ROW_NONE adds nothing) (+ shared_out[t]).
 // Tiling: one CTA per token, threads stride over H; fixed fp32 add order, no atomics.
 
 // Largest magnitude of n bf16 values; `nan` tells whether any is NaN (fmaxf alone would skip it).
@@ -27,29 +30,25 @@ __device__ __forceinline__ float block_amax(const bf16_t* sb, int n, bool& nan) 
     return amax;
 }
 
-extern "C" __global__ void moe_quant_rows(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst,
-                                          const unsigned* __restrict__ perm, const int* __restrict__ ids,
-                                          int K, int gather, int rows, int cols, int mode,
-                                          const float* __restrict__ in_scale)
+extern "C" __global__ void moe_quant_rows(const __grid_constant__ QuantRowsParams p)
 {
     const int r = blockIdx.x;
-    if (r >= rows) return;
-    int srow = r;
-    int e = 0;
-    if (perm) {
-        unsigned slot = perm[r];
-        e = ids[slot];
-        if (gather) srow = (int)(slot / (unsigned)K);
-    }
+    if (r >= (int)p.offsets[p.experts]) return;
+    const int K = p.k, cols = p.cols, mode = p.mode;
+    const bf16_t* __restrict__ src = p.src;
+    bf16_t* __restrict__ dst = p.dst;
+    const unsigned slot = p.perm[r];
+    const int e = p.topk_ids[slot] - p.expert_base;
+    const int srow = p.gather ? (int)(slot / (unsigned)K) : r;
     const bf16_t* s = src + (size_t)srow * cols;
     bf16_t* d = dst + (size_t)r * cols;
-    if (mode == 0) {
+    if (mode == QUANT_COPY) {
         const uint4* s4 = (const uint4*)s;
         uint4* d4 = (uint4*)d;
         for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) d4[i] = s4[i];
         return;
     }
-    if (mode == 1) {
+    if (mode == QUANT_FP8_ACT) {
         for (int b = threadIdx.x; b < cols / 128; b += blockDim.x) {
             const bf16_t* sb = s + b * 128;
             bool nan;
@@ -68,7 +67,7 @@ extern "C" __global__ void moe_quant_rows(const bf16_t* __restrict__ src, bf16_t
         }
         return;
     }
-    const float gs = in_scale[e];
+    const float gs = p.in_scale[e];
     for (int b = threadIdx.x; b < cols / 16; b += blockDim.x) {
         const bf16_t* sb = s + b * 16;
         bool nan;
@@ -91,16 +90,20 @@ extern "C" __global__ void moe_quant_rows(const bf16_t* __restrict__ src, bf16_t
 
 // Final combine: y[t] = sum over slots j in order of l2[row_of_slot[t*K+j]] (+ shared[t]).
 // One CTA per token; a fixed order of fp32 adds, no atomics: bitwise reproducible.
-extern "C" __global__ void moe_combine(const float* __restrict__ l2, const unsigned* __restrict__ row_of_slot,
-                                       const float* __restrict__ shared_out, int T, int H, int K,
-                                       float* __restrict__ y)
+extern "C" __global__ void moe_combine(const __grid_constant__ CombineParams p)
 {
     const int t = blockIdx.x;
-    if (t >= T) return;
+    if (t >= p.t) return;
+    const int H = p.h, K = p.k;
+    __shared__ unsigned rows[32];                     // K <= 32 (checked on the host)
+    if (threadIdx.x < K) rows[threadIdx.x] = p.row_of_slot[t * K + threadIdx.x];
+    __syncthreads();
     for (int h = threadIdx.x; h < H; h += blockDim.x) {
         float acc = 0.f;
-        for (int j = 0; j < K; ++j) acc += l2[(size_t)row_of_slot[t * K + j] * H + h];
-        if (shared_out) acc += shared_out[(size_t)t * H + h];
-        y[(size_t)t * H + h] = acc;
+        for (int j = 0; j < K; ++j)
+            if (rows[j] != 0xFFFFFFFFu) acc += p.l2[(size_t)rows[j] * H + h];
+        if (p.shared_out) acc += p.shared_out[(size_t)t * H + h];
+        if (p.y_dtype == OUT_BF16) ((bf16_t*)p.y)[(size_t)t * H + h] = f2bf(acc);
+        else ((float*)p.y)[(size_t)t * H + h] = acc;
     }
 }

@@ -1,9 +1,11 @@
 // router.cu — the MoE router: scores, biased top-k (or hash lookup), weight normalisation.
 //
 // Layouts: x [T, H] bf16 bits; gate weight wg [E, H] f32; bias [E] f32 (nullable);
-// tid2eid [vocab, K] i32 and token ids [T] i32 (hash layers; ids validated on the host).
-// Outputs: scores [T, E] f32 (after the score function, before bias), topk_ids [T, K] i32,
-// topk_w [T, K] f32.
+// tid2eid [vocab, K] i32 and token ids [T] i32 or i64 (hash layers). Outputs: scores [T, E] f32
+// (after the score function, before bias), topk_ids [T, K] i32 (global ids), topk_w [T, K] f32.
+// A token id outside 0..vocab (possible only for ids that come straight from a caller's device
+// buffer; the host API checks them first) routes nowhere: ids -1, weights 0, STATUS_BAD_TOKEN_ID.
+// Parameters: RouterLogitsParams, RouterTopkParams (params.cuh).
 // Two kernels (the decode router is bound by reading the [E, H] gate weight, so that read is spread
 // over many CTAs):
 // - moe_router_logits: grid (T, ceil(E / RT_EPC)), 256 threads. CTA (t, b) computes the logits of
@@ -21,10 +23,12 @@
 #define RT_EPC 2
 #define RT_U 4
 
-extern "C" __global__ void moe_router_logits(
-    const bf16_t* __restrict__ x, const float* __restrict__ wg, int T, int H, int E,
-    float* __restrict__ scores)
+extern "C" __global__ void moe_router_logits(const __grid_constant__ RouterLogitsParams p)
 {
+    const bf16_t* __restrict__ x = p.x;
+    const float* __restrict__ wg = p.wg;
+    const int T = p.t, H = p.h, E = p.e;
+    float* __restrict__ scores = p.scores;
     __shared__ float part[RT_EPC][RT_SPLIT];
     const int t = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -77,12 +81,15 @@ extern "C" __global__ void moe_router_logits(
     }
 }
 
-extern "C" __global__ void moe_router(
-    const float* __restrict__ bias,
-    const int* __restrict__ tid2eid, const int* __restrict__ token_ids,
-    int T, int E, int K, int score_func, int renorm, float route_scale,
-    float* __restrict__ scores, int* __restrict__ topk_ids, float* __restrict__ topk_w)
+extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p)
 {
+    const float* __restrict__ bias = p.bias;
+    const int* __restrict__ tid2eid = p.tid2eid;
+    const int T = p.t, E = p.e, K = p.k, score_func = p.score_func, renorm = p.renorm;
+    const float route_scale = p.route_scale;
+    float* __restrict__ scores = p.scores;
+    int* __restrict__ topk_ids = p.topk_ids;
+    float* __restrict__ topk_w = p.topk_w;
     extern __shared__ float smem[];
     float* sc = smem;              // [E] scores
     float* key = sc + E;           // [E] choice keys
@@ -99,7 +106,7 @@ extern "C" __global__ void moe_router(
     }
     __syncwarp();
     {
-        if (score_func == 2) {        // softmax over experts
+        if (score_func == SCORE_SOFTMAX) {
             float m = -MM_INF;
             for (int e = lane; e < E; e += 32) m = fmaxf(m, sc[e]);
             m = warp_max(m);
@@ -112,7 +119,7 @@ extern "C" __global__ void moe_router(
             for (int e = lane; e < E; e += 32) {
                 float l = sc[e];
                 float v;
-                if (score_func == 0) {          // sqrt(softplus(l)), torch's threshold 20
+                if (score_func == SCORE_SQRT_SOFTPLUS) {  // torch's softplus threshold 20
                     float sp = l > 20.f ? l : log1pf(expf(l));
                     v = sqrtf(sp);
                 } else {                        // sigmoid
@@ -130,8 +137,15 @@ extern "C" __global__ void moe_router(
         __syncwarp();
 
         int my_id = 0;                 // lane j < K keeps choice j
+        bool nowhere = false;
         if (tid2eid) {
-            if (lane < K) my_id = tid2eid[(size_t)token_ids[t] * K + lane];
+            const long long id = p.token_ids_i64 ? ((const long long*)p.token_ids)[t] : ((const int*)p.token_ids)[t];
+            nowhere = id < 0 || id >= p.vocab;
+            if (nowhere) {
+                if (lane == 0) atomicOr(p.status, (unsigned)STATUS_BAD_TOKEN_ID);
+            } else if (lane < K) {
+                my_id = tid2eid[(size_t)id * K + lane];
+            }
         } else {
             for (int j = 0; j < K; ++j) {
                 float best = -MM_INF;
@@ -153,12 +167,12 @@ extern "C" __global__ void moe_router(
                 __syncwarp();
             }
         }
-        float w = (lane < K) ? sc[my_id] : 0.f;
+        float w = (lane < K && !nowhere) ? sc[my_id] : 0.f;
         float sum = warp_sum(w);
         if (lane < K) {
             if (renorm && sum != 0.f) w = w / sum;   // all-zero choice: keep 0 (as the CPU), not 0/0
             w *= route_scale;
-            topk_ids[(size_t)t * K + lane] = my_id;
+            topk_ids[(size_t)t * K + lane] = nowhere ? -1 : my_id;
             topk_w[(size_t)t * K + lane] = w;
         }
     }

@@ -1,31 +1,38 @@
-// gemm.cu — grouped GEMMs over experts with weights dequantized in registers, fp32 accumulation.
+// gemm_simt.cu — the SIMT family: grouped GEMMs over experts with weights dequantized in registers,
+// fp32 FMA accumulation. Compiled once per weight format (-DMM_WF=WF_NVFP4 | WF_MXFP4 | WF_BF16 |
+// WF_FP8); parameters GemmL1Params / GemmL1TraceParams / GemmL2Params (params.cuh).
 //
 // C[m, n] = alpha(g) * sum_k A[m, k] * W_g[n, k]; A: bf16 rows in plan order (all rows of one tile
-// belong to one group g = expert); W_g: the group's (out x in) matrix in format WF:
-//   WF 0 NVFP4: codes [G][R][K/2] u8 (even element low nibble), e4m3 scales [G][R][K/16]
-//   WF 1 MXFP4: codes [G][R][K/2] u8, e8m0 scales [G][R][K/32]
-//   WF 2 BF16 : [G][R][K] bf16 bits
-//   WF 3 FP8  : e4m3 [G][R][K] u8, f32 scales [G][R][K/64] (128x128 block scales expanded per row and
+// belong to one group g = expert; with a_rows, row m is A[a_rows[m] / a_div], the L1 input gathered
+// from x by the plan's permutation); W_g: the group's (out x in) matrix in format WF:
+//   WF_NVFP4: codes [G][R][K/2] u8 (even element low nibble), e4m3 scales [G][R][K/16]
+//   WF_MXFP4: codes [G][R][K/2] u8, e8m0 scales [G][R][K/32]
+//   WF_BF16 : [G][R][K] bf16 bits
+//   WF_FP8  : e4m3 [G][R][K] u8, f32 scales [G][R][K/64] (128x128 block scales expanded per row and
 //               per 64 columns, the K step)
-// L1 (moe_gemm_l1_*): W13 rows are interleaved by gpu_layout in blocks of 32: block b holds gate rows
+// L1 (moe_simt_l1_m*): W13 rows are interleaved by gpu_layout in blocks of 32: block b holds gate rows
 // 32b..32b+31 then up rows 32b..32b+31, so a CTA owns matching gate and up columns and the SwiGLU
 // epilogue needs no second pass: g = acc_gate*alpha_gate*alpha_in, u = acc_up*alpha_up*alpha_in,
 // u = clamp(u,-L,L), g = min(g,L) (L > 0), a = bf16(silu(g) * u * w) with w the slot's routing weight
-// (1 for the dense shared expert). L2 (moe_gemm_l2_*) stores f32 rows.
+// (1 for the dense shared expert). L2 (moe_simt_l2_m*) stores f32 rows.
 // Other operands: alpha_w [G][2] (L1: gate, up) or [G] (L2) f32 weight global scales, nullable;
 // alpha_in [G] f32 activation global scales (W4A4), nullable; tiles [num_tiles][2] i32 = (group,
 // first row) and offsets [G+1] u32 from plan.cu; perm [rows] u32 and topk_w [S] f32 give each row's
-// routing weight (L1); outputs act [rows, I] bf16, gate_tr / up_tr [rows, I] f32 (nullable, trace),
-// out [rows, H] f32 (L2).
+// routing weight (L1); outputs act [rows, I] bf16 (and gate_tr / up_tr [rows, I] f32 in the trace
+// variants), out [rows, H] f32 (L2).
+// The trace variants (moe_*_l1_trace*) also store the gate / up pre-activations; the others have
+// no trace operands at all.
 // Grid: x = tile (sized for the worst case, CTAs past num_tiles exit), y = block of 64 weight rows
 // (L1: I/32 blocks of 32 gate + 32 up rows; L2: H/64).
 // Tiling: CTA tile BM rows (tokens) x 64 weight rows x BK 64, 256 threads, each thread a (BM/16) x 4
 // micro-tile (rows ty+16i, cols tx+16j). Weights are dequantized while staged into shared memory
-// (e2m1 -> f32 by bit manipulation, times the exact scale). SIMT FMA: correct first; the tile
-// schedule (tiles[] from moe_plan_offsets, grid.x sized for the worst case with early exit) is the
-// structure tensor-core (mma.sync / wgmma) versions slot into.
+// (e2m1 -> f32 by bit manipulation, times the exact scale). SIMT FMA: the correct-first family and
+// the fallback for layers the tensor-core family (gemm_tc.cu) cannot place exactly.
 // Dense mode (tiles == nullptr): one group, rows [0, dense_rows), tile t covers rows t*BM...
 
+#ifndef MM_WF
+#error "gemm_simt.cu is compiled once per weight format: -DMM_WF=WF_NVFP4, WF_MXFP4, WF_BF16 or WF_FP8"
+#endif
 #define BN 64
 #define BK 64
 #define NT 256
@@ -35,14 +42,14 @@ __device__ __forceinline__ void load_w_tile(float (*Bs)[BN + 1], const u8* __res
                                             const u8* __restrict__ ws, size_t row0, int K, int k0)
 {
     const int tid = threadIdx.x;
-    if (WF == 0 || WF == 1) {
+    if (WF == WF_NVFP4 || WF == WF_MXFP4) {
         if (tid < 128) {
             const int r = tid >> 1, half = tid & 1;
             const size_t row = row0 + r;
             const uint4 v = *(const uint4*)(wq + row * (K / 2) + (k0 / 2) + half * 16);
             const int kb = k0 + half * 32;
             float s0, s1;
-            if (WF == 0) {
+            if (WF == WF_NVFP4) {
                 s0 = e4m3_to_f32(ws[row * (K / 16) + kb / 16]);
                 s1 = e4m3_to_f32(ws[row * (K / 16) + kb / 16 + 1]);
             } else {
@@ -59,7 +66,7 @@ __device__ __forceinline__ void load_w_tile(float (*Bs)[BN + 1], const u8* __res
                 }
             }
         }
-    } else if (WF == 2) {
+    } else if (WF == WF_BF16) {
         #pragma unroll
         for (int it = 0; it < 2; ++it) {
             const int v = tid + it * NT;            // 512 vectors of 8
@@ -86,15 +93,21 @@ __device__ __forceinline__ void load_w_tile(float (*Bs)[BN + 1], const u8* __res
     }
 }
 
+// Row m of A: A[a_rows[m] / a_div] when gathering, else A[m].
+__device__ __forceinline__ size_t a_row(const GemmOperands& g, int m) {
+    return g.a_rows ? (size_t)(g.a_rows[m] / (unsigned)g.a_div) : (size_t)m;
+}
+
 template <int BM>
-__device__ __forceinline__ void load_a_tile(float (*As)[BM + 1], const bf16_t* __restrict__ A, int m0,
+__device__ __forceinline__ void load_a_tile(float (*As)[BM + 1], const GemmOperands& go, int m0,
                                             int mend, int K, int k0)
 {
+    const bf16_t* __restrict__ A = (const bf16_t*)go.a;
     for (int v = threadIdx.x; v < BM * 8; v += NT) {
         const int r = v >> 3, c = (v & 7) * 8;
         const int m = m0 + r;
         uint4 x = make_uint4(0u, 0u, 0u, 0u);
-        if (m < mend) x = *(const uint4*)(A + (size_t)m * K + k0 + c);
+        if (m < mend) x = *(const uint4*)(A + a_row(go, m) * K + k0 + c);
         const unsigned w[4] = {x.x, x.y, x.z, x.w};
         #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -106,36 +119,34 @@ __device__ __forceinline__ void load_a_tile(float (*As)[BM + 1], const bf16_t* _
 
 // Resolves this CTA's tile; false when it has none (early exit, uniform over the CTA).
 template <int BM>
-__device__ __forceinline__ bool tile_of(const int* __restrict__ tiles, const int* __restrict__ num_tiles,
-                                        const unsigned* __restrict__ offsets, int dense_rows,
-                                        int& g, int& m0, int& mend)
+__device__ __forceinline__ bool tile_of(const GemmOperands& go, int& g, int& m0, int& mend)
 {
     const int t = blockIdx.x;
-    if (tiles) {
-        if (t >= *num_tiles) return false;
-        g = tiles[2 * t];
-        m0 = tiles[2 * t + 1];
-        mend = (int)offsets[g + 1];
+    if (go.tiles) {
+        if (t >= *go.num_tiles) return false;
+        g = go.tiles[2 * t];
+        m0 = go.tiles[2 * t + 1];
+        mend = (int)go.offsets[g + 1];
     } else {
         g = 0;
         m0 = t * BM;
-        if (m0 >= dense_rows) return false;
-        mend = dense_rows;
+        if (m0 >= go.dense_rows) return false;
+        mend = go.dense_rows;
     }
     return true;
 }
 
 template <int WF>
 __device__ __forceinline__ size_t w_group_bytes(size_t R, int K) {
-    return (WF == 0 || WF == 1) ? R * (K / 2) : (WF == 2 ? R * K * 2 : R * K);
+    return (WF == WF_NVFP4 || WF == WF_MXFP4) ? R * (K / 2) : (WF == WF_BF16 ? R * K * 2 : R * K);
 }
 template <int WF>
 __device__ __forceinline__ size_t s_group_bytes(size_t R, int K) {
-    return WF == 0 ? R * (K / 16) : (WF == 1 ? R * (K / 32) : (WF == 3 ? R * (K / 64) * 4 : 0));
+    return WF == WF_NVFP4 ? R * (K / 16) : (WF == WF_MXFP4 ? R * (K / 32) : (WF == WF_FP8 ? R * (K / 64) * 4 : 0));
 }
 
 template <int WF, int BM>
-__device__ __forceinline__ void mainloop(float (&acc)[BM / 16][4], const bf16_t* __restrict__ A,
+__device__ __forceinline__ void mainloop(float (&acc)[BM / 16][4], const GemmOperands& A,
                                          const u8* __restrict__ wq, const u8* __restrict__ ws,
                                          size_t row0, int K, int m0, int mend)
 {
@@ -167,98 +178,82 @@ __device__ __forceinline__ void mainloop(float (&acc)[BM / 16][4], const bf16_t*
 }
 
 // L1: A [rows, H]; W13 interleaved [G][2I][H]; alpha_w [G][2] (gate, up) or null; alpha_in [G] or null.
-template <int WF, int BM>
-__device__ void gemm_l1(const bf16_t* __restrict__ A, const u8* __restrict__ wq, const u8* __restrict__ ws,
-                        const float* __restrict__ alpha_w, const float* __restrict__ alpha_in,
-                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
-                        const unsigned* __restrict__ offsets, int dense_rows, int H, int I,
-                        const unsigned* __restrict__ perm, const float* __restrict__ topk_w, float limit,
-                        bf16_t* __restrict__ act, float* __restrict__ gate_tr, float* __restrict__ up_tr)
+template <int WF, int BM, bool TRACE>
+__device__ void gemm_l1(const GemmL1Params& p, float* __restrict__ gate_tr, float* __restrict__ up_tr)
 {
+    const GemmOperands& go = p.g;
     int g, m0, mend;
-    if (!tile_of<BM>(tiles, num_tiles, offsets, dense_rows, g, m0, mend)) return;
+    if (!tile_of<BM>(go, g, m0, mend)) return;
+    const int H = go.h, I = go.inter;
     const size_t R = 2 * (size_t)I;
-    const u8* wqg = wq + (size_t)g * w_group_bytes<WF>(R, H);
-    const u8* wsg = ws ? ws + (size_t)g * s_group_bytes<WF>(R, H) : ws;
+    const u8* wqg = go.wq + (size_t)g * w_group_bytes<WF>(R, H);
+    const u8* wsg = go.ws ? go.ws + (size_t)g * s_group_bytes<WF>(R, H) : go.ws;
     float acc[BM / 16][4];
-    mainloop<WF, BM>(acc, A, wqg, wsg, (size_t)blockIdx.y * BN, H, m0, mend);
+    mainloop<WF, BM>(acc, go, wqg, wsg, (size_t)blockIdx.y * BN, H, m0, mend);
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     float ag = 1.f, au = 1.f;
-    if (alpha_w) { ag = alpha_w[2 * g]; au = alpha_w[2 * g + 1]; }
-    if (alpha_in) { ag *= alpha_in[g]; au *= alpha_in[g]; }
+    if (go.alpha_w) { ag = go.alpha_w[2 * g]; au = go.alpha_w[2 * g + 1]; }
+    if (go.alpha_in) { ag *= go.alpha_in[g]; au *= go.alpha_in[g]; }
     #pragma unroll
     for (int i = 0; i < BM / 16; ++i) {
         const int m = m0 + ty + 16 * i;
         if (m >= mend) continue;
-        const float w = perm ? topk_w[perm[m]] : 1.f;
+        const float w = p.perm ? p.topk_w[p.perm[m]] : 1.f;
         #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            const int col = blockIdx.y * 32 + tx + 16 * p;
-            float gt = acc[i][p] * ag, u = acc[i][p + 2] * au;
-            if (gate_tr) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
-            // NaN stays NaN (torch's clamp); fminf / fmaxf alone would turn it into +-limit.
-            if (limit > 0.f) {
-                if (u == u) u = fminf(fmaxf(u, -limit), limit);
-                if (gt == gt) gt = fminf(gt, limit);
-            }
-            const float s = gt / (1.f + expf(-gt));
-            act[(size_t)m * I + col] = f2bf(s * u * w);
+        for (int q = 0; q < 2; ++q) {
+            const int col = blockIdx.y * 32 + tx + 16 * q;
+            const float gt = acc[i][q] * ag, u = acc[i][q + 2] * au;
+            if constexpr (TRACE) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
+            p.act[(size_t)m * I + col] = f2bf(swiglu(gt, u, w, p.limit));
         }
     }
 }
 
 // L2: A [rows, I]; W2 [G][H][I]; out [rows, H] f32.
 template <int WF, int BM>
-__device__ void gemm_l2(const bf16_t* __restrict__ A, const u8* __restrict__ wq, const u8* __restrict__ ws,
-                        const float* __restrict__ alpha_w, const float* __restrict__ alpha_in,
-                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
-                        const unsigned* __restrict__ offsets, int dense_rows, int H, int I,
-                        float* __restrict__ out)
+__device__ void gemm_l2(const GemmL2Params& p)
 {
+    const GemmOperands& go = p.g;
     int g, m0, mend;
-    if (!tile_of<BM>(tiles, num_tiles, offsets, dense_rows, g, m0, mend)) return;
-    const u8* wqg = wq + (size_t)g * w_group_bytes<WF>((size_t)H, I);
-    const u8* wsg = ws ? ws + (size_t)g * s_group_bytes<WF>((size_t)H, I) : ws;
+    if (!tile_of<BM>(go, g, m0, mend)) return;
+    const int H = go.h, I = go.inter;
+    const u8* wqg = go.wq + (size_t)g * w_group_bytes<WF>((size_t)H, I);
+    const u8* wsg = go.ws ? go.ws + (size_t)g * s_group_bytes<WF>((size_t)H, I) : go.ws;
     float acc[BM / 16][4];
-    mainloop<WF, BM>(acc, A, wqg, wsg, (size_t)blockIdx.y * BN, I, m0, mend);
+    mainloop<WF, BM>(acc, go, wqg, wsg, (size_t)blockIdx.y * BN, I, m0, mend);
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-    float a = alpha_w ? alpha_w[g] : 1.f;
-    if (alpha_in) a *= alpha_in[g];
+    float a = go.alpha_w ? go.alpha_w[g] : 1.f;
+    if (go.alpha_in) a *= go.alpha_in[g];
     #pragma unroll
     for (int i = 0; i < BM / 16; ++i) {
         const int m = m0 + ty + 16 * i;
         if (m >= mend) continue;
         #pragma unroll
-        for (int j = 0; j < 4; ++j) out[(size_t)m * H + blockIdx.y * BN + tx + 16 * j] = acc[i][j] * a;
+        for (int j = 0; j < 4; ++j) p.out[(size_t)m * H + blockIdx.y * BN + tx + 16 * j] = acc[i][j] * a;
     }
 }
 
-#define MM_L1(WF, BM)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(NT) moe_gemm_l1_w##WF##_m##BM(                           \
-        const bf16_t* A, const u8* wq, const u8* ws, const float* alpha_w, const float* alpha_in,        \
-        const int* tiles, const int* num_tiles, const unsigned* offsets, int dense_rows, int H, int I,    \
-        const unsigned* perm, const float* topk_w, float limit, bf16_t* act, float* gate_tr,             \
-        float* up_tr)                                                                                    \
+#define MM_GEMM(BM)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(NT) moe_simt_l1_m##BM(const __grid_constant__ GemmL1Params p) \
     {                                                                                                     \
-        gemm_l1<WF, BM>(A, wq, ws, alpha_w, alpha_in, tiles, num_tiles, offsets, dense_rows, H, I, perm, \
-                        topk_w, limit, act, gate_tr, up_tr);                                             \
-    }
-#define MM_L2(WF, BM)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(NT) moe_gemm_l2_w##WF##_m##BM(                           \
-        const bf16_t* A, const u8* wq, const u8* ws, const float* alpha_w, const float* alpha_in,        \
-        const int* tiles, const int* num_tiles, const unsigned* offsets, int dense_rows, int H, int I,    \
-        float* out)                                                                                      \
+        gemm_l1<MM_WF, BM, false>(p, nullptr, nullptr);                                                   \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(NT)                                                      \
+        moe_simt_l1_trace_m##BM(const __grid_constant__ GemmL1TraceParams p)                              \
     {                                                                                                     \
-        gemm_l2<WF, BM>(A, wq, ws, alpha_w, alpha_in, tiles, num_tiles, offsets, dense_rows, H, I, out); \
+        gemm_l1<MM_WF, BM, true>(p.l1, p.gate_tr, p.up_tr);                                               \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(NT) moe_simt_l2_m##BM(const __grid_constant__ GemmL2Params p) \
+    {                                                                                                     \
+        gemm_l2<MM_WF, BM>(p);                                                                            \
     }
 
-MM_L1(0, 16) MM_L1(0, 64) MM_L1(1, 16) MM_L1(1, 64) MM_L1(2, 16) MM_L1(2, 64) MM_L1(3, 16) MM_L1(3, 64)
-MM_L2(0, 16) MM_L2(0, 64) MM_L2(1, 16) MM_L2(1, 64) MM_L2(2, 16) MM_L2(2, 64) MM_L2(3, 16) MM_L2(3, 64)
+MM_GEMM(16) MM_GEMM(64)
 
 // ---------------------------------------------------------------------------------------------
-// Decode path: weight-streaming grouped GEMV (moe_gemv_l1_* / moe_gemv_l2_*), for tiles of at most
+// Decode path: weight-streaming grouped GEMV (moe_gemv_l1* / moe_gemv_l2), for tiles of at most
 // GV_MT = 8 rows (gpu_layout::choose_block_m returns 8 when an active expert expects <= 8 rows).
-// Same operands, tile table, epilogues and output layouts as moe_gemm_l1_* / moe_gemm_l2_*.
+// Same operands, tile table, epilogues and output layouts as moe_simt_l1_m* / moe_simt_l2_m*.
 // Tiling: 256 threads = 8 warps; each warp owns GV_RW = 4 weight rows of one expert and streams them
 // over all of K: lane l takes 16-byte chunks l, l+32, ... (coalesced 512-byte warp loads, GV_U chunks
 // per row loaded before first use, read-only path), dequantizes in registers (exact e2m1 * scale) and
@@ -279,19 +274,19 @@ MM_L2(0, 16) MM_L2(0, 64) MM_L2(1, 16) MM_L2(1, 64) MM_L2(2, 16) MM_L2(2, 64) MM
 #endif
 
 // Elements of K per 16-byte chunk of weight codes.
-template <int WF> struct GvFmt { static constexpr int KC = (WF == 0 || WF == 1) ? 32 : (WF == 2 ? 8 : 16); };
+template <int WF> struct GvFmt { static constexpr int KC = (WF == WF_NVFP4 || WF == WF_MXFP4) ? 32 : (WF == WF_BF16 ? 8 : 16); };
 
 // Dequantizes elements 8q..8q+7 of a 16-byte chunk `v` (starting at element k) of one weight row.
 template <int WF>
 __device__ __forceinline__ void gv_dequant8(float (&w)[8], const uint4& v, int q, float s01, float s23)
 {
     const unsigned x[4] = {v.x, v.y, v.z, v.w};
-    if (WF == 0 || WF == 1) {
+    if (WF == WF_NVFP4 || WF == WF_MXFP4) {
         const unsigned c = x[q];
         const float sc = (q < 2) ? s01 : s23;
         #pragma unroll
         for (int n = 0; n < 8; ++n) w[n] = e2m1_to_f32((c >> (4 * n)) & 15u) * sc;
-    } else if (WF == 2) {
+    } else if (WF == WF_BF16) {
         #pragma unroll
         for (int n = 0; n < 4; ++n) {
             w[2 * n] = __uint_as_float(x[n] << 16);
@@ -310,13 +305,13 @@ template <int WF>
 __device__ __forceinline__ void gv_scales(const u8* __restrict__ ws, size_t row, int K, int k, float& s01,
                                           float& s23)
 {
-    if (WF == 0) {
+    if (WF == WF_NVFP4) {
         const unsigned short b = __ldg((const unsigned short*)(ws + row * (K / 16) + k / 16));
         s01 = e4m3_to_f32(b & 255u);
         s23 = e4m3_to_f32(b >> 8);
-    } else if (WF == 1) {
+    } else if (WF == WF_MXFP4) {
         s01 = s23 = e8m0_to_f32(__ldg(ws + row * (K / 32) + k / 32));
-    } else if (WF == 3) {
+    } else if (WF == WF_FP8) {
         s01 = s23 = __ldg((const float*)ws + row * (K / 64) + k / 64);
     } else {
         s01 = s23 = 1.f;
@@ -325,15 +320,19 @@ __device__ __forceinline__ void gv_scales(const u8* __restrict__ ws, size_t row,
 
 // acc[r][m] = sum_k A[m0 + m, k] * W[rows[r], k] over this warp (all lanes hold the totals), m < mc.
 template <int WF>
-__device__ __forceinline__ void gv_mainloop(float (&acc)[GV_RW][GV_MT], const bf16_t* __restrict__ A, int m0,
+__device__ __forceinline__ void gv_mainloop(float (&acc)[GV_RW][GV_MT], const GemmOperands& go, int m0,
                                             int mc, int K, const u8* __restrict__ wq,
                                             const u8* __restrict__ ws, const size_t (&rows)[GV_RW])
 {
+    const bf16_t* __restrict__ A = (const bf16_t*)go.a;
+    size_t arow[GV_MT];
+    #pragma unroll
+    for (int m = 0; m < GV_MT; ++m) arow[m] = (m < mc) ? a_row(go, m0 + m) : 0;
     constexpr int KC = GvFmt<WF>::KC;
     constexpr int CB = 16;                        // bytes per chunk
     const int lane = threadIdx.x & 31;
     const int nch = K / KC;                       // chunks per row (K % 64 == 0)
-    const size_t rb = (WF == 0 || WF == 1) ? (size_t)(K / 2) : (WF == 2 ? (size_t)K * 2 : (size_t)K);
+    const size_t rb = (WF == WF_NVFP4 || WF == WF_MXFP4) ? (size_t)(K / 2) : (WF == WF_BF16 ? (size_t)K * 2 : (size_t)K);
     #pragma unroll
     for (int r = 0; r < GV_RW; ++r)
         #pragma unroll
@@ -369,7 +368,7 @@ __device__ __forceinline__ void gv_mainloop(float (&acc)[GV_RW][GV_MT], const bf
                 #pragma unroll
                 for (int m = 0; m < GV_MT; ++m) {
                     if (m >= mc) break;
-                    const uint4 xa = __ldg((const uint4*)(A + (size_t)(m0 + m) * K + k));
+                    const uint4 xa = __ldg((const uint4*)(A + arow[m] * K + k));
                     const unsigned xs[4] = {xa.x, xa.y, xa.z, xa.w};
                     float a[8];
                     #pragma unroll
@@ -393,103 +392,83 @@ __device__ __forceinline__ void gv_mainloop(float (&acc)[GV_RW][GV_MT], const bf
     }
 }
 
-template <int WF>
-__device__ void gemv_l1(const bf16_t* __restrict__ A, const u8* __restrict__ wq, const u8* __restrict__ ws,
-                        const float* __restrict__ alpha_w, const float* __restrict__ alpha_in,
-                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
-                        const unsigned* __restrict__ offsets, int dense_rows, int H, int I,
-                        const unsigned* __restrict__ perm, const float* __restrict__ topk_w, float limit,
-                        bf16_t* __restrict__ act, float* __restrict__ gate_tr, float* __restrict__ up_tr)
+template <int WF, bool TRACE>
+__device__ void gemv_l1(const GemmL1Params& p, float* __restrict__ gate_tr, float* __restrict__ up_tr)
 {
+    const GemmOperands& go = p.g;
     int g, m0, mend;
-    if (!tile_of<GV_MT>(tiles, num_tiles, offsets, dense_rows, g, m0, mend)) return;
+    if (!tile_of<GV_MT>(go, g, m0, mend)) return;
+    const int H = go.h, I = go.inter;
     const int mc = min(mend - m0, GV_MT);
     const size_t R = 2 * (size_t)I;
-    const u8* wqg = wq + (size_t)g * w_group_bytes<WF>(R, H);
-    const u8* wsg = ws ? ws + (size_t)g * s_group_bytes<WF>(R, H) : ws;
+    const u8* wqg = go.wq + (size_t)g * w_group_bytes<WF>(R, H);
+    const u8* wsg = go.ws ? go.ws + (size_t)g * s_group_bytes<WF>(R, H) : go.ws;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int j0 = blockIdx.y * 16 + warp * 2;    // this warp's gate/up columns j0, j0 + 1
     size_t rows[GV_RW];
     #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-        const size_t base = (size_t)((j0 + p) / 32) * 64 + (size_t)((j0 + p) % 32);
-        rows[p] = base;                           // gate
-        rows[p + 2] = base + 32;                  // up
+    for (int q = 0; q < 2; ++q) {
+        const size_t base = (size_t)((j0 + q) / 32) * 64 + (size_t)((j0 + q) % 32);
+        rows[q] = base;                           // gate
+        rows[q + 2] = base + 32;                  // up
     }
     float acc[GV_RW][GV_MT];
-    gv_mainloop<WF>(acc, A, m0, mc, H, wqg, wsg, rows);
+    gv_mainloop<WF>(acc, go, m0, mc, H, wqg, wsg, rows);
     float ag = 1.f, au = 1.f;
-    if (alpha_w) { ag = alpha_w[2 * g]; au = alpha_w[2 * g + 1]; }
-    if (alpha_in) { ag *= alpha_in[g]; au *= alpha_in[g]; }
+    if (go.alpha_w) { ag = go.alpha_w[2 * g]; au = go.alpha_w[2 * g + 1]; }
+    if (go.alpha_in) { ag *= go.alpha_in[g]; au *= go.alpha_in[g]; }
     #pragma unroll
     for (int m = 0; m < GV_MT; ++m) {
         if (m >= mc) break;
         #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            if (lane != 2 * m + p) continue;      // one lane per (token, column) stores
-            const int row = m0 + m, col = j0 + p;
-            const float w = perm ? topk_w[perm[row]] : 1.f;
-            float gt = acc[p][m] * ag, u = acc[p + 2][m] * au;
-            if (gate_tr) { gate_tr[(size_t)row * I + col] = gt; up_tr[(size_t)row * I + col] = u; }
-            // NaN stays NaN (torch's clamp), as in gemm_l1.
-            if (limit > 0.f) {
-                if (u == u) u = fminf(fmaxf(u, -limit), limit);
-                if (gt == gt) gt = fminf(gt, limit);
-            }
-            const float s = gt / (1.f + expf(-gt));
-            act[(size_t)row * I + col] = f2bf(s * u * w);
+        for (int q = 0; q < 2; ++q) {
+            if (lane != 2 * m + q) continue;      // one lane per (token, column) stores
+            const int row = m0 + m, col = j0 + q;
+            const float w = p.perm ? p.topk_w[p.perm[row]] : 1.f;
+            const float gt = acc[q][m] * ag, u = acc[q + 2][m] * au;
+            if constexpr (TRACE) { gate_tr[(size_t)row * I + col] = gt; up_tr[(size_t)row * I + col] = u; }
+            p.act[(size_t)row * I + col] = f2bf(swiglu(gt, u, w, p.limit));
         }
     }
 }
 
 template <int WF>
-__device__ void gemv_l2(const bf16_t* __restrict__ A, const u8* __restrict__ wq, const u8* __restrict__ ws,
-                        const float* __restrict__ alpha_w, const float* __restrict__ alpha_in,
-                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
-                        const unsigned* __restrict__ offsets, int dense_rows, int H, int I,
-                        float* __restrict__ out)
+__device__ void gemv_l2(const GemmL2Params& p)
 {
+    const GemmOperands& go = p.g;
     int g, m0, mend;
-    if (!tile_of<GV_MT>(tiles, num_tiles, offsets, dense_rows, g, m0, mend)) return;
+    if (!tile_of<GV_MT>(go, g, m0, mend)) return;
+    const int H = go.h, I = go.inter;
     const int mc = min(mend - m0, GV_MT);
-    const u8* wqg = wq + (size_t)g * w_group_bytes<WF>((size_t)H, I);
-    const u8* wsg = ws ? ws + (size_t)g * s_group_bytes<WF>((size_t)H, I) : ws;
+    const u8* wqg = go.wq + (size_t)g * w_group_bytes<WF>((size_t)H, I);
+    const u8* wsg = go.ws ? go.ws + (size_t)g * s_group_bytes<WF>((size_t)H, I) : go.ws;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = blockIdx.y * 32 + warp * GV_RW;
     size_t rows[GV_RW];
     #pragma unroll
     for (int r = 0; r < GV_RW; ++r) rows[r] = (size_t)(n0 + r);
     float acc[GV_RW][GV_MT];
-    gv_mainloop<WF>(acc, A, m0, mc, I, wqg, wsg, rows);
-    float a = alpha_w ? alpha_w[g] : 1.f;
-    if (alpha_in) a *= alpha_in[g];
+    gv_mainloop<WF>(acc, go, m0, mc, I, wqg, wsg, rows);
+    float a = go.alpha_w ? go.alpha_w[g] : 1.f;
+    if (go.alpha_in) a *= go.alpha_in[g];
     #pragma unroll
     for (int m = 0; m < GV_MT; ++m) {
         if (m >= mc) break;
         #pragma unroll
         for (int r = 0; r < GV_RW; ++r)
-            if (lane == GV_RW * m + r) out[(size_t)(m0 + m) * H + n0 + r] = acc[r][m] * a;
+            if (lane == GV_RW * m + r) p.out[(size_t)(m0 + m) * H + n0 + r] = acc[r][m] * a;
     }
 }
 
-#define GV_L1(WF)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(NT) moe_gemv_l1_w##WF(                                   \
-        const bf16_t* A, const u8* wq, const u8* ws, const float* alpha_w, const float* alpha_in,        \
-        const int* tiles, const int* num_tiles, const unsigned* offsets, int dense_rows, int H, int I,    \
-        const unsigned* perm, const float* topk_w, float limit, bf16_t* act, float* gate_tr,             \
-        float* up_tr)                                                                                    \
-    {                                                                                                     \
-        gemv_l1<WF>(A, wq, ws, alpha_w, alpha_in, tiles, num_tiles, offsets, dense_rows, H, I, perm,     \
-                    topk_w, limit, act, gate_tr, up_tr);                                                 \
-    }
-#define GV_L2(WF)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(NT) moe_gemv_l2_w##WF(                                   \
-        const bf16_t* A, const u8* wq, const u8* ws, const float* alpha_w, const float* alpha_in,        \
-        const int* tiles, const int* num_tiles, const unsigned* offsets, int dense_rows, int H, int I,    \
-        float* out)                                                                                      \
-    {                                                                                                     \
-        gemv_l2<WF>(A, wq, ws, alpha_w, alpha_in, tiles, num_tiles, offsets, dense_rows, H, I, out);     \
-    }
-
-GV_L1(0) GV_L1(1) GV_L1(2) GV_L1(3)
-GV_L2(0) GV_L2(1) GV_L2(2) GV_L2(3)
+extern "C" __global__ void __launch_bounds__(NT) moe_gemv_l1(const __grid_constant__ GemmL1Params p)
+{
+    gemv_l1<MM_WF, false>(p, nullptr, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(NT) moe_gemv_l1_trace(const __grid_constant__ GemmL1TraceParams p)
+{
+    gemv_l1<MM_WF, true>(p.l1, p.gate_tr, p.up_tr);
+}
+extern "C" __global__ void __launch_bounds__(NT) moe_gemv_l2(const __grid_constant__ GemmL2Params p)
+{
+    gemv_l2<MM_WF>(p);
+}

@@ -1,25 +1,26 @@
-//! The weight layouts and tile schedule the CUDA kernels want, as pure, tested Rust functions
-//! (compiled without the `cuda` feature so CI checks them on machines without a GPU).
+//! The weight layouts and tile schedules the CUDA kernels want, as pure, tested Rust functions
+//! (compiled without the `cuda` feature, so CI checks them on machines without a GPU).
 //!
-//! - W1 (gate) and W3 (up) of every expert are interleaved by rows in blocks of
-//!   [`L1_INTERLEAVE`]: block `b` holds gate rows `32b..32b+31` then up rows `32b..32b+31`, so
-//!   one CTA of the L1 GEMM owns matching gate and up outputs and fuses the SwiGLU epilogue.
-//!   The same permutation is applied to packed FP4 codes, their block scales and bf16/fp8 rows.
-//! - FP8 128x128 block scales of the shared expert are expanded to one f32 per row per 64
-//!   columns (the GEMM's K step), so the kernel reads one scale per row per step.
-//! - The grouped GEMMs run over tiles of `block_m` rows of one expert; [`choose_block_m`] is the
-//!   heuristic and [`max_tiles`] the worst-case grid the host launches (counts stay on the device).
+//! Each GEMM family owns its packing and its tile heuristics:
+//! - [`simt`]: the SIMT-FMA tiles and the decode GEMV (W1/W3 rows interleaved in blocks of 32,
+//!   scales row-major);
+//! - [`tc`]: the tensor-core family (`mma.sync` m16n8k16): weights pre-permuted into the
+//!   per-lane A-fragment order of the MMA, FP4 codes bit-arranged for a 9-instruction decode,
+//!   block scales beside them.
+//!
+//! Shared by all families here: the gate/up interleave, the FP8 block-scale expansion and the
+//! plan's tile table (`(expert, first row)` of every tile of `block_m` rows).
+
+pub mod simt;
+pub mod tc;
 
 use crate::error::{MegaError, Result};
 
-/// Rows per gate/up interleave block (half the L1 GEMM's 64-row weight tile).
-pub const L1_INTERLEAVE: usize = 32;
-
-/// The GEMMs' K step; H and I must be multiples of it.
+/// The K granularity of every GEMM family; H and I must be multiples of it.
 pub const K_STEP: usize = 64;
 
-/// The weight-row tile of the GEMMs (output features per CTA).
-pub const N_TILE: usize = 64;
+/// The smallest token-tile height any family asks the plan for (sizes the worst-case tile table).
+pub const MIN_BLOCK_M: usize = 8;
 
 /// Interleaves `gate` and `up`, each `[experts, rows, row_len]`, into `[experts, 2*rows, row_len]`
 /// with blocks of `block` rows: gate block b, then up block b, for every b.
@@ -102,65 +103,6 @@ pub fn expand_block_scales(scale: &[f32], rows: usize, cols: usize) -> Result<Ve
     Ok(out)
 }
 
-/// Tile height of the decode path: tiles of at most this many rows run the weight-streaming grouped
-/// GEMV kernels (`moe_gemv_*`) instead of the SIMT GEMM tiles.
-pub const GEMV_BLOCK_M: usize = 8;
-
-/// The smallest tile height [`choose_block_m`] returns (sizes the worst-case tile table).
-pub const MIN_BLOCK_M: usize = GEMV_BLOCK_M;
-
-/// The token-tile height of the grouped GEMMs for `slots = T*k` routing slots over `experts`:
-/// [`GEMV_BLOCK_M`] (the weight-streaming GEMV, decode) when an active expert expects at most 8
-/// rows, 16 when at most 16, else 64 (prefill). Heuristic only: every height is correct for every
-/// routing (a hot expert simply gets more tiles).
-pub fn choose_block_m(slots: usize, experts: usize) -> usize {
-    let active = experts.min(slots).max(1);
-    let per_expert = slots.div_ceil(active);
-    if per_expert <= GEMV_BLOCK_M {
-        GEMV_BLOCK_M
-    } else if per_expert <= 16 {
-        16
-    } else {
-        64
-    }
-}
-
-/// The tile height of the dense shared-expert GEMMs over `tokens` rows (same kernels, one group).
-pub fn choose_dense_block_m(tokens: usize) -> usize {
-    if tokens <= GEMV_BLOCK_M {
-        GEMV_BLOCK_M
-    } else if tokens <= 16 {
-        16
-    } else {
-        64
-    }
-}
-
-/// Whether tiles of `block_m` rows run the GEMV kernels.
-pub fn is_gemv(block_m: usize) -> bool {
-    block_m <= GEMV_BLOCK_M
-}
-
-/// `grid.y` of an L1 launch over intermediate size `inter`: the GEMV's CTAs own 16 gate/up column
-/// pairs (8 warps x 2), the GEMM's 32 (one interleave block of 64 weight rows).
-pub fn l1_grid_y(inter: usize, block_m: usize) -> usize {
-    if is_gemv(block_m) {
-        inter / 16
-    } else {
-        inter / L1_INTERLEAVE
-    }
-}
-
-/// `grid.y` of an L2 launch over `hidden` output rows: 32 rows per GEMV CTA (8 warps x 4), 64 per
-/// GEMM CTA.
-pub fn l2_grid_y(hidden: usize, block_m: usize) -> usize {
-    if is_gemv(block_m) {
-        hidden / 32
-    } else {
-        hidden / N_TILE
-    }
-}
-
 /// Worst-case number of `block_m` tiles over all experts: `sum ceil(c_e/bm) <= ceil(S/bm) + min(E, S)`.
 pub fn max_tiles(slots: usize, experts: usize, block_m: usize) -> usize {
     slots.div_ceil(block_m) + experts.min(slots)
@@ -191,14 +133,14 @@ mod tests {
         let (e, rows, len) = (2, 64, 3);
         let mk = |p: usize| -> Vec<u32> { (0..e * rows * len).map(|i| (p * 1_000_000 + i) as u32).collect() };
         let (g, u) = (mk(1), mk(2));
-        let w = interleave_gate_up(&g, &u, e, rows, len, L1_INTERLEAVE).unwrap();
+        let w = interleave_gate_up(&g, &u, e, rows, len, 32).unwrap();
         assert_eq!(w.len(), 2 * g.len());
         // Expert 1, interleaved row 32 + 5 = up row 5 of block 0.
         let row = 2 * rows + 37;
         assert_eq!(w[row * len], u[(rows + 5) * len]);
         // Expert 0, interleaved row 64 + 3 = gate row 32 + 3.
         assert_eq!(w[67 * len + 2], g[35 * len + 2]);
-        let (g2, u2) = deinterleave_gate_up(&w, e, rows, len, L1_INTERLEAVE).unwrap();
+        let (g2, u2) = deinterleave_gate_up(&w, e, rows, len, 32).unwrap();
         assert_eq!(g2, g);
         assert_eq!(u2, u);
     }
@@ -245,22 +187,5 @@ mod tests {
             assert!(t.len() <= max_tiles(total as usize, counts.len(), bm));
             assert!(t.iter().all(|&(e, _)| counts[e as usize] > 0), "empty experts get no tiles");
         }
-    }
-
-    #[test]
-    fn block_m_heuristic() {
-        assert_eq!(choose_block_m(6, 384), 8);
-        assert_eq!(choose_block_m(64 * 6, 48), 8);
-        assert_eq!(choose_block_m(65 * 6, 48), 16);
-        assert_eq!(choose_block_m(512 * 6, 384), 8);
-        assert_eq!(choose_block_m(1024 * 6, 384), 16);
-        assert_eq!(choose_block_m(4096 * 6, 384), 64);
-        assert_eq!(choose_block_m(0, 8), 8);
-        assert!(is_gemv(choose_dense_block_m(8)) && !is_gemv(choose_dense_block_m(9)));
-        assert_eq!(choose_dense_block_m(17), 64);
-        assert_eq!(l1_grid_y(3072, 8), 192);
-        assert_eq!(l1_grid_y(3072, 16), 96);
-        assert_eq!(l2_grid_y(7168, 8), 224);
-        assert_eq!(l2_grid_y(7168, 64), 112);
     }
 }

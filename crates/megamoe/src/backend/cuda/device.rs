@@ -1,0 +1,202 @@
+//! [`CudaDevice`]: one GPU (any ordinal) — its primary context, architecture, the NVRTC-compiled
+//! kernel modules (each compiled or taken from the disk cache, and loaded, once per device) and
+//! the core kernels every layer uses. Shared by every layer, workspace and engine on that GPU:
+//! [`CudaDevice::open`] returns the same instance for the same ordinal while one is alive.
+
+use super::buffer::{derr, err, DevBuf};
+use super::launch::{Kernel, StreamRef};
+use super::params::*;
+use super::runtime::{self, ModuleSpec};
+use crate::error::Result;
+use cudarc::driver::{sys, CudaContext, CudaModule, CudaStream};
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// Threads per CTA of the core kernels (router, plan, staging, combine).
+pub(crate) const CORE_THREADS: u32 = 256;
+
+/// The router, plan, staging and combine kernels (module `core`).
+pub(crate) struct CoreKernels {
+    pub router_logits: Kernel<RouterLogitsParams>,
+    pub router_topk: Kernel<RouterTopkParams>,
+    pub plan_count: Kernel<PlanParams>,
+    pub plan_offsets: Kernel<PlanParams>,
+    pub plan_scatter: Kernel<PlanParams>,
+    pub quant_rows: Kernel<QuantRowsParams>,
+    pub combine: Kernel<CombineParams>,
+}
+
+/// The module of the core kernels.
+pub fn core_spec() -> ModuleSpec {
+    ModuleSpec {
+        name: "core".into(),
+        sources: runtime::CORE_SOURCES.iter().map(|(_, s)| *s).collect(),
+        defines: Vec::new(),
+    }
+}
+
+/// The entry points of the core module.
+pub fn core_kernel_names() -> Vec<String> {
+    ["moe_router_logits", "moe_router", "moe_plan_count", "moe_plan_offsets", "moe_plan_scatter", "moe_quant_rows", "moe_combine"]
+        .map(String::from)
+        .to_vec()
+}
+
+/// One GPU and its loaded kernels.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: &'static str,
+    name: String,
+    sm_count: usize,
+    pub(crate) core: CoreKernels,
+    /// Modules and family kernel sets loaded on demand, by name.
+    cache: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+fn open_devices() -> &'static Mutex<HashMap<usize, Weak<CudaDevice>>> {
+    static DEVICES: OnceLock<Mutex<HashMap<usize, Weak<CudaDevice>>>> = OnceLock::new();
+    DEVICES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+impl CudaDevice {
+    /// The device of `ordinal` (0-based): probes the driver and NVRTC first (clear errors instead
+    /// of panics without them), then retains the primary context (the one PyTorch uses too) and
+    /// loads the core kernels. Returns the already open device when there is one.
+    pub fn open(ordinal: usize) -> Result<Arc<CudaDevice>> {
+        let mut open = open_devices().lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = open.get(&ordinal).and_then(Weak::upgrade) {
+            return Ok(d);
+        }
+        runtime::probe_driver()?;
+        runtime::probe_nvrtc()?;
+        cudarc::driver::result::init().map_err(derr("cuInit"))?;
+        let n = CudaContext::device_count().map_err(derr("cuDeviceGetCount"))?;
+        if ordinal >= n.max(0) as usize {
+            return Err(err(format!("no CUDA device {ordinal} ({n} present)")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(derr("creating the CUDA context"))?;
+        // Buffers are addressed by raw pointer and used on callers' streams; we order frees
+        // ourselves (owners synchronise the device before dropping), so no per-buffer events.
+        // SAFETY: see above; every owner of device memory synchronises before freeing it.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(derr("creating a stream"))?;
+        let cc = ctx.compute_capability().map_err(derr("compute capability"))?;
+        let arch = runtime::arch_for(cc)?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(derr("multiprocessor count"))? as usize;
+        tracing::info!(device = %name, ordinal, cc = ?cc, arch, sm_count, "CUDA device");
+        let module = load_module(&ctx, &core_spec(), arch)?;
+        let t = CORE_THREADS;
+        let core = CoreKernels {
+            router_logits: Kernel::load(&module, "moe_router_logits", t, 0)?,
+            router_topk: Kernel::load(&module, "moe_router", t, 0)?,
+            plan_count: Kernel::load(&module, "moe_plan_count", t, 0)?,
+            plan_offsets: Kernel::load(&module, "moe_plan_offsets", t, 0)?,
+            plan_scatter: Kernel::load(&module, "moe_plan_scatter", t, 0)?,
+            quant_rows: Kernel::load(&module, "moe_quant_rows", t, 0)?,
+            combine: Kernel::load(&module, "moe_combine", t, 0)?,
+        };
+        let dev = Arc::new(CudaDevice { ctx, stream, arch, name, sm_count, core, cache: Mutex::new(HashMap::new()) });
+        open.insert(ordinal, Arc::downgrade(&dev));
+        Ok(dev)
+    }
+
+    /// The NVRTC target the kernels are compiled for (e.g. `sm_90a`).
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+    /// The device's name (e.g. `NVIDIA H200`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+    /// Streaming multiprocessors.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+    /// `(free, total)` device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        self.ctx.mem_get_info().map_err(derr("cuMemGetInfo"))
+    }
+    /// The device's own stream (uploads, and the host-slice engine's forwards).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    /// The device's own stream as a [`StreamRef`].
+    pub fn stream_ref(&self) -> StreamRef {
+        StreamRef(self.stream.cu_stream())
+    }
+    /// A new stream on this device.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        self.ctx.new_stream().map_err(derr("creating a stream"))
+    }
+    /// Makes this device's context current on the calling thread (every enqueue does this).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(derr("binding the CUDA context"))
+    }
+    /// Waits for all work on the device.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.ctx.synchronize().map_err(|e| err(format!("device synchronize: {e} (a kernel failed)")))
+    }
+    /// `bytes` of zeroed device memory.
+    pub fn alloc(&self, bytes: usize, what: &str) -> Result<DevBuf> {
+        self.bind()?;
+        let b = DevBuf::zeros(&self.stream, bytes, what)?;
+        self.stream.synchronize().map_err(derr(what))?;
+        Ok(b)
+    }
+    /// A device copy of `data`.
+    pub fn upload<T: bytemuck::Pod>(&self, data: &[T], what: &str) -> Result<DevBuf> {
+        self.bind()?;
+        DevBuf::from_host(&self.stream, data, what)
+    }
+
+    /// The value cached under `key`, made by `make` the first time (a GEMM family's kernels per
+    /// weight format). Called at upload, never inside a forward.
+    pub(crate) fn cached<T: Any + Send + Sync>(&self, key: &str, make: impl FnOnce() -> Result<T>) -> Result<Arc<T>> {
+        let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = c.get(key) {
+            return v.clone().downcast::<T>().map_err(|_| err(format!("internal: cache entry {key} has another type")));
+        }
+        let v = Arc::new(make()?);
+        c.insert(key.to_string(), v.clone());
+        Ok(v)
+    }
+
+    /// Compiles (or takes from the disk cache) and loads `spec`.
+    pub(crate) fn module(&self, spec: &ModuleSpec) -> Result<Arc<CudaModule>> {
+        self.bind()?;
+        load_module(&self.ctx, spec, self.arch)
+    }
+}
+
+fn load_module(ctx: &Arc<CudaContext>, spec: &ModuleSpec, arch: &'static str) -> Result<Arc<CudaModule>> {
+    let c = runtime::compile(spec, arch)?;
+    tracing::info!(module = %spec.name, arch, cache_hit = c.cache_hit, "kernel module ready");
+    let ptx = if c.is_ptx {
+        let s = String::from_utf8_lossy(&c.image[..c.image.len().saturating_sub(1)]).into_owned();
+        cudarc::nvrtc::Ptx::from_src(s)
+    } else {
+        cudarc::nvrtc::Ptx::from_binary(c.image)
+    };
+    ctx.load_module(ptx).map_err(derr(&format!("loading module {}", spec.name)))
+}

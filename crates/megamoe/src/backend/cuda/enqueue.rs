@@ -1,0 +1,411 @@
+//! Enqueueing forwards: the stages of one forward as public seams on [`LayerWeights`], each
+//! enqueued alone on the caller's stream into the caller's buffers, with no copy and no host
+//! synchronisation (so any sequence of them can be captured in a CUDA graph):
+//!
+//! ```text
+//! route    x [T,H] -> topk_ids, topk_weights [T,k]          (or bring your own router)
+//! plan     topk_ids -> per-local-expert counts, offsets, permutation, tile table
+//! experts  gather/quantize -> L1 (+ SwiGLU) -> activation quant -> L2  (per planned slot)
+//! shared   the shared expert over all T tokens
+//! combine  y[t] = sum of t's planned slots in slot order (+ shared)
+//! ```
+//!
+//! An expert-parallel dispatch/combine sits between `route` and `plan` (tokens arrive with the
+//! global ids of this rank's experts, others are -1) and after `experts`. Grids are sized for the
+//! worst case; the per-expert counts stay on the device and idle CTAs exit early.
+
+use super::buffer::{lazy, opt_ptr};
+use super::device::CORE_THREADS;
+use super::gemm::GemmLaunch;
+use super::io::{DType, DeviceTensor, ForwardIo, Routing};
+use super::launch::{LaunchCfg, StreamRef};
+use super::params::*;
+use super::weights::{router_smem, LayerWeights};
+use super::workspace::Workspace;
+use crate::backend::gpu_layout::max_tiles;
+use crate::config::ScoringFunc;
+use crate::error::{MegaError, Result};
+use crate::forward::Mode;
+
+/// Experts per CTA of `moe_router_logits` (`RT_EPC` in `kernels/router.cu`).
+const ROUTER_EXPERTS_PER_CTA: u32 = 2;
+
+/// A plan enqueued on a workspace: what the expert and combine stages need to know about it.
+#[derive(Clone, Copy, Debug)]
+pub struct Plan {
+    /// Tokens T.
+    pub tokens: usize,
+    /// The `[T, k]` global expert ids the plan was built from.
+    topk_ids: u64,
+    /// The GEMMs' tile launch (tile height, worst-case grid, expected busy tiles).
+    launch: GemmLaunch,
+}
+
+impl Plan {
+    /// Rows per plan tile (the GEMMs' token tile).
+    pub fn block_m(&self) -> usize {
+        self.launch.block_m
+    }
+}
+
+impl LayerWeights {
+    /// Enqueues one whole forward on `stream`: route (or take the caller's routing), plan,
+    /// experts, shared expert, combine. `ws` must have been [`Workspace::prepare`]d for `mode`.
+    pub fn enqueue_forward(&self, ws: &Workspace, io: &ForwardIo, mode: Mode, stream: StreamRef) -> Result<()> {
+        self.forward_stages(ws, io, mode, false, stream)
+    }
+
+    /// [`Self::enqueue_forward`], with the trace variant of the L1 kernel when `trace`.
+    pub(crate) fn forward_stages(
+        &self,
+        ws: &Workspace,
+        io: &ForwardIo,
+        mode: Mode,
+        trace: bool,
+        s: StreamRef,
+    ) -> Result<()> {
+        io.check(self)?;
+        self.check_mode(mode)?;
+        ws.check_fits(self, io.tokens, mode, trace)?;
+        let t = io.tokens;
+        if t == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        let (ids, wts) = match io.routing {
+            Routing::Internal => {
+                let ids = io.topk_ids.map_or(ws.topk_ids.ptr(), |v| v.ptr);
+                let wts = io.topk_weights.map_or(ws.topk_w.ptr(), |v| v.ptr);
+                self.route_raw(ws, io.x.ptr, io.input_ids.as_ref(), ids, wts, t, s)?;
+                (ids, wts)
+            }
+            Routing::External => (io.topk_ids.expect("checked").ptr, io.topk_weights.expect("checked").ptr),
+        };
+        let plan = self.plan_raw(ws, ids, t, s)?;
+        self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, s)?;
+        let shared = self.shared_raw(ws, io.x.ptr, t, s)?;
+        self.combine_raw(ws, &plan, &io.y, shared, s)
+    }
+
+    /// Enqueues the router: `x` `[T, H]` bf16 (and `input_ids` `[T, 1]` i32/i64 on hash layers)
+    /// into `topk_ids` `[T, k]` i32 (global ids) and `topk_weights` `[T, k]` f32.
+    pub fn enqueue_route(
+        &self,
+        ws: &Workspace,
+        x: &DeviceTensor,
+        input_ids: Option<&DeviceTensor>,
+        topk_ids: &DeviceTensor,
+        topk_weights: &DeviceTensor,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let (t, h, k) = (x.rows, self.config.hidden_size, self.config.num_experts_per_tok);
+        x.check("x", t, h, &[DType::Bf16], 16)?;
+        topk_ids.check("topk_ids", t, k, &[DType::I32], 4)?;
+        topk_weights.check("topk_weights", t, k, &[DType::F32], 4)?;
+        if self.is_hash() {
+            let ids = input_ids.ok_or_else(|| {
+                MegaError::Input(format!("layer {} is hash-routed: input_ids are required", self.index))
+            })?;
+            ids.check("input_ids", t, 1, &[DType::I32, DType::I64], ids.dtype.size() as u64)?;
+        }
+        ws.check_fits(self, t, Mode::W4A16, false)?;
+        if t == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        self.route_raw(ws, x.ptr, input_ids, topk_ids.ptr, topk_weights.ptr, t, stream)
+    }
+
+    /// Enqueues the plan of `topk_ids` `[T, k]` (global ids; -1 and other ranks' experts are not
+    /// planned here; ids outside -1..E set `STATUS_BAD_EXPERT_ID`).
+    pub fn enqueue_plan(&self, ws: &Workspace, topk_ids: &DeviceTensor, stream: StreamRef) -> Result<Plan> {
+        let t = topk_ids.rows;
+        topk_ids.check("topk_ids", t, self.config.num_experts_per_tok, &[DType::I32], 4)?;
+        ws.check_fits(self, t, Mode::W4A16, false)?;
+        self.device.bind()?;
+        self.plan_raw(ws, topk_ids.ptr, t, stream)
+    }
+
+    /// Enqueues the routed experts of `plan` over `x` `[T, H]` with routing weights
+    /// `topk_weights` `[T, k]`: input quantization (W4A8 / W4A4), L1 + SwiGLU, activation
+    /// quantization, L2, into the workspace's per-slot rows.
+    pub fn enqueue_experts(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        x: &DeviceTensor,
+        topk_weights: &DeviceTensor,
+        mode: Mode,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let (t, h, k) = (plan.tokens, self.config.hidden_size, self.config.num_experts_per_tok);
+        x.check("x", t, h, &[DType::Bf16], 16)?;
+        topk_weights.check("topk_weights", t, k, &[DType::F32], 4)?;
+        self.check_mode(mode)?;
+        ws.check_fits(self, t, mode, false)?;
+        self.device.bind()?;
+        self.experts_raw(ws, plan, x.ptr, topk_weights.ptr, mode, false, stream)
+    }
+
+    /// Enqueues the shared expert over `x` `[T, H]` (a no-op on layers without one).
+    pub fn enqueue_shared(&self, ws: &Workspace, x: &DeviceTensor, stream: StreamRef) -> Result<()> {
+        x.check("x", x.rows, self.config.hidden_size, &[DType::Bf16], 16)?;
+        ws.check_fits(self, x.rows, Mode::W4A16, false)?;
+        self.device.bind()?;
+        self.shared_raw(ws, x.ptr, x.rows, stream).map(|_| ())
+    }
+
+    /// Enqueues the combine of `plan` into `y` `[T, H]` (f32 or bf16), adding the shared expert's
+    /// output (enqueued before on the same workspace) when `add_shared`.
+    pub fn enqueue_combine(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        y: &DeviceTensor,
+        add_shared: bool,
+        stream: StreamRef,
+    ) -> Result<()> {
+        y.check("y", plan.tokens, self.config.hidden_size, &[DType::F32, DType::Bf16], 4)?;
+        ws.check_fits(self, plan.tokens, Mode::W4A16, false)?;
+        self.device.bind()?;
+        let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
+        self.combine_raw(ws, plan, y, shared, stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn route_raw(
+        &self,
+        ws: &Workspace,
+        x: u64,
+        input_ids: Option<&DeviceTensor>,
+        topk_ids: u64,
+        topk_w: u64,
+        t: usize,
+        s: StreamRef,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
+        let core = &self.device.core;
+        let logits = RouterLogitsParams {
+            x,
+            wg: self.router.weight.ptr(),
+            t: t as i32,
+            h: h as i32,
+            e: e as i32,
+            scores: ws.scores.ptr(),
+        };
+        let score_func = match c.scoring_func {
+            ScoringFunc::SqrtSoftplus => SCORE_SQRT_SOFTPLUS,
+            ScoringFunc::Sigmoid => SCORE_SIGMOID,
+            ScoringFunc::Softmax => SCORE_SOFTMAX,
+        };
+        let hash = self.router.tid2eid.is_some();
+        let topk = RouterTopkParams {
+            bias: opt_ptr(&self.router.bias),
+            tid2eid: opt_ptr(&self.router.tid2eid),
+            token_ids: if hash { input_ids.map_or(0, |v| v.ptr) } else { 0 },
+            token_ids_i64: input_ids.is_some_and(|v| v.dtype == DType::I64) as i32,
+            vocab: self.router.vocab as i32,
+            t: t as i32,
+            e: e as i32,
+            k: k as i32,
+            score_func,
+            renorm: (c.norm_topk_prob && c.scoring_func != ScoringFunc::Softmax) as i32,
+            route_scale: c.routed_scaling_factor,
+            scores: ws.scores.ptr(),
+            topk_ids,
+            topk_w,
+            status: ws.status.ptr(),
+        };
+        // SAFETY: every pointer covers [T, ...] of its documented layout (checked sizes).
+        unsafe {
+            core.router_logits.launch(
+                s,
+                &LaunchCfg::grid((t as u32, (e as u32).div_ceil(ROUTER_EXPERTS_PER_CTA), 1), 0),
+                &logits,
+            )?;
+            core.router_topk.launch(s, &LaunchCfg::grid((t as u32, 1, 1), router_smem(e)), &topk)
+        }
+    }
+
+    fn plan_raw(&self, ws: &Workspace, topk_ids: u64, t: usize, s: StreamRef) -> Result<Plan> {
+        let c = &self.config;
+        let (e, k) = (c.n_routed_experts, c.num_experts_per_tok);
+        let el = self.local_experts();
+        let slots = t * k;
+        // Expected routing (uniform over the model's experts) for the tile heuristics only.
+        let local = slots as f64 * el as f64 / e as f64;
+        let active = local.min(el as f64).max(1.0);
+        let rows = (local / active).max(1.0);
+        let bm = self.experts.kernels.block_m(rows);
+        let launch = GemmLaunch {
+            block_m: bm,
+            grid_tiles: max_tiles(slots, el, bm) as u32,
+            expected_tiles: (active.ceil() as usize) * (rows / bm as f64).ceil() as usize,
+        };
+        let p = PlanParams {
+            topk_ids,
+            slots: slots as i32,
+            experts: el as i32,
+            expert_base: self.expert_range.start as i32,
+            global_experts: e as i32,
+            bm: bm as i32,
+            counts: ws.counts.ptr(),
+            offsets: ws.offsets.ptr(),
+            tile_start: ws.tile_start.ptr(),
+            tiles: ws.tiles.ptr(),
+            num_tiles: ws.num_tiles.ptr(),
+            perm: ws.perm.ptr(),
+            row_of_slot: ws.row_of_slot.ptr(),
+            status: ws.status.ptr(),
+        };
+        let core = &self.device.core;
+        let groups = (el as u32).div_ceil(CORE_THREADS / 32);
+        // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] for these sizes.
+        unsafe {
+            core.plan_count.launch(s, &LaunchCfg::grid((groups, 1, 1), 0), &p)?;
+            core.plan_offsets.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
+            core.plan_scatter.launch(s, &LaunchCfg::grid((groups, 1, 1), 0), &p)?;
+        }
+        Ok(Plan { tokens: t, topk_ids, launch })
+    }
+
+    /// `moe_quant_rows` over the planned rows: the expert inputs (`input`: gather x) or the L1
+    /// output, quantize-dequantized for `mode` (W4A8 / W4A4).
+    #[allow(clippy::too_many_arguments)]
+    fn quant_rows(&self, ws: &Workspace, plan: &Plan, src: u64, dst: u64, input: bool, mode: Mode, s: StreamRef) -> Result<()> {
+        let c = &self.config;
+        let p = QuantRowsParams {
+            src,
+            dst,
+            perm: ws.perm.ptr(),
+            topk_ids: plan.topk_ids,
+            expert_base: self.expert_range.start as i32,
+            k: c.num_experts_per_tok as i32,
+            gather: input as i32,
+            offsets: ws.offsets.ptr(),
+            experts: self.local_experts() as i32,
+            cols: if input { c.hidden_size } else { c.moe_intermediate_size } as i32,
+            mode: match mode {
+                Mode::W4A16 => QUANT_COPY,
+                Mode::W4A8 => QUANT_FP8_ACT,
+                Mode::W4A4 => QUANT_NVFP4_ACT,
+            },
+            in_scale: if mode == Mode::W4A4 { opt_ptr(if input { &self.in1 } else { &self.in2 }) } else { 0 },
+        };
+        let slots = (plan.tokens * c.num_experts_per_tok) as u32;
+        // SAFETY: src/dst hold the planned rows; the grid covers every slot.
+        unsafe { self.device.core.quant_rows.launch(s, &LaunchCfg::grid((slots, 1, 1), 0), &p) }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn experts_raw(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        x: u64,
+        topk_w: u64,
+        mode: Mode,
+        trace: bool,
+        s: StreamRef,
+    ) -> Result<()> {
+        let c = &self.config;
+        let ex = &self.experts;
+        let w4a4 = mode == Mode::W4A4;
+        // W4A16 gathers the token rows straight from x in the L1 producer; quantized modes stage
+        // the quantize-dequantized rows first.
+        let (a, a_rows) = if mode == Mode::W4A16 {
+            (x, ws.perm.ptr())
+        } else {
+            let xin = lazy(&ws.xin, "quantized expert inputs")?.ptr();
+            self.quant_rows(ws, plan, x, xin, true, mode, s)?;
+            (xin, 0)
+        };
+        let operands = |a: u64, a_rows: u64, side: &super::gemm::PackedSide, alpha_in: u64| GemmOperands {
+            a,
+            a_rows,
+            wq: side.wq.ptr(),
+            ws: opt_ptr(&side.ws),
+            alpha_w: opt_ptr(&side.alpha),
+            alpha_in,
+            tiles: ws.tiles.ptr(),
+            num_tiles: ws.num_tiles.ptr(),
+            offsets: ws.offsets.ptr(),
+            a_div: c.num_experts_per_tok as i32,
+            dense_rows: 0,
+            h: c.hidden_size as i32,
+            inter: ex.inter as i32,
+        };
+        let l1 = GemmL1Params {
+            g: operands(a, a_rows, &ex.l1, if w4a4 { opt_ptr(&self.in1) } else { 0 }),
+            perm: ws.perm.ptr(),
+            topk_w,
+            limit: c.swiglu_limit,
+            act: ws.act.ptr(),
+        };
+        let tr = if trace {
+            Some((lazy(&ws.gate_tr, "gate trace")?.ptr(), lazy(&ws.up_tr, "up trace")?.ptr()))
+        } else {
+            None
+        };
+        ex.kernels.l1(s, &plan.launch, &l1, tr)?;
+        let l2_in = if mode == Mode::W4A16 {
+            ws.act.ptr()
+        } else {
+            let actq = lazy(&ws.actq, "quantized activations")?.ptr();
+            self.quant_rows(ws, plan, ws.act.ptr(), actq, false, mode, s)?;
+            actq
+        };
+        let l2 = GemmL2Params {
+            g: operands(l2_in, 0, &ex.l2, if w4a4 { opt_ptr(&self.in2) } else { 0 }),
+            out: ws.l2.ptr(),
+        };
+        ex.kernels.l2(s, &plan.launch, &l2)
+    }
+
+    /// The shared expert over all `t` tokens (bf16 activations in every mode). Returns its output
+    /// buffer, or 0 without a shared expert.
+    fn shared_raw(&self, ws: &Workspace, x: u64, t: usize, s: StreamRef) -> Result<u64> {
+        let Some(sh) = &self.shared else { return Ok(0) };
+        let c = &self.config;
+        let bm = sh.kernels.block_m(t as f64);
+        let tiles = t.div_ceil(bm);
+        let launch = GemmLaunch { block_m: bm, grid_tiles: tiles as u32, expected_tiles: tiles };
+        let dense = |a: u64, side: &super::gemm::PackedSide| GemmOperands {
+            a,
+            a_rows: 0,
+            wq: side.wq.ptr(),
+            ws: opt_ptr(&side.ws),
+            alpha_w: opt_ptr(&side.alpha),
+            alpha_in: 0,
+            tiles: 0,
+            num_tiles: 0,
+            offsets: 0,
+            a_div: 1,
+            dense_rows: t as i32,
+            h: c.hidden_size as i32,
+            inter: sh.inter as i32,
+        };
+        let l1 = GemmL1Params { g: dense(x, &sh.l1), perm: 0, topk_w: 0, limit: c.swiglu_limit, act: ws.sact.ptr() };
+        sh.kernels.l1(s, &launch, &l1, None)?;
+        let l2 = GemmL2Params { g: dense(ws.sact.ptr(), &sh.l2), out: ws.shared_out.ptr() };
+        sh.kernels.l2(s, &launch, &l2)?;
+        Ok(ws.shared_out.ptr())
+    }
+
+    fn combine_raw(&self, ws: &Workspace, plan: &Plan, y: &DeviceTensor, shared: u64, s: StreamRef) -> Result<()> {
+        let c = &self.config;
+        let p = CombineParams {
+            l2: ws.l2.ptr(),
+            row_of_slot: ws.row_of_slot.ptr(),
+            shared_out: shared,
+            t: plan.tokens as i32,
+            h: c.hidden_size as i32,
+            k: c.num_experts_per_tok as i32,
+            y: y.ptr,
+            y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },
+        };
+        // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows.
+        unsafe { self.device.core.combine.launch(s, &LaunchCfg::grid((plan.tokens as u32, 1, 1), 0), &p) }
+    }
+}

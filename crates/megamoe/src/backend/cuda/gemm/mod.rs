@@ -1,0 +1,140 @@
+//! GEMM kernel families. A family owns a weight packing (pure Rust, in
+//! [`crate::backend::gpu_layout`]), its kernels (one NVRTC instantiation per weight format, loaded
+//! once per device) and its tile heuristics. Upload asks [`choose_experts`] / [`choose_shared`]
+//! for the first registered family that can hold the layer exactly; a new family is one new file
+//! here plus one line in [`FAMILIES`].
+//!
+//! - [`tc`]: tensor cores (`mma.sync` m16n8k16, weights as the M side, FP4 decoded in registers);
+//! - [`simt`]: SIMT-FMA tiles plus the decode GEMV (the correct-first family and the fallback).
+
+pub(crate) mod simt;
+pub(crate) mod tc;
+
+use super::buffer::DevBuf;
+use super::device::CudaDevice;
+use super::launch::StreamRef;
+use super::params::{GemmL1Params, GemmL2Params};
+use crate::checkpoint::{MoeLayer, SharedExpert};
+use crate::error::Result;
+use std::sync::Arc;
+
+/// One side (L1 or L2) of an uploaded expert group: the packed weights, their scales (when the
+/// family keeps them apart) and the per-group alphas (when the family needs them).
+pub(crate) struct PackedSide {
+    pub wq: DevBuf,
+    pub ws: Option<DevBuf>,
+    pub alpha: Option<DevBuf>,
+}
+
+/// The weights of a group of experts (routed, or the one shared expert) in a family's layout,
+/// with the kernels that read them.
+pub(crate) struct GemmWeights {
+    pub l1: PackedSide,
+    pub l2: PackedSide,
+    /// Intermediate size (I, or the shared expert's I_s).
+    pub inter: usize,
+    pub kernels: Arc<dyn GemmKernels>,
+}
+
+impl GemmWeights {
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        [&self.l1, &self.l2]
+            .iter()
+            .map(|s| {
+                s.wq.bytes() + s.ws.as_ref().map_or(0, DevBuf::bytes) + s.alpha.as_ref().map_or(0, DevBuf::bytes)
+            })
+            .sum()
+    }
+}
+
+/// What a forward tells a family about a launch so that it can pick a configuration: the plan's
+/// tile height, the grid's tile count (worst case; idle CTAs exit) and the tiles expected to be
+/// busy (from the routing's expected counts; heuristics only, every choice is correct).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GemmLaunch {
+    pub block_m: usize,
+    pub grid_tiles: u32,
+    pub expected_tiles: usize,
+}
+
+/// A family's kernels for one weight format.
+pub(crate) trait GemmKernels: Send + Sync {
+    /// The family's name (logs, bench rows).
+    fn family(&self) -> &'static str;
+    /// The plan's tile height for groups that expect `rows` rows each.
+    fn block_m(&self, rows: f64) -> usize;
+    /// Enqueues the L1 GEMM (gate/up, fused SwiGLU); `trace` = `(gate_tr, up_tr)` selects the
+    /// trace variant.
+    fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()>;
+    /// Enqueues the L2 GEMM.
+    fn l2(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL2Params) -> Result<()>;
+}
+
+/// A GEMM family: its packing and kernels.
+pub(crate) trait GemmFamily: Sync {
+    /// The family's name (`MEGAMOE_GEMM` selects one by name).
+    fn name(&self) -> &'static str;
+    /// Why the family cannot hold `layer`'s routed experts exactly on `dev` (`None`: it can).
+    fn experts_unsupported(&self, dev: &CudaDevice, layer: &MoeLayer) -> Option<String>;
+    /// Packs and uploads the routed experts.
+    fn upload_experts(&self, dev: &Arc<CudaDevice>, layer: &MoeLayer) -> Result<GemmWeights>;
+    /// Why the family cannot hold the shared expert exactly (`None`: it can).
+    fn shared_unsupported(&self, dev: &CudaDevice, shared: &SharedExpert) -> Option<String>;
+    /// Packs and uploads the shared expert (hidden size `h`).
+    fn upload_shared(&self, dev: &Arc<CudaDevice>, shared: &SharedExpert, h: usize) -> Result<GemmWeights>;
+}
+
+/// Every family, in order of preference.
+pub(crate) const FAMILIES: [&dyn GemmFamily; 2] = [&tc::TcFamily, &simt::SimtFamily];
+
+/// The names of the registered families.
+pub fn family_names() -> Vec<&'static str> {
+    FAMILIES.iter().map(|f| f.name()).collect()
+}
+
+/// The family named `name` (`MEGAMOE_GEMM` when `name` is `None`), if any; an unknown name is an
+/// error listing the known ones.
+fn forced(name: Option<&str>) -> Result<Option<&'static dyn GemmFamily>> {
+    let Some(want) = name.map(String::from).or_else(|| std::env::var("MEGAMOE_GEMM").ok()) else {
+        return Ok(None);
+    };
+    FAMILIES.into_iter().find(|f| f.name().eq_ignore_ascii_case(want.trim())).map(Some).ok_or_else(|| {
+        crate::error::MegaError::Input(format!("unknown GEMM family `{want}` (known: {})", family_names().join(", ")))
+    })
+}
+
+/// The family for `layer`'s routed experts: `name` (or `MEGAMOE_GEMM`) when given and able, else
+/// the first able.
+pub(crate) fn choose_experts(dev: &CudaDevice, layer: &MoeLayer, name: Option<&str>) -> Result<&'static dyn GemmFamily> {
+    Ok(choose(forced(name)?, |f| f.experts_unsupported(dev, layer), "routed experts"))
+}
+
+/// The family for the shared expert.
+pub(crate) fn choose_shared(dev: &CudaDevice, shared: &SharedExpert, name: Option<&str>) -> Result<&'static dyn GemmFamily> {
+    Ok(choose(forced(name)?, |f| f.shared_unsupported(dev, shared), "shared expert"))
+}
+
+fn choose(
+    forced: Option<&'static dyn GemmFamily>,
+    why_not: impl Fn(&dyn GemmFamily) -> Option<String>,
+    what: &str,
+) -> &'static dyn GemmFamily {
+    if let Some(f) = forced {
+        match why_not(f) {
+            None => return f,
+            Some(why) => tracing::warn!(family = f.name(), "requested family cannot run the {what}: {why}"),
+        }
+    }
+    for f in FAMILIES {
+        match why_not(f) {
+            None => {
+                tracing::info!(family = f.name(), "GEMM family for the {what}");
+                return f;
+            }
+            Some(why) => tracing::info!(family = f.name(), "not used for the {what}: {why}"),
+        }
+    }
+    // The SIMT family holds every layer the backend accepts.
+    &simt::SimtFamily
+}

@@ -1,0 +1,326 @@
+// gemm_tc.cu — tensor-core grouped GEMMs: FP4 (or bf16) weights dequantized exactly in registers,
+// bf16 activations, mma.sync.m16n8k16 with fp32 accumulators. Compiled once per weight format
+// (-DMM_WF=WF_NVFP4 | WF_MXFP4 | WF_BF16); the host picks one instantiation per launch.
+//
+// Swap-AB: the weights are the MMA's M side (16 rows per warp), the tokens of a tile its N side
+// (NT = 8..128), so a decode tile of one token wastes no MMA rows on padding.
+//
+// Data layouts (gpu_layout::tc is the host side and the reference of every byte):
+// - W: per expert, rows padded to 128 (R_pad), blocks of (slab = 16 rows, chunk = 64 k) of BLK bytes
+//   at ((G * nch + c) * 8 + s) * BLK, G = row group of 128, s = slab in the group, nch = K / 64.
+//   FP4 block: 32 lanes x 16 bytes of codes (word q = the four A registers of k16 step q, 9-op
+//   decode to e2m1 * 2^-126 in bf16) + scales (NVFP4: 64 bytes, 8g + 2q + h = e4m3 of row g+8h at
+//   step q; MXFP4: 32 bytes, 4g + 2j + h = e8m0 + K2 of row g+8h, 32-block j). bf16 block: 32 lanes
+//   x 64 bytes, word 4q + r = register r of step q. L1 rows: slab j = gate rows 8j..8j+7, then up
+//   rows 8j..8j+7 (so one lane holds gate and up of one column: SwiGLU in registers).
+// - A: bf16 rows [rows, K]; row m of the tile is A[a_rows[m] / a_div] when a_rows is given (the L1
+//   input gathered straight from x by the plan's permutation), else A[m].
+// - Outputs as the SIMT family (gemm_simt.cu): L1 act [rows, I] bf16 (+ gate/up f32 in the trace
+//   variant), L2 out [rows, H] f32; alpha_w [G][2] (L1: gate, up) / [G] (L2), alpha_in [G] (W4A4).
+//
+// Tiling: CTA = 8 warps = SPC slabs x KS = 8/SPC K parts. A CTA owns 16*SPC weight rows of one
+// expert and one tile of NT tokens (grid: x = plan tile, y = 16*SPC-row block). Warp (s, p) owns
+// slab s and, in stage j, chunk j*KS + p: the K split inside the CTA gives a one-expert decode
+// enough CTAs (SPC 1: 384 for V4-Pro's L1) while SPC 8 reuses each token tile 8 times.
+// Pipeline: TC_STAGES-deep cp.async ring in dynamic shared memory; stage j holds the 8 (part,
+// slab) weight blocks (one contiguous 8*BLK run when SPC = 8) and the token tile [NT][KS*64] bf16,
+// 16-byte chunks XOR-swizzled by row (conflict-free ldmatrix). One __syncthreads per stage.
+// Per k16 step a warp decodes its A registers (FP4: 9 integer ops + 4 bf16x2 FMAs per 8 values),
+// ldmatrix.x4's the token fragments and issues NT/8 MMAs.
+// Reduction: the KS partial accumulators of a slab meet in shared memory and are added in part
+// order 0..KS-1 by the part-0 warp (fixed order: bitwise reproducible), which runs the epilogue.
+
+#ifndef MM_WF
+#error "gemm_tc.cu is compiled once per weight format: -DMM_WF=WF_NVFP4, WF_MXFP4 or WF_BF16"
+#endif
+
+#ifndef TC_STAGES
+#error "gemm_tc.cu needs -DTC_STAGES (gpu_layout::tc::STAGES)"
+#endif
+#define TC_THREADS 256
+
+template <int WF> struct TcFmt;
+template <> struct TcFmt<WF_NVFP4> { static constexpr int BLK = 576; };
+template <> struct TcFmt<WF_MXFP4> { static constexpr int BLK = 544; };
+template <> struct TcFmt<WF_BF16> { static constexpr int BLK = 2048; };
+
+template <int NT, int SPC>
+struct TcShape {
+    static constexpr int KS = 8 / SPC;                 // K parts per CTA
+    static constexpr int BLK = TcFmt<MM_WF>::BLK;
+    static constexpr int W_STAGE = 8 * BLK;            // weight bytes per stage
+    static constexpr int T_PITCH = KS * 128;           // bytes per token row of a stage
+    static constexpr int T_STAGE = NT * T_PITCH;       // token bytes per stage
+    static constexpr int STAGE = W_STAGE + T_STAGE;
+    static constexpr int SMEM = TC_STAGES * STAGE + NT * 4;
+};
+
+// The A registers of k16 step Q from one lane's block slice `wl` (codes) and its scales `sc`.
+template <int Q>
+__device__ __forceinline__ void tc_decode(unsigned (&a)[4], const unsigned char* wl, const unsigned char* scl)
+{
+    if constexpr (MM_WF == WF_BF16) {
+        const uint4 v = *(const uint4*)(wl + 16 * Q);
+        a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
+    } else {
+        const unsigned w = ((const unsigned*)wl)[Q];
+        const unsigned M = 0x81C081C0u;
+        a[0] = w & M;
+        a[1] = __funnelshift_l(w, w, 4) & M;
+        a[2] = __funnelshift_l(w, w, 10) & M;
+        a[3] = (__funnelshift_l(w, w, 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
+        unsigned s_lo, s_hi;
+        if constexpr (MM_WF == WF_NVFP4) {
+            // e4m3 pair (row g, row g+8) -> f16x2 (exact) -> bf16x2 of scale * 2^100 (bit ops; every
+            // nonzero e4m3 is a normal f16, zero scales were rewritten to 1.0 at upload).
+            const unsigned short pr = ((const unsigned short*)scl)[Q];
+            unsigned h2;
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pr));
+            const unsigned s2 = (((h2 >> 3) & 0x0FFF0FFFu) + 0x6A006A00u) | (h2 & 0x80008000u);
+            s_lo = __byte_perm(s2, 0u, 0x1010);
+            s_hi = __byte_perm(s2, 0u, 0x3232);
+        } else {
+            // (e8m0 + K2) bytes of 32-block Q/2: the bf16 scale is byte << 7.
+            const unsigned sw = *(const unsigned*)scl;
+            constexpr unsigned SEL_LO = (Q < 2) ? 0x4040u : 0x4242u, SEL_HI = (Q < 2) ? 0x4141u : 0x4343u;
+            s_lo = __byte_perm(sw, 0u, SEL_LO) << 7;
+            s_hi = __byte_perm(sw, 0u, SEL_HI) << 7;
+        }
+        a[0] = bf16x2_mul(a[0], s_lo);
+        a[2] = bf16x2_mul(a[2], s_lo);
+        a[1] = bf16x2_mul(a[1], s_hi);
+        a[3] = bf16x2_mul(a[3], s_hi);
+    }
+}
+
+// This CTA's tile: expert grp, rows [m0, mend) of A; false when the CTA has none.
+template <int NT>
+__device__ __forceinline__ bool tc_tile(const GemmOperands& g, int& grp, int& m0, int& mend)
+{
+    const int t = blockIdx.x;
+    if (g.tiles) {
+        if (t >= *g.num_tiles) return false;
+        grp = g.tiles[2 * t];
+        m0 = g.tiles[2 * t + 1];
+        mend = (int)g.offsets[grp + 1];
+    } else {
+        grp = 0;
+        m0 = t * NT;
+        if (m0 >= g.dense_rows) return false;
+        mend = g.dense_rows;
+    }
+    return true;
+}
+
+// The accumulators of this warp's slab over all of K (valid in the part-0 warps after the
+// reduction). Returns false for CTAs without a tile (uniform over the CTA).
+template <int NT, int SPC, bool L1>
+__device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[NT / 8][4], int& grp, int& m0,
+                                            int& mc, int& gslab)
+{
+    using S = TcShape<NT, SPC>;
+    constexpr int KS = S::KS, BLK = S::BLK;
+    extern __shared__ __align__(128) unsigned char smem[];
+    int mend;
+    if (!tc_tile<NT>(g, grp, m0, mend)) return false;
+    mc = min(mend - m0, NT);
+    const int R = L1 ? 2 * g.inter : g.h;
+    const int K = L1 ? g.h : g.inter;
+    const int Rp = (R + 127) / 128 * 128;
+    const int nch = K / 64;
+    const int row0 = blockIdx.y * 16 * SPC;
+    const int G = row0 / 128, s0 = (row0 % 128) / 16;
+    const unsigned char* wgrp =
+        g.wq + (size_t)grp * ((size_t)(Rp / 16) * nch * BLK) + (size_t)G * nch * 8 * BLK;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ws = warp % SPC, wp = warp / SPC;
+    gslab = row0 / 16 + ws;
+
+    // The A row of each token of the tile (gathered through the plan's permutation).
+    unsigned* arow = (unsigned*)(smem + TC_STAGES * S::STAGE);
+    for (int r = threadIdx.x; r < NT; r += TC_THREADS)
+        arow[r] = (r < mc) ? (g.a_rows ? g.a_rows[m0 + r] / (unsigned)g.a_div : (unsigned)(m0 + r)) : 0u;
+    __syncthreads();
+
+    const int nstages = (nch + KS - 1) / KS;
+    auto load_stage = [&](int j, int slot) {
+        unsigned char* st = smem + slot * S::STAGE;
+        for (int u = threadIdx.x; u < S::W_STAGE / 16; u += TC_THREADS) {
+            const int b = u / (BLK / 16), o = (u % (BLK / 16)) * 16;
+            const int c = j * KS + b / SPC;
+            if (c < nch) cp_async16(st + b * BLK + o, wgrp + ((size_t)c * 8 + s0 + b % SPC) * BLK + o);
+        }
+        unsigned char* tk = st + S::W_STAGE;
+        for (int u = threadIdx.x; u < NT * KS * 8; u += TC_THREADS) {
+            const int r = u / (KS * 8), cc = u % (KS * 8);
+            const int c = j * KS + (cc >> 3);
+            if (r < mc && c < nch) {
+                const bf16_t* src = (const bf16_t*)g.a + (size_t)arow[r] * K + (size_t)c * 64 + (cc & 7) * 8;
+                cp_async16(tk + r * S::T_PITCH + ((cc ^ (r & 7)) << 4), src);
+            }
+        }
+    };
+
+    #pragma unroll
+    for (int i = 0; i < NT / 8; ++i)
+        #pragma unroll
+        for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
+
+    #pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) {
+        if (s < nstages) load_stage(s, s);
+        cp_async_commit();
+    }
+    for (int j = 0; j < nstages; ++j) {
+        cp_async_wait<TC_STAGES - 2>();
+        __syncthreads();
+        if (j + TC_STAGES - 1 < nstages) load_stage(j + TC_STAGES - 1, (j + TC_STAGES - 1) % TC_STAGES);
+        cp_async_commit();
+        const int c = j * KS + wp;
+        if (c >= nch) continue;                 // uniform over the warp
+        const unsigned char* st = smem + (j % TC_STAGES) * S::STAGE;
+        const unsigned char* wb = st + (wp * SPC + ws) * BLK;
+        const unsigned char* wl = wb + lane * (MM_WF == WF_BF16 ? 64 : 16);
+        const unsigned char* scl = wb + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
+        const unsigned tk = smem_u32(st + S::W_STAGE);
+        // ldmatrix lane roles: matrix mi = lane / 8, row i = lane % 8.
+        const int mi = lane >> 3, li = lane & 7;
+        unsigned a[4][4];
+        tc_decode<0>(a[0], wl, scl);
+        tc_decode<1>(a[1], wl, scl);
+        tc_decode<2>(a[2], wl, scl);
+        tc_decode<3>(a[3], wl, scl);
+        if constexpr (NT == 8) {
+            // One n8 tile: each x4 brings the B fragments of two k16 steps.
+            #pragma unroll
+            for (int q = 0; q < 4; q += 2) {
+                const int r = li;
+                const int cc = wp * 8 + 2 * q + mi;   // matrices: (q lo, q hi, q+1 lo, q+1 hi)
+                unsigned b0, b1, b2, b3;
+                ldmatrix_x4(b0, b1, b2, b3, tk + r * S::T_PITCH + ((cc ^ (r & 7)) << 4));
+                mma_bf16_16816(acc[0], a[q], b0, b1);
+                mma_bf16_16816(acc[0], a[q + 1], b2, b3);
+            }
+        } else {
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                #pragma unroll
+                for (int jn = 0; jn < NT / 8; jn += 2) {
+                    const int r = (jn + (mi >> 1)) * 8 + li;
+                    const int cc = wp * 8 + 2 * q + (mi & 1);
+                    unsigned b0, b1, b2, b3;
+                    ldmatrix_x4(b0, b1, b2, b3, tk + r * S::T_PITCH + ((cc ^ (r & 7)) << 4));
+                    mma_bf16_16816(acc[jn], a[q], b0, b1);
+                    mma_bf16_16816(acc[jn + 1], a[q], b2, b3);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    if constexpr (KS > 1) {
+        // Partial sums of the K parts meet in shared memory; part 0 adds them in part order.
+        __syncthreads();
+        float* red = (float*)smem;
+        if (wp > 0) {
+            #pragma unroll
+            for (int i = 0; i < NT / 8; ++i)
+                #pragma unroll
+                for (int v = 0; v < 4; ++v)
+                    red[((((wp - 1) * SPC + ws) * (NT / 8) + i) * 4 + v) * 32 + lane] = acc[i][v];
+        }
+        __syncthreads();
+        if (wp == 0) {
+            for (int p = 1; p < KS; ++p)
+                #pragma unroll
+                for (int i = 0; i < NT / 8; ++i)
+                    #pragma unroll
+                    for (int v = 0; v < 4; ++v)
+                        acc[i][v] += red[((((p - 1) * SPC + ws) * (NT / 8) + i) * 4 + v) * 32 + lane];
+        }
+    }
+    return wp == 0;
+}
+
+// L1: gate/up of column 8*gslab + g for the tile's tokens, fused clamped SwiGLU x routing weight.
+template <int NT, int SPC, bool TRACE>
+__device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
+{
+    const GemmOperands& g = p.g;
+    float acc[NT / 8][4];
+    int grp, m0, mc, gslab;
+    if (!tc_mainloop<NT, SPC, true>(g, acc, grp, m0, mc, gslab)) return;
+    const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
+    const int I = g.inter;
+    const int col = gslab * 8 + gi;
+    if (col >= I) return;
+    float ag = 1.f, au = 1.f;
+    if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
+    if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
+    const float limit = p.limit;
+    #pragma unroll
+    for (int jn = 0; jn < NT / 8; ++jn) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = jn * 8 + 2 * t + e;
+            if (tok >= mc) continue;
+            const int m = m0 + tok;
+            const float w = p.perm ? p.topk_w[p.perm[m]] : 1.f;
+            float gt = acc[jn][e] * ag, u = acc[jn][2 + e] * au;
+            if constexpr (TRACE) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
+            p.act[(size_t)m * I + col] = f2bf(swiglu(gt, u, w, limit));
+        }
+    }
+}
+
+// L2: output rows 16*gslab + g and + 8 for the tile's tokens, f32.
+template <int NT, int SPC>
+__device__ __forceinline__ void tc_l2(const GemmL2Params& p)
+{
+    const GemmOperands& g = p.g;
+    float acc[NT / 8][4];
+    int grp, m0, mc, gslab;
+    if (!tc_mainloop<NT, SPC, false>(g, acc, grp, m0, mc, gslab)) return;
+    const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
+    const int H = g.h;
+    const int h0 = gslab * 16 + gi;
+    float a = g.alpha_w ? g.alpha_w[grp] : 1.f;
+    if (g.alpha_in) a *= g.alpha_in[grp];
+    #pragma unroll
+    for (int jn = 0; jn < NT / 8; ++jn) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = jn * 8 + 2 * t + e;
+            if (tok >= mc) continue;
+            float* o = p.out + (size_t)(m0 + tok) * H;
+            if (h0 < H) o[h0] = acc[jn][e] * a;
+            if (h0 + 8 < H) o[h0 + 8] = acc[jn][2 + e] * a;
+        }
+    }
+}
+
+#define TC_KERNELS(NT, SPC)                                                                               \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) moe_tc_l1_n##NT##_s##SPC(                    \
+        const __grid_constant__ GemmL1Params p)                                                           \
+    {                                                                                                     \
+        tc_l1<NT, SPC, false>(p, nullptr, nullptr);                                                       \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) moe_tc_l2_n##NT##_s##SPC(                    \
+        const __grid_constant__ GemmL2Params p)                                                           \
+    {                                                                                                     \
+        tc_l2<NT, SPC>(p);                                                                                \
+    }
+// The trace variant (gate/up pre-activations kept) of each token tile, at 8 slabs per CTA.
+#define TC_TRACE_KERNEL(NT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) moe_tc_l1_trace_n##NT(                       \
+        const __grid_constant__ GemmL1TraceParams p)                                                      \
+    {                                                                                                     \
+        tc_l1<NT, 8, true>(p.l1, p.gate_tr, p.up_tr);                                                     \
+    }
+
+// Every (NT, SPC) of gpu_layout::tc::configs().
+TC_KERNELS(8, 1) TC_KERNELS(8, 2) TC_KERNELS(8, 4) TC_KERNELS(8, 8)
+TC_KERNELS(16, 2) TC_KERNELS(16, 4) TC_KERNELS(16, 8)
+TC_KERNELS(32, 4) TC_KERNELS(32, 8)
+TC_KERNELS(64, 8)
+TC_KERNELS(128, 8)
+TC_TRACE_KERNEL(8) TC_TRACE_KERNEL(16) TC_TRACE_KERNEL(32) TC_TRACE_KERNEL(64) TC_TRACE_KERNEL(128)

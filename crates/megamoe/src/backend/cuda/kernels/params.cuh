@@ -1,0 +1,133 @@
+// params.cuh — GENERATED from src/backend/cuda/params.rs; do not edit. Regenerate with
+// MEGAMOE_BLESS=1 cargo test -p megamoe --lib params_header
+// Every kernel takes exactly one of these structs by value (const __grid_constant__). Pointers
+// documented as nullable in params.rs are 0 when absent.
+
+constexpr int WF_NVFP4 = 0;
+constexpr int WF_MXFP4 = 1;
+constexpr int WF_BF16 = 2;
+constexpr int WF_FP8 = 3;
+constexpr int QUANT_COPY = 0;
+constexpr int QUANT_FP8_ACT = 1;
+constexpr int QUANT_NVFP4_ACT = 2;
+constexpr int SCORE_SQRT_SOFTPLUS = 0;
+constexpr int SCORE_SIGMOID = 1;
+constexpr int SCORE_SOFTMAX = 2;
+constexpr int OUT_F32 = 0;
+constexpr int OUT_BF16 = 1;
+constexpr int STATUS_BAD_TOKEN_ID = 1;
+constexpr int STATUS_BAD_EXPERT_ID = 2;
+
+struct RouterLogitsParams {
+    const bf16_t* x;
+    const float* wg;
+    int t;
+    int h;
+    int e;
+    float* scores;
+};
+static_assert(sizeof(RouterLogitsParams) == 40, "RouterLogitsParams mirrors params.rs");
+
+struct RouterTopkParams {
+    const float* bias;
+    const int* tid2eid;
+    const void* token_ids;
+    int token_ids_i64;
+    int vocab;
+    int t;
+    int e;
+    int k;
+    int score_func;
+    int renorm;
+    float route_scale;
+    float* scores;
+    int* topk_ids;
+    float* topk_w;
+    unsigned* status;
+};
+static_assert(sizeof(RouterTopkParams) == 88, "RouterTopkParams mirrors params.rs");
+
+struct PlanParams {
+    const int* topk_ids;
+    int slots;
+    int experts;
+    int expert_base;
+    int global_experts;
+    int bm;
+    unsigned* counts;
+    unsigned* offsets;
+    int* tile_start;
+    int* tiles;
+    int* num_tiles;
+    unsigned* perm;
+    unsigned* row_of_slot;
+    unsigned* status;
+};
+static_assert(sizeof(PlanParams) == 96, "PlanParams mirrors params.rs");
+
+struct QuantRowsParams {
+    const bf16_t* src;
+    bf16_t* dst;
+    const unsigned* perm;
+    const int* topk_ids;
+    int expert_base;
+    int k;
+    int gather;
+    const unsigned* offsets;
+    int experts;
+    int cols;
+    int mode;
+    const float* in_scale;
+};
+static_assert(sizeof(QuantRowsParams) == 80, "QuantRowsParams mirrors params.rs");
+
+struct CombineParams {
+    const float* l2;
+    const unsigned* row_of_slot;
+    const float* shared_out;
+    int t;
+    int h;
+    int k;
+    void* y;
+    int y_dtype;
+};
+static_assert(sizeof(CombineParams) == 56, "CombineParams mirrors params.rs");
+
+struct GemmOperands {
+    const void* a;
+    const unsigned* a_rows;
+    const unsigned char* wq;
+    const unsigned char* ws;
+    const float* alpha_w;
+    const float* alpha_in;
+    const int* tiles;
+    const int* num_tiles;
+    const unsigned* offsets;
+    int a_div;
+    int dense_rows;
+    int h;
+    int inter;
+};
+static_assert(sizeof(GemmOperands) == 88, "GemmOperands mirrors params.rs");
+
+struct GemmL1Params {
+    GemmOperands g;
+    const unsigned* perm;
+    const float* topk_w;
+    float limit;
+    bf16_t* act;
+};
+static_assert(sizeof(GemmL1Params) == 120, "GemmL1Params mirrors params.rs");
+
+struct GemmL1TraceParams {
+    GemmL1Params l1;
+    float* gate_tr;
+    float* up_tr;
+};
+static_assert(sizeof(GemmL1TraceParams) == 136, "GemmL1TraceParams mirrors params.rs");
+
+struct GemmL2Params {
+    GemmOperands g;
+    float* out;
+};
+static_assert(sizeof(GemmL2Params) == 96, "GemmL2Params mirrors params.rs");

@@ -1,0 +1,162 @@
+//! Typed kernel launch: a [`Kernel<P>`] is one loaded entry point whose only argument is the
+//! parameter struct `P` (from [`super::params`]), launched through `cuLaunchKernelEx` with the
+//! block size the kernel was built for, dynamic shared memory above 48 KB (opted in once at load),
+//! thread-block clusters and programmatic dependent launch when a launch asks for them. A
+//! struct passed by value is also where a kernel's TMA descriptors (`CUtensorMap`, 64-byte
+//! aligned, `__grid_constant__`) travel.
+
+use super::buffer::{derr, err};
+use crate::error::Result;
+use cudarc::driver::{sys, CudaFunction, CudaModule};
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// The shared memory every kernel may use without opting in.
+pub const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
+
+/// A stream to enqueue on: the caller's (e.g. PyTorch's current stream) or one of ours. Copyable
+/// and untied to any wrapper, so servers can pass raw `cudaStream_t`s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamRef(pub(crate) sys::CUstream);
+
+impl StreamRef {
+    /// Wraps a raw CUDA stream handle.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the device's primary context (or null, the legacy
+    /// default stream) for as long as work is enqueued on it.
+    pub unsafe fn from_raw(stream: sys::CUstream) -> Self {
+        StreamRef(stream)
+    }
+    /// The raw handle.
+    pub fn raw(self) -> sys::CUstream {
+        self.0
+    }
+}
+
+// SAFETY: a CUstream handle may be used from any thread of the process.
+unsafe impl Send for StreamRef {}
+// SAFETY: as above; the handle itself is immutable.
+unsafe impl Sync for StreamRef {}
+
+/// Grid, shared memory and launch attributes of one launch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LaunchCfg {
+    /// Grid `(x, y, z)`.
+    pub grid: (u32, u32, u32),
+    /// Dynamic shared memory (bytes); must not exceed what the kernel was loaded with.
+    pub smem: u32,
+    /// Thread-block cluster dimensions (sm_90+), if any.
+    pub cluster: Option<(u32, u32, u32)>,
+    /// Allow programmatic dependent launch (the kernel may start before its predecessor ends and
+    /// must `griddepcontrol.wait` before reading its outputs).
+    pub pdl: bool,
+}
+
+impl LaunchCfg {
+    /// A plain launch of `grid` with `smem` bytes of dynamic shared memory.
+    pub fn grid(grid: (u32, u32, u32), smem: usize) -> Self {
+        LaunchCfg { grid, smem: smem as u32, ..Default::default() }
+    }
+}
+
+/// One kernel entry point taking parameter struct `P`.
+pub struct Kernel<P> {
+    func: CudaFunction,
+    name: String,
+    threads: u32,
+    max_smem: usize,
+    _p: PhantomData<fn(P)>,
+}
+
+impl<P> std::fmt::Debug for Kernel<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernel").field("name", &self.name).field("threads", &self.threads).finish()
+    }
+}
+
+impl<P: Copy> Kernel<P> {
+    /// Loads entry point `name` of `module`, to be launched with `threads` threads per CTA and up
+    /// to `max_smem` bytes of dynamic shared memory (opted in here when above 48 KB).
+    pub fn load(module: &Arc<CudaModule>, name: &str, threads: u32, max_smem: usize) -> Result<Self> {
+        let func = module.load_function(name).map_err(derr(&format!("kernel {name}")))?;
+        if max_smem > DEFAULT_SMEM_LIMIT {
+            // SAFETY: a valid function handle and a documented attribute.
+            unsafe {
+                cudarc::driver::result::function::set_function_attribute(
+                    func.cu_function(),
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    max_smem as i32,
+                )
+            }
+            .map_err(|e| err(format!("kernel {name}: opting in to {max_smem} bytes of shared memory: {e}")))?;
+        }
+        Ok(Kernel { func, name: name.to_string(), threads, max_smem, _p: PhantomData })
+    }
+
+    /// The entry point's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Registers per thread and static shared memory of the loaded kernel (for the notes).
+    pub fn resources(&self) -> Result<(i32, i32)> {
+        let get = |a| {
+            // SAFETY: a valid function handle.
+            unsafe { cudarc::driver::result::function::get_function_attribute(self.func.cu_function(), a) }
+                .map_err(derr("cuFuncGetAttribute"))
+        };
+        Ok((
+            get(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+            get(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
+        ))
+    }
+
+    /// Enqueues one launch on `stream`.
+    ///
+    /// # Safety
+    /// Every device pointer in `params` must cover the extent the kernel reads or writes for this
+    /// grid, and stay valid until the launch completes.
+    pub unsafe fn launch(&self, stream: StreamRef, cfg: &LaunchCfg, params: &P) -> Result<()> {
+        if cfg.smem as usize > self.max_smem.max(DEFAULT_SMEM_LIMIT) {
+            return Err(err(format!(
+                "kernel {}: {} bytes of shared memory requested, loaded for {}",
+                self.name, cfg.smem, self.max_smem
+            )));
+        }
+        if cfg.grid.0 == 0 || cfg.grid.1 == 0 || cfg.grid.2 == 0 {
+            return Ok(());
+        }
+        let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+        let mut n = 0;
+        if let Some((x, y, z)) = cfg.cluster {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = x;
+            attrs[n].value.clusterDim.y = y;
+            attrs[n].value.clusterDim.z = z;
+            n += 1;
+        }
+        if cfg.pdl {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid.0,
+            gridDimY: cfg.grid.1,
+            gridDimZ: cfg.grid.2,
+            blockDimX: self.threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: cfg.smem,
+            hStream: stream.0,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
+        };
+        let mut args = [params as *const P as *mut c_void];
+        sys::cuLaunchKernelEx(&config, self.func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
+            .result()
+            .map_err(|e| err(format!("launching {} (grid {:?}, {} B smem): {e}", self.name, cfg.grid, cfg.smem)))
+    }
+}

@@ -1,0 +1,309 @@
+//! The kernel ABI: one `#[repr(C)]` parameter struct per kernel (passed by value as the kernel's
+//! only argument, `const __grid_constant__ XParams p`) and the named constants kernels and host
+//! share (weight formats, quantization modes, score functions, status bits).
+//!
+//! Everything here is declared once, in [`kernel_abi!`], which produces both the Rust structs and
+//! the C++ text of `kernels/params.cuh`. The header is committed (readable next to the kernels,
+//! and what NVRTC compiles) and `params_header_is_current` fails when it is stale; regenerate it
+//! with `MEGAMOE_BLESS=1 cargo test -p megamoe --lib params_header`. Each struct also gets a
+//! `static_assert` on its size in the header, so a layout mismatch cannot compile.
+
+/// A device address (`CUdeviceptr`); 0 is "absent" wherever a field is documented as nullable.
+pub type DevPtr = u64;
+
+macro_rules! kernel_abi {
+    (
+        consts { $( $(#[$cm:meta])* $cname:ident = $cval:expr ; )* }
+        $( $(#[$m:meta])* struct $name:ident { $( $(#[$fm:meta])* $f:ident : $t:ty => $c:literal ),* $(,)? } )*
+    ) => {
+        $( $(#[$cm])* pub const $cname: i32 = $cval; )*
+        $(
+            $(#[$m])*
+            #[repr(C)]
+            #[derive(Clone, Copy, Debug, Default)]
+            pub struct $name { $( $(#[$fm])* pub $f: $t ),* }
+        )*
+        /// The C++ text of `kernels/params.cuh`.
+        pub fn c_header() -> String {
+            let mut s = String::from(HEADER_PREAMBLE);
+            $( s.push_str(&format!("constexpr int {} = {};\n", stringify!($cname), $cval)); )*
+            $(
+                s.push_str(&format!("\nstruct {} {{\n", stringify!($name)));
+                $( s.push_str(&format!("    {} {};\n", $c, stringify!($f))); )*
+                s.push_str(&format!(
+                    "}};\nstatic_assert(sizeof({0}) == {1}, \"{0} mirrors params.rs\");\n",
+                    stringify!($name),
+                    std::mem::size_of::<$name>()
+                ));
+            )*
+            s
+        }
+    };
+}
+
+const HEADER_PREAMBLE: &str = "\
+// params.cuh — GENERATED from src/backend/cuda/params.rs; do not edit. Regenerate with
+// MEGAMOE_BLESS=1 cargo test -p megamoe --lib params_header
+// Every kernel takes exactly one of these structs by value (const __grid_constant__). Pointers
+// documented as nullable in params.rs are 0 when absent.
+
+";
+
+kernel_abi! {
+    consts {
+        /// Weight format of a GEMM instantiation: NVFP4 (e4m3 scales per 16).
+        WF_NVFP4 = 0;
+        /// MXFP4 (e8m0 scales per 32).
+        WF_MXFP4 = 1;
+        /// bf16.
+        WF_BF16 = 2;
+        /// FP8 e4m3 with f32 scales per row and 64 columns (the SIMT family's FP8 shared expert).
+        WF_FP8 = 3;
+        /// `QuantRowsParams::mode`: copy the rows as they are (bf16).
+        QUANT_COPY = 0;
+        /// DeepSeek's FP8 `act_quant` (128-blocks, power-of-two scales), quantize-dequantized.
+        QUANT_FP8_ACT = 1;
+        /// ModelOpt NVFP4 activations under the expert's input_scale, quantize-dequantized.
+        QUANT_NVFP4_ACT = 2;
+        /// `RouterTopkParams::score_func`: sqrt(softplus(logit)).
+        SCORE_SQRT_SOFTPLUS = 0;
+        /// sigmoid(logit).
+        SCORE_SIGMOID = 1;
+        /// softmax over the experts.
+        SCORE_SOFTMAX = 2;
+        /// `CombineParams::y_dtype`: f32 output.
+        OUT_F32 = 0;
+        /// bf16 output.
+        OUT_BF16 = 1;
+        /// Status bit: a token id was outside `tid2eid` (its slots route nowhere).
+        STATUS_BAD_TOKEN_ID = 1;
+        /// Status bit: a caller's top-k id was outside -1..E (the slot is ignored).
+        STATUS_BAD_EXPERT_ID = 2;
+    }
+
+    /// `moe_router_logits`: gate logits of every (token, expert) into `scores`.
+    struct RouterLogitsParams {
+        /// `[T, H]` bf16.
+        x: DevPtr => "const bf16_t*",
+        /// Gate weight `[E, H]` f32.
+        wg: DevPtr => "const float*",
+        /// Tokens T.
+        t: i32 => "int",
+        /// Hidden size H.
+        h: i32 => "int",
+        /// Experts E.
+        e: i32 => "int",
+        /// Output logits `[T, E]` f32.
+        scores: DevPtr => "float*",
+    }
+
+    /// `moe_router`: score function, biased top-k or hash lookup, routing weights.
+    struct RouterTopkParams {
+        /// Score-correction bias `[E]` f32, nullable.
+        bias: DevPtr => "const float*",
+        /// Hash table `[vocab, K]` i32, nullable (score routing).
+        tid2eid: DevPtr => "const int*",
+        /// Token ids `[T]` (i32 or i64, see `token_ids_i64`), read only with `tid2eid`.
+        token_ids: DevPtr => "const void*",
+        /// Whether `token_ids` are i64 (torch's default) rather than i32.
+        token_ids_i64: i32 => "int",
+        /// Rows of `tid2eid`.
+        vocab: i32 => "int",
+        /// Tokens T.
+        t: i32 => "int",
+        /// Experts E.
+        e: i32 => "int",
+        /// Experts per token K.
+        k: i32 => "int",
+        /// One of `SCORE_*`.
+        score_func: i32 => "int",
+        /// Whether the chosen weights are renormalised to sum 1.
+        renorm: i32 => "int",
+        /// `routed_scaling_factor`.
+        route_scale: f32 => "float",
+        /// `[T, E]`: logits in, scores out.
+        scores: DevPtr => "float*",
+        /// Output `[T, K]` i32 (global ids; -1 for a token whose id is outside `tid2eid`).
+        topk_ids: DevPtr => "int*",
+        /// Output `[T, K]` f32.
+        topk_w: DevPtr => "float*",
+        /// Status word (`STATUS_*` bits OR-ed in).
+        status: DevPtr => "unsigned*",
+    }
+
+    /// `moe_plan_count`, `moe_plan_offsets`, `moe_plan_scatter`: the plan of the slots routed to
+    /// this layer's expert range.
+    struct PlanParams {
+        /// `[S]` i32 global expert ids (-1: not here).
+        topk_ids: DevPtr => "const int*",
+        /// Slots S = T*K.
+        slots: i32 => "int",
+        /// Local experts E_local.
+        experts: i32 => "int",
+        /// Global id of local expert 0.
+        expert_base: i32 => "int",
+        /// All routed experts of the model (ids must be < this).
+        global_experts: i32 => "int",
+        /// Rows per tile of the tile table.
+        bm: i32 => "int",
+        /// Output `[E_local]` u32 slot counts.
+        counts: DevPtr => "unsigned*",
+        /// Output `[E_local + 1]` u32 first plan row of each expert (`[E_local]` = rows planned).
+        offsets: DevPtr => "unsigned*",
+        /// Scratch `[E_local + 1]` i32.
+        tile_start: DevPtr => "int*",
+        /// Output `[max_tiles][2]` i32 = (local expert, first row).
+        tiles: DevPtr => "int*",
+        /// Output `[1]` i32 tile count.
+        num_tiles: DevPtr => "int*",
+        /// Output `[S]` u32: plan row -> slot.
+        perm: DevPtr => "unsigned*",
+        /// Output `[S]` u32: slot -> plan row (`ROW_NONE` for slots not planned here).
+        row_of_slot: DevPtr => "unsigned*",
+        /// Status word.
+        status: DevPtr => "unsigned*",
+    }
+
+    /// `moe_quant_rows`: stage / quantize-dequantize rows in plan order.
+    struct QuantRowsParams {
+        /// Source rows bf16 (x `[T, H]` when gathering, else `[rows, cols]`).
+        src: DevPtr => "const bf16_t*",
+        /// Destination `[rows, cols]` bf16.
+        dst: DevPtr => "bf16_t*",
+        /// Plan row -> slot `[S]`.
+        perm: DevPtr => "const unsigned*",
+        /// `[S]` global expert ids (W4A4: the row's input scale).
+        topk_ids: DevPtr => "const int*",
+        /// Global id of local expert 0.
+        expert_base: i32 => "int",
+        /// Experts per token K.
+        k: i32 => "int",
+        /// 1: row r reads token perm[r] / K of src; 0: row r of src.
+        gather: i32 => "int",
+        /// `[E_local + 1]`: `offsets[experts]` is the number of rows.
+        offsets: DevPtr => "const unsigned*",
+        /// Local experts E_local.
+        experts: i32 => "int",
+        /// Columns.
+        cols: i32 => "int",
+        /// One of `QUANT_*`.
+        mode: i32 => "int",
+        /// `[E_local]` f32 activation global scales (QUANT_NVFP4_ACT), nullable otherwise.
+        in_scale: DevPtr => "const float*",
+    }
+
+    /// `moe_combine`: per token the sum of its planned slots in slot order, plus the shared expert.
+    struct CombineParams {
+        /// `[rows, H]` f32 L2 output in plan order.
+        l2: DevPtr => "const float*",
+        /// `[S]` slot -> plan row (`ROW_NONE`: not here, adds nothing).
+        row_of_slot: DevPtr => "const unsigned*",
+        /// `[T, H]` f32 shared-expert output, nullable.
+        shared_out: DevPtr => "const float*",
+        /// Tokens T.
+        t: i32 => "int",
+        /// Hidden size H.
+        h: i32 => "int",
+        /// Experts per token K.
+        k: i32 => "int",
+        /// Output `[T, H]` (f32 or bf16, see `y_dtype`).
+        y: DevPtr => "void*",
+        /// One of `OUT_*`.
+        y_dtype: i32 => "int",
+    }
+
+    /// The operands every grouped-GEMM kernel takes (both families).
+    struct GemmOperands {
+        /// A rows, bf16 `[rows, K]`.
+        a: DevPtr => "const void*",
+        /// Nullable: row m of the tile reads A row `a_rows[m] / a_div` (the L1 gather from x).
+        a_rows: DevPtr => "const unsigned*",
+        /// Weights in the family's layout.
+        wq: DevPtr => "const unsigned char*",
+        /// Block scales in the family's layout, nullable (the tensor-core layout keeps them inline).
+        ws: DevPtr => "const unsigned char*",
+        /// Per-group weight alphas (L1 `[G][2]` gate, up; L2 `[G]`), nullable (1).
+        alpha_w: DevPtr => "const float*",
+        /// Per-group activation global scales `[G]` (W4A4), nullable (1).
+        alpha_in: DevPtr => "const float*",
+        /// Tile table `[*][2]` i32 = (group, first row), nullable: dense, rows [0, dense_rows).
+        tiles: DevPtr => "const int*",
+        /// `[1]` tile count.
+        num_tiles: DevPtr => "const int*",
+        /// `[G + 1]` first row of each group.
+        offsets: DevPtr => "const unsigned*",
+        /// Divisor of `a_rows` (K: slot -> token).
+        a_div: i32 => "int",
+        /// Rows of a dense GEMM (tiles null).
+        dense_rows: i32 => "int",
+        /// Hidden size H.
+        h: i32 => "int",
+        /// Intermediate size (I, or the shared expert's I_s).
+        inter: i32 => "int",
+    }
+
+    /// L1 grouped GEMM with the fused clamped-SwiGLU epilogue.
+    struct GemmL1Params {
+        /// The operands.
+        g: GemmOperands => "GemmOperands",
+        /// Plan row -> slot, nullable (dense: weight 1).
+        perm: DevPtr => "const unsigned*",
+        /// `[S]` routing weights.
+        topk_w: DevPtr => "const float*",
+        /// `swiglu_limit` (0: no clamp).
+        limit: f32 => "float",
+        /// Output `[rows, I]` bf16.
+        act: DevPtr => "bf16_t*",
+    }
+
+    /// The trace variant of the L1 GEMM: also keeps the gate / up pre-activations.
+    struct GemmL1TraceParams {
+        /// The L1 parameters.
+        l1: GemmL1Params => "GemmL1Params",
+        /// Output `[rows, I]` f32.
+        gate_tr: DevPtr => "float*",
+        /// Output `[rows, I]` f32.
+        up_tr: DevPtr => "float*",
+    }
+
+    /// L2 grouped GEMM.
+    struct GemmL2Params {
+        /// The operands.
+        g: GemmOperands => "GemmOperands",
+        /// Output `[rows, H]` f32.
+        out: DevPtr => "float*",
+    }
+}
+
+/// `row_of_slot` of a slot not planned on this layer's expert range.
+pub const ROW_NONE: u32 = u32::MAX;
+
+/// The header's path relative to this file.
+pub const HEADER_FILE: &str = "kernels/params.cuh";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_header_is_current() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda").join(HEADER_FILE);
+        let want = c_header();
+        if std::env::var_os("MEGAMOE_BLESS").is_some() {
+            std::fs::write(&path, &want).unwrap();
+        }
+        let have = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            have == want,
+            "{} is stale: regenerate with MEGAMOE_BLESS=1 cargo test -p megamoe --lib params_header",
+            path.display()
+        );
+    }
+
+    #[test]
+    fn nested_structs_keep_c_layout() {
+        // GemmOperands: 9 pointers, then 4 ints (no padding).
+        assert_eq!(std::mem::size_of::<GemmOperands>(), 9 * 8 + 4 * 4);
+        assert_eq!(std::mem::size_of::<GemmL2Params>(), std::mem::size_of::<GemmOperands>() + 8);
+    }
+}

@@ -1,0 +1,312 @@
+//! [`Workspace`]: the scratch of one in-flight forward, sized for `max_tokens`, shared by every
+//! layer run on the same stream (a model's 61 layers run one after the other through one
+//! workspace). Nothing is allocated inside a forward, so forwards can be captured in CUDA graphs:
+//! the scratch only some forwards need (quantized activations for W4A8 / W4A4, the gate/up
+//! traces) is allocated by [`Workspace::prepare`], which callers run before the first such forward
+//! or capture.
+
+use super::buffer::{derr, err, lazy, DevBuf};
+use super::device::CudaDevice;
+use super::weights::LayerWeights;
+use crate::backend::gpu_layout::{max_tiles, MIN_BLOCK_M};
+use crate::error::{MegaError, Result};
+use crate::forward::Mode;
+use std::sync::Arc;
+
+/// The sizes a workspace must hold: the maximum over the layers it serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkspaceDims {
+    /// Tokens per forward.
+    pub max_tokens: usize,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Expert intermediate size I.
+    pub inter: usize,
+    /// Routed experts of the model E (router scores).
+    pub experts: usize,
+    /// Routed experts held by one layer (the plan's groups).
+    pub local_experts: usize,
+    /// Experts per token k.
+    pub top_k: usize,
+    /// Shared-expert intermediate size (0 without one).
+    pub shared_inter: usize,
+}
+
+impl WorkspaceDims {
+    /// The sizes of forwards of up to `max_tokens` tokens through `w`.
+    pub fn of(w: &LayerWeights, max_tokens: usize) -> Self {
+        let c = w.config();
+        WorkspaceDims {
+            max_tokens,
+            hidden: c.hidden_size,
+            inter: c.moe_intermediate_size,
+            experts: c.n_routed_experts,
+            local_experts: w.local_experts(),
+            top_k: c.num_experts_per_tok,
+            shared_inter: w.shared_inter(),
+        }
+    }
+
+    /// The element-wise maximum (a workspace serving both).
+    pub fn max(self, o: Self) -> Self {
+        WorkspaceDims {
+            max_tokens: self.max_tokens.max(o.max_tokens),
+            hidden: self.hidden.max(o.hidden),
+            inter: self.inter.max(o.inter),
+            experts: self.experts.max(o.experts),
+            local_experts: self.local_experts.max(o.local_experts),
+            top_k: self.top_k.max(o.top_k),
+            shared_inter: self.shared_inter.max(o.shared_inter),
+        }
+    }
+
+    /// Routing slots `max_tokens * k`.
+    pub fn slots(&self) -> usize {
+        self.max_tokens * self.top_k
+    }
+}
+
+/// Scratch buffers of one forward (S = T*k slots; rows = slots planned on the layer's experts).
+pub struct Workspace {
+    device: Arc<CudaDevice>,
+    dims: WorkspaceDims,
+    /// Router logits, then scores `[T, E]` f32.
+    pub(crate) scores: DevBuf,
+    /// Chosen experts `[T, k]` i32 (when the caller's io has none).
+    pub(crate) topk_ids: DevBuf,
+    /// Routing weights `[T, k]` f32 (when the caller's io has none).
+    pub(crate) topk_w: DevBuf,
+    /// Slots per local expert `[E_local]` u32.
+    pub(crate) counts: DevBuf,
+    /// First plan row of each local expert `[E_local + 1]` u32.
+    pub(crate) offsets: DevBuf,
+    /// Scratch of `moe_plan_offsets` `[E_local + 1]` i32.
+    pub(crate) tile_start: DevBuf,
+    /// GEMM tile table `[max_tiles][2]` i32 = (local expert, first row).
+    pub(crate) tiles: DevBuf,
+    /// The tile table's length `[1]` i32.
+    pub(crate) num_tiles: DevBuf,
+    /// Plan row -> slot `[S]` u32.
+    pub(crate) perm: DevBuf,
+    /// Slot -> plan row `[S]` u32.
+    pub(crate) row_of_slot: DevBuf,
+    /// L1 output `silu(gate) * up * w` `[S, I]` bf16 in plan-row order.
+    pub(crate) act: DevBuf,
+    /// L2 output rows `[S, H]` f32 in plan-row order.
+    pub(crate) l2: DevBuf,
+    /// Shared-expert activation `[T, I_s]` bf16.
+    pub(crate) sact: DevBuf,
+    /// Shared-expert output `[T, H]` f32.
+    pub(crate) shared_out: DevBuf,
+    /// Status bits (`params::STATUS_*`) `[1]` u32.
+    pub(crate) status: DevBuf,
+    /// Quantize-dequantized expert inputs `[S, H]` bf16 (W4A8 / W4A4; [`Self::prepare`]).
+    pub(crate) xin: Option<DevBuf>,
+    /// Quantize-dequantized activations `[S, I]` bf16 (W4A8 / W4A4; [`Self::prepare`]).
+    pub(crate) actq: Option<DevBuf>,
+    /// L1 gate / up pre-activations `[S, I]` f32 (traced forwards; [`Self::prepare`]).
+    pub(crate) gate_tr: Option<DevBuf>,
+    pub(crate) up_tr: Option<DevBuf>,
+}
+
+/// The product of `dims` (a buffer's size), or an error naming the buffer when it overflows.
+pub(crate) fn bytes(dims: &[usize], what: &str) -> Result<usize> {
+    dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
+        MegaError::Input(format!("the {what} buffer ({dims:?}) overflows the address space; lower max_tokens"))
+    })
+}
+
+impl Workspace {
+    /// Allocates the scratch for `dims` on `device`. `max_tokens * k` must fit the kernels' `int`
+    /// indices; the memory needed is checked against the device's free memory first, so a too
+    /// large `max_tokens` is refused with the sizes instead of failing half-way.
+    pub fn new(device: &Arc<CudaDevice>, dims: WorkspaceDims) -> Result<Workspace> {
+        let d = dims;
+        if d.max_tokens == 0 {
+            return Err(MegaError::Input("max_tokens must be at least 1".into()));
+        }
+        let s = d.max_tokens.checked_mul(d.top_k).filter(|&s| s <= i32::MAX as usize).ok_or_else(|| {
+            MegaError::Input(format!(
+                "max_tokens={} with k={} gives more than i32::MAX slots, the kernels' index range",
+                d.max_tokens, d.top_k
+            ))
+        })?;
+        let tiles = max_tiles(s, d.local_experts, MIN_BLOCK_M);
+        if tiles > u32::MAX as usize / 2 {
+            return Err(MegaError::Input(format!("max_tokens={}: {tiles} GEMM tiles exceed a grid", d.max_tokens)));
+        }
+        let (h, i, e, el, mt) = (d.hidden, d.inter, d.experts, d.local_experts, d.max_tokens);
+        let need = Self::base_bytes(&d)?;
+        let (free, total) = device.memory_info()?;
+        if need > free {
+            return Err(MegaError::Input(format!(
+                "a workspace for {mt} tokens needs {:.1} MB of device memory; {:.1} MB of {:.1} MB are free \
+                 (lower max_tokens)",
+                need as f64 / 1e6,
+                free as f64 / 1e6,
+                total as f64 / 1e6
+            )));
+        }
+        let z = |dims: &[usize], what: &str| device.alloc(bytes(dims, what)?, what);
+        Ok(Workspace {
+            device: device.clone(),
+            dims,
+            scores: z(&[mt, e, 4], "scores")?,
+            topk_ids: z(&[s, 4], "topk_ids")?,
+            topk_w: z(&[s, 4], "topk_w")?,
+            counts: z(&[el, 4], "counts")?,
+            offsets: z(&[el + 1, 4], "offsets")?,
+            tile_start: z(&[el + 1, 4], "tile_start")?,
+            tiles: z(&[tiles, 8], "tiles")?,
+            num_tiles: z(&[4], "num_tiles")?,
+            perm: z(&[s, 4], "perm")?,
+            row_of_slot: z(&[s, 4], "row_of_slot")?,
+            act: z(&[s, i, 2], "activations")?,
+            l2: z(&[s, h, 4], "l2 rows")?,
+            sact: z(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
+            shared_out: z(&[mt, h, 4], "shared out")?,
+            status: z(&[4], "status")?,
+            xin: None,
+            actq: None,
+            gate_tr: None,
+            up_tr: None,
+        })
+    }
+
+    /// A workspace for forwards of up to `max_tokens` tokens through any of `layers`.
+    pub fn for_layers(layers: &[&LayerWeights], max_tokens: usize) -> Result<Workspace> {
+        let first = layers.first().ok_or_else(|| MegaError::Input("a workspace needs at least one layer".into()))?;
+        let dims = layers.iter().map(|w| WorkspaceDims::of(w, max_tokens)).reduce(WorkspaceDims::max).expect("one");
+        Workspace::new(first.device(), dims)
+    }
+
+    /// Bytes of the buffers every forward needs.
+    fn base_bytes(d: &WorkspaceDims) -> Result<usize> {
+        let s = d.slots();
+        let (h, i, e, el, mt) = (d.hidden, d.inter, d.experts, d.local_experts, d.max_tokens);
+        let parts = [
+            bytes(&[mt, e, 4], "scores")?,
+            bytes(&[s, 4 * 4], "slots")?,
+            bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8], "tiles")?,
+            bytes(&[s, i, 2], "activations")?,
+            bytes(&[s, h, 4], "l2 rows")?,
+            bytes(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
+            bytes(&[mt, h, 4], "shared out")?,
+        ];
+        parts.iter().try_fold(0usize, |a, &b| a.checked_add(b)).ok_or_else(|| MegaError::Input("workspace too large".into()))
+    }
+
+    /// The sizes this workspace holds.
+    pub fn dims(&self) -> WorkspaceDims {
+        self.dims
+    }
+
+    /// Device bytes held (base plus whatever [`Self::prepare`] allocated).
+    pub fn device_bytes(&self) -> usize {
+        self.all().map(DevBuf::bytes).sum()
+    }
+
+    /// Allocates (once) the scratch a forward in `mode` (and with traces, when `trace`) needs.
+    /// Must not run while a stream is being captured.
+    pub fn prepare(&mut self, mode: Mode, trace: bool) -> Result<()> {
+        let d = self.dims;
+        let s = d.slots();
+        let dev = self.device.clone();
+        let mk = |slot: &mut Option<DevBuf>, dims: &[usize], what: &str| -> Result<()> {
+            if slot.is_none() {
+                *slot = Some(dev.alloc(bytes(dims, what)?, what)?);
+            }
+            Ok(())
+        };
+        if mode != Mode::W4A16 {
+            mk(&mut self.xin, &[s, d.hidden, 2], "quantized expert inputs")?;
+            mk(&mut self.actq, &[s, d.inter, 2], "quantized activations")?;
+        }
+        if trace {
+            mk(&mut self.gate_tr, &[s, d.inter, 4], "gate trace")?;
+            mk(&mut self.up_tr, &[s, d.inter, 4], "up trace")?;
+        }
+        Ok(())
+    }
+
+    /// Checks that a forward of `tokens` tokens through `w` in `mode` (traced or not) fits.
+    pub(crate) fn check_fits(&self, w: &LayerWeights, tokens: usize, mode: Mode, trace: bool) -> Result<()> {
+        let need = WorkspaceDims::of(w, tokens);
+        if need.max(self.dims) != self.dims {
+            return Err(MegaError::Input(format!(
+                "layer {} with {tokens} tokens needs a workspace of {need:?}, this one holds {:?}",
+                w.index(),
+                self.dims
+            )));
+        }
+        if mode != Mode::W4A16 {
+            lazy(&self.xin, "quantized expert inputs (Workspace::prepare)")?;
+            lazy(&self.actq, "quantized activations (Workspace::prepare)")?;
+        }
+        if trace {
+            lazy(&self.gate_tr, "gate trace (Workspace::prepare)")?;
+        }
+        if !Arc::ptr_eq(&self.device, w.device()) {
+            return Err(err("the workspace and the layer live on different devices"));
+        }
+        Ok(())
+    }
+
+    /// Every allocated buffer.
+    pub(crate) fn all(&self) -> impl Iterator<Item = &DevBuf> {
+        [
+            &self.scores,
+            &self.topk_ids,
+            &self.topk_w,
+            &self.counts,
+            &self.offsets,
+            &self.tile_start,
+            &self.tiles,
+            &self.num_tiles,
+            &self.perm,
+            &self.row_of_slot,
+            &self.act,
+            &self.l2,
+            &self.sact,
+            &self.shared_out,
+            &self.status,
+        ]
+        .into_iter()
+        .chain(self.xin.iter())
+        .chain(self.actq.iter())
+        .chain(self.gate_tr.iter())
+        .chain(self.up_tr.iter())
+    }
+
+    /// Fills every scratch buffer with `byte` (e.g. 0xFF: NaN in f32 and bf16), so a test can
+    /// prove that a forward writes every element it later reads. Clears the status word.
+    pub fn poison(&self, byte: u8) -> Result<()> {
+        self.device.bind()?;
+        let st = self.device.stream();
+        for buf in self.all() {
+            // SAFETY: `buf` holds `buf.bytes()` bytes.
+            unsafe { cudarc::driver::result::memset_d8_async(buf.ptr(), byte, buf.bytes(), st.cu_stream()) }
+                .map_err(derr("poison"))?;
+        }
+        // SAFETY: the status word holds 4 bytes.
+        unsafe { cudarc::driver::result::memset_d8_async(self.status.ptr(), 0, 4, st.cu_stream()) }
+            .map_err(derr("poison"))?;
+        st.synchronize().map_err(derr("poison"))
+    }
+
+    /// Reads and clears the status word (`params::STATUS_*` bits set by forwards since the last
+    /// call). Synchronises the device.
+    pub fn take_status(&self) -> Result<u32> {
+        self.device.synchronize()?;
+        let v = self.status.read::<u32>(self.device.stream(), 0, 1)?[0];
+        self.status.write(self.device.stream(), 0, &[0u32])?;
+        Ok(v)
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        // Forwards on any stream may still use the scratch.
+        let _ = self.device.synchronize();
+    }
+}

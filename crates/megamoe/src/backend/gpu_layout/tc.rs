@@ -1,0 +1,594 @@
+//! The tensor-core family's weight layout and tile heuristics (kernel: `kernels/gemm_tc.cu`).
+//!
+//! The weights are the MMA's M side (`mma.sync.m16n8k16`, A operand from registers) and the
+//! tokens its N side, so one token does not waste 15/16 of the MMA. Weights are pre-permuted at
+//! upload into the exact per-lane order of the A fragment:
+//!
+//! - a matrix `[R, K]` (R output rows, K input features) is padded to `R_pad = ceil(R/128)*128`
+//!   rows (zero codes) and cut into *slabs* of 16 rows (one warp's MMA tile) and *chunks* of 64
+//!   columns (four k16 steps); 8 slabs form a *group* of 128 rows;
+//! - block `(group G, chunk c, slab s)` is [`block_bytes`] contiguous bytes at
+//!   `((G * K/64 + c) * 8 + s) * block_bytes` within its expert: first the codes of the 32 lanes
+//!   (lane-major, 16 bytes per lane for FP4, 64 for bf16), then the slab's block scales;
+//! - lane `l` (`g = l / 4`, `t = l % 4`) holds, for k16 step `q`, the four A registers
+//!   `a0 = (row g, k 2t..2t+1)`, `a1 = (row g+8, same k)`, `a2 = (row g, k 2t+8..2t+9)`,
+//!   `a3 = (row g+8, k 2t+8..)`, `k` counted from `16q` (the m16n8k16 A fragment). For FP4 the
+//!   8 codes of step `q` are one u32 word, bit-arranged by [`fp4_word`] so that the kernel turns
+//!   it into the four bf16x2 registers with 9 integer instructions ([`decode_fp4_word`]): each
+//!   value comes out as `e2m1 * 2^-126` (the code's bits placed in the bf16 exponent and
+//!   mantissa; 0.5 is a bf16 subnormal), and one `mul.rn.bf16x2` by the block scale times `2^K2`
+//!   makes it exact and normal. The alpha after accumulation undoes `2^(K2 - 126)`;
+//! - NVFP4 scales: 64 bytes per block, `8 * g + 2 * q + h` = the e4m3 scale of row `g + 8h`,
+//!   step `q` (K2 = [`NVFP4_K2`], converted in-kernel through `cvt.rn.f16x2.e4m3x2`); a zero
+//!   scale (0x00 / 0x80) is stored as 1.0 with its 16 codes zeroed (the same products, ±0);
+//! - MXFP4 scales: 32 bytes per block, `4 * g + 2 * j + h` = `e8m0 + K2` of row `g + 8h`, 32-block
+//!   `j` of the chunk, so the kernel's bf16 scale is just `byte << 7`. K2 is chosen per expert and
+//!   projection ([`mxfp4_k2`]) so that every scale and every product is a normal bf16; a
+//!   projection whose scales span more than 2^126 cannot be so placed and the layer falls back to
+//!   the SIMT family;
+//! - bf16 weights (and an FP8 shared expert with power-of-two block scales, converted exactly):
+//!   2048 bytes per block, lane `l` at `64 l`, word `4q + r` = register `a_r` of step `q`.
+//!
+//! L1 interleaves gate and up by slab: slab `j` holds gate rows `8j..8j+7` then up rows
+//! `8j..8j+7`, so the lane holding gate column `8j + g` (row g) also holds its up value (row g+8)
+//! and the SwiGLU epilogue runs in registers.
+
+use crate::checkpoint::{DenseData, DenseProj, ExpertProj, ProjData};
+use crate::error::{MegaError, Result};
+use crate::formats::{e4m3, WeightFormat};
+
+/// Rows of one slab (one warp's m16 MMA tile).
+pub const SLAB_ROWS: usize = 16;
+/// Slabs per group (the row granularity of the packed matrix: 128 rows).
+pub const GROUP_SLABS: usize = 8;
+/// Rows per group.
+pub const GROUP_ROWS: usize = SLAB_ROWS * GROUP_SLABS;
+/// Columns (K) per chunk: four k16 MMA steps.
+pub const CHUNK_K: usize = 64;
+/// The fixed exponent offset of NVFP4 scales: the kernel's bf16 scale is `scale * 2^100`.
+pub const NVFP4_K2: i32 = 100;
+/// Bytes of FP4 codes per (slab, chunk) block: 32 lanes x 16 bytes.
+const FP4_CODE_BYTES: usize = 512;
+
+/// Bytes of one (slab, chunk) block of `format`: codes, then the slab's scales.
+pub fn block_bytes(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::Nvfp4 => FP4_CODE_BYTES + 64,
+        WeightFormat::Mxfp4 => FP4_CODE_BYTES + 32,
+        WeightFormat::Bf16 => 2048,
+    }
+}
+
+/// `rows` rounded up to whole groups.
+pub fn padded_rows(rows: usize) -> usize {
+    rows.div_ceil(GROUP_ROWS) * GROUP_ROWS
+}
+
+/// Bytes of one expert's packed `[rows, cols]` matrix.
+pub fn matrix_bytes(format: WeightFormat, rows: usize, cols: usize) -> usize {
+    padded_rows(rows) / SLAB_ROWS * (cols / CHUNK_K) * block_bytes(format)
+}
+
+/// Where the code bits of the pair held by register `r` land in the step's word: for each half
+/// `h` (0: the lower k) and code bit `b` (0 mantissa, 1-2 exponent, 3 sign), the bit of the word.
+/// The inverse of [`decode_fp4_word`]'s shifts (A: none, B: rotl 4, C: rotl 10, D: rotl 6 for
+/// every bit but the exponent MSBs, which come from `w >> 2`).
+fn source_bit(r: usize, h: usize, b: usize) -> u32 {
+    let target = [6u32, 7, 8, 15][b] + 16 * h as u32;
+    match r {
+        0 => target,
+        1 => (target + 32 - 4) % 32,
+        2 => (target + 32 - 10) % 32,
+        _ if b == 2 => target + 2,
+        _ => (target + 32 - 6) % 32,
+    }
+}
+
+/// The word of one k16 step from its 8 E2M1 codes `codes[r][h]` (register `r`, half `h`).
+pub fn fp4_word(codes: [[u8; 2]; 4]) -> u32 {
+    let mut w = 0u32;
+    for (r, pair) in codes.iter().enumerate() {
+        for (h, &c) in pair.iter().enumerate() {
+            for b in 0..4 {
+                if (c >> b) & 1 == 1 {
+                    w |= 1 << source_bit(r, h, b);
+                }
+            }
+        }
+    }
+    w
+}
+
+/// Host mirror of the kernel's decode of one word into the four bf16x2 A registers (values are
+/// `e2m1 * 2^-126`, low half = the lower k).
+pub fn decode_fp4_word(w: u32) -> [u32; 4] {
+    const MASK: u32 = 0x81C0_81C0;
+    [
+        w & MASK,
+        w.rotate_left(4) & MASK,
+        w.rotate_left(10) & MASK,
+        (w.rotate_left(6) & 0x80C0_80C0) | ((w >> 2) & 0x0100_0100),
+    ]
+}
+
+/// `(row within the slab, k within the chunk)` of half `h` of register `r` of step `q`, lane `l`.
+pub fn fragment_position(lane: usize, q: usize, r: usize, h: usize) -> (usize, usize) {
+    let (g, t) = (lane / 4, lane % 4);
+    (g + 8 * (r & 1), 16 * q + 2 * t + h + 8 * (r >> 1))
+}
+
+/// One expert's matrix in the checkpoint's row-major layout, as the packer reads it.
+#[derive(Clone, Copy)]
+pub enum MatrixSource<'a> {
+    /// E2M1 codes `[rows, cols/2]` (even element low nibble) and row-major block scales.
+    Fp4 {
+        /// Codes.
+        packed: &'a [u8],
+        /// e4m3 (NVFP4, per 16) or e8m0 (MXFP4, per 32) scale bytes `[rows, cols/block]`.
+        scales: &'a [u8],
+    },
+    /// bf16 bits `[rows, cols]`.
+    Bf16(&'a [u16]),
+}
+
+/// A matrix packed for the tensor-core kernels, every expert after the other.
+#[derive(Clone, Debug, Default)]
+pub struct Packed {
+    /// The blocks of every expert.
+    pub bytes: Vec<u8>,
+    /// Per expert (L1: per expert and projection, `[E][2]` = gate, up) the f32 factor applied
+    /// after accumulation: the NVFP4 global scale times `2^(126-K2)`, or MXFP4's `2^(126-K2)`;
+    /// empty for bf16.
+    pub alpha: Vec<f32>,
+}
+
+/// The MXFP4 exponent offset `K2` of a projection whose e8m0 scale bytes are `scales`: the value
+/// nearest 126 with every `byte + K2` in `128..=254` (scales and products normal bf16), or `None`
+/// when the bytes span more than 126.
+pub fn mxfp4_k2(scales: &[u8]) -> Option<i32> {
+    let (lo, hi) = scales.iter().fold((255u8, 0u8), |(a, b), &s| (a.min(s), b.max(s)));
+    if scales.is_empty() {
+        return Some(126);
+    }
+    let (kmin, kmax) = (128 - lo as i32, 254 - hi as i32);
+    (kmin <= kmax).then(|| 126i32.clamp(kmin, kmax))
+}
+
+/// Packs one expert's matrix (`rows_of(packed_row) -> Option<source row>`: `None` = padding).
+fn pack_matrix(
+    out: &mut Vec<u8>,
+    format: WeightFormat,
+    src: MatrixSource<'_>,
+    rows: usize,
+    cols: usize,
+    row_of: &dyn Fn(usize) -> Option<usize>,
+    k2: i32,
+) -> Result<()> {
+    if !cols.is_multiple_of(CHUNK_K) {
+        return Err(MegaError::Input(format!("tensor-core layout: K={cols} is not a multiple of {CHUNK_K}")));
+    }
+    let blk = block_bytes(format);
+    let (groups, chunks) = (padded_rows(rows) / GROUP_ROWS, cols / CHUNK_K);
+    let base = out.len();
+    out.resize(base + groups * chunks * GROUP_SLABS * blk, 0);
+    let dst = &mut out[base..];
+    for gi in 0..groups {
+        for c in 0..chunks {
+            for s in 0..GROUP_SLABS {
+                let off = ((gi * chunks + c) * GROUP_SLABS + s) * blk;
+                let block = &mut dst[off..off + blk];
+                let slab_row0 = (gi * GROUP_SLABS + s) * SLAB_ROWS;
+                pack_block(block, format, src, cols, c * CHUNK_K, |r| row_of(slab_row0 + r), k2);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Packs one (slab, chunk) block; `row(r)` maps slab row `r` (0..16) to a source row.
+fn pack_block(
+    block: &mut [u8],
+    format: WeightFormat,
+    src: MatrixSource<'_>,
+    cols: usize,
+    k0: usize,
+    row: impl Fn(usize) -> Option<usize>,
+    k2: i32,
+) {
+    match (format, src) {
+        (WeightFormat::Bf16, MatrixSource::Bf16(w)) => {
+            for lane in 0..32 {
+                for q in 0..4 {
+                    for r in 0..4 {
+                        let mut word = 0u32;
+                        for h in 0..2 {
+                            let (sr, k) = fragment_position(lane, q, r, h);
+                            let v = row(sr).map_or(0, |rr| w[rr * cols + k0 + k]);
+                            word |= (v as u32) << (16 * h);
+                        }
+                        let at = lane * 64 + (4 * q + r) * 4;
+                        block[at..at + 4].copy_from_slice(&word.to_le_bytes());
+                    }
+                }
+            }
+        }
+        (_, MatrixSource::Fp4 { packed, scales }) => {
+            let bsz = format.block_size().expect("fp4 format");
+            let scale_of = |rr: usize, k: usize| scales[rr * (cols / bsz) + k / bsz];
+            // NVFP4 blocks with a zero scale are stored as scale 1.0 with zero codes.
+            let zero_block = |rr: usize, k: usize| format == WeightFormat::Nvfp4 && scale_of(rr, k) & 0x7F == 0;
+            let code = |rr: usize, k: usize| {
+                if zero_block(rr, k) {
+                    return 0u8;
+                }
+                let b = packed[(rr * cols + k) / 2];
+                if k % 2 == 0 {
+                    b & 15
+                } else {
+                    b >> 4
+                }
+            };
+            for lane in 0..32 {
+                for q in 0..4 {
+                    let mut codes = [[0u8; 2]; 4];
+                    for (r, pair) in codes.iter_mut().enumerate() {
+                        for (h, c) in pair.iter_mut().enumerate() {
+                            let (sr, k) = fragment_position(lane, q, r, h);
+                            *c = row(sr).map_or(0, |rr| code(rr, k0 + k));
+                        }
+                    }
+                    let at = lane * 16 + q * 4;
+                    block[at..at + 4].copy_from_slice(&fp4_word(codes).to_le_bytes());
+                }
+            }
+            let sb = &mut block[FP4_CODE_BYTES..];
+            for g in 0..8 {
+                for h in 0..2 {
+                    let rr = row(g + 8 * h);
+                    if format == WeightFormat::Nvfp4 {
+                        for q in 0..4 {
+                            let k = k0 + 16 * q;
+                            sb[8 * g + 2 * q + h] = match rr {
+                                Some(rr) if !zero_block(rr, k) => scale_of(rr, k),
+                                _ => 0x38, // 1.0: padding rows and zero blocks
+                            };
+                        }
+                    } else {
+                        for j in 0..2 {
+                            let k = k0 + 32 * j;
+                            sb[4 * g + 2 * j + h] = match rr {
+                                Some(rr) => (scale_of(rr, k) as i32 + k2) as u8,
+                                None => 128,
+                            };
+                        }
+                    }
+                }
+            }
+        }
+        _ => unreachable!("format and source disagree"),
+    }
+}
+
+/// One expert's source matrix of an expert-stacked projection.
+fn expert_source(p: &ExpertProj, e: usize) -> (MatrixSource<'_>, Option<&[u8]>) {
+    let n = p.rows * p.cols;
+    match &p.data {
+        ProjData::Nvfp4 { packed, scales, .. } => {
+            let s = &scales[e * n / 16..(e + 1) * n / 16];
+            (MatrixSource::Fp4 { packed: &packed[e * n / 2..(e + 1) * n / 2], scales: s }, Some(s))
+        }
+        ProjData::Mxfp4 { packed, scales } => {
+            let s = &scales[e * n / 32..(e + 1) * n / 32];
+            (MatrixSource::Fp4 { packed: &packed[e * n / 2..(e + 1) * n / 2], scales: s }, Some(s))
+        }
+        ProjData::Bf16 { weight } => (MatrixSource::Bf16(bytemuck::cast_slice(&weight[e * n..(e + 1) * n])), None),
+    }
+}
+
+/// The alpha of one projection of expert `e` for exponent offset `k2` (NVFP4: times the global
+/// scale), or an error when it is not a finite f32.
+fn alpha_of(p: &ExpertProj, e: usize, k2: i32) -> Result<f32> {
+    let base = 2f64.powi(126 - k2);
+    let a = match &p.data {
+        ProjData::Nvfp4 { global_scale, .. } => global_scale[e] as f64 * base,
+        _ => base,
+    } as f32;
+    if !a.is_finite() {
+        return Err(MegaError::Input(format!("expert {e}: alpha {a} out of f32 range")));
+    }
+    Ok(a)
+}
+
+/// The exponent offset of one projection of one expert (NVFP4 fixed, MXFP4 chosen per expert).
+fn k2_of(p: &ExpertProj, scales: Option<&[u8]>) -> Option<i32> {
+    match p.format() {
+        WeightFormat::Nvfp4 => Some(NVFP4_K2),
+        WeightFormat::Mxfp4 => mxfp4_k2(scales.unwrap_or(&[])),
+        WeightFormat::Bf16 => Some(126),
+    }
+}
+
+/// Why a layer cannot use the tensor-core layout (`None`: it can).
+pub fn unsupported_reason(w1: &ExpertProj, w2: &ExpertProj, w3: &ExpertProj) -> Option<String> {
+    for (name, p) in [("w1", w1), ("w2", w2), ("w3", w3)] {
+        if !p.cols.is_multiple_of(CHUNK_K) || !p.rows.is_multiple_of(8) {
+            return Some(format!("{name} is [{}, {}]: needs K % {CHUNK_K} == 0 and rows % 8 == 0", p.rows, p.cols));
+        }
+        for e in 0..p.experts {
+            let (_, sc) = expert_source(p, e);
+            if k2_of(p, sc).is_none() {
+                return Some(format!("expert {e} {name}: MXFP4 scales span more than 2^126"));
+            }
+        }
+    }
+    None
+}
+
+/// Packs the L1 matrix of every expert: W1 (gate) and W3 (up) interleaved by slab, `[E][R_pad=2I]`.
+pub fn pack_l1(w1: &ExpertProj, w3: &ExpertProj) -> Result<Packed> {
+    let (e, i, h) = (w1.experts, w1.rows, w1.cols);
+    let format = w1.format();
+    let mut out = Packed { bytes: Vec::with_capacity(e * matrix_bytes(format, 2 * i, h)), alpha: Vec::new() };
+    for x in 0..e {
+        let (g_src, g_sc) = expert_source(w1, x);
+        let (u_src, u_sc) = expert_source(w3, x);
+        let (kg, ku) = (k2_of(w1, g_sc), k2_of(w3, u_sc));
+        let (Some(kg), Some(ku)) = (kg, ku) else {
+            return Err(MegaError::Input(format!("expert {x}: MXFP4 scales span more than 2^126")));
+        };
+        // Gate rows first (slab rows 0..8), then up rows (8..16), each projection with its K2:
+        // pack the gate half and the up half separately, then merge per block.
+        let mut gate = Vec::new();
+        let mut up = Vec::new();
+        let rows = 2 * i;
+        let gate_row = |r: usize| (r < rows && r % 16 < 8).then(|| 8 * (r / 16) + r % 16);
+        let up_row = |r: usize| (r < rows && r % 16 >= 8).then(|| 8 * (r / 16) + r % 16 - 8);
+        pack_matrix(&mut gate, format, g_src, rows, h, &gate_row, kg)?;
+        pack_matrix(&mut up, format, u_src, rows, h, &up_row, ku)?;
+        // Rows of a block belong to gate (0..8) or up (8..16): take each lane's word / scale
+        // bytes from the half that owns the row. Codes of the other half are zero, so an OR
+        // merges the code words; scale bytes are chosen by row.
+        merge_halves(&mut gate, &up, format);
+        out.bytes.extend_from_slice(&gate);
+        out.alpha.push(alpha_of(w1, x, kg)?);
+        out.alpha.push(alpha_of(w3, x, ku)?);
+    }
+    if format == WeightFormat::Bf16 {
+        out.alpha.clear();
+    }
+    Ok(out)
+}
+
+/// Merges the up half (rows 8..16 of every slab) into the gate half (rows 0..8).
+fn merge_halves(gate: &mut [u8], up: &[u8], format: WeightFormat) {
+    let blk = block_bytes(format);
+    for (gb, ub) in gate.chunks_exact_mut(blk).zip(up.chunks_exact(blk)) {
+        match format {
+            WeightFormat::Bf16 => {
+                // Words of rows 8..16 are registers a1 / a3 (r odd): lane * 64 + (4q + r) * 4.
+                for lane in 0..32 {
+                    for q in 0..4 {
+                        for r in [1usize, 3] {
+                            let at = lane * 64 + (4 * q + r) * 4;
+                            gb[at..at + 4].copy_from_slice(&ub[at..at + 4]);
+                        }
+                    }
+                }
+            }
+            _ => {
+                for (g, u) in gb[..FP4_CODE_BYTES].iter_mut().zip(&ub[..FP4_CODE_BYTES]) {
+                    *g |= *u;
+                }
+                let sb = &mut gb[FP4_CODE_BYTES..];
+                let us = &ub[FP4_CODE_BYTES..];
+                // Scale bytes of row g + 8 are those with h = 1: odd offsets in both layouts.
+                for (j, (g, u)) in sb.iter_mut().zip(us).enumerate() {
+                    if j % 2 == 1 {
+                        *g = *u;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Packs the L2 matrix (W2 `[E][H_pad]`) of every expert.
+pub fn pack_l2(w2: &ExpertProj) -> Result<Packed> {
+    let (e, h, i) = (w2.experts, w2.rows, w2.cols);
+    let format = w2.format();
+    let mut out = Packed { bytes: Vec::with_capacity(e * matrix_bytes(format, h, i)), alpha: Vec::new() };
+    for x in 0..e {
+        let (src, sc) = expert_source(w2, x);
+        let Some(k2) = k2_of(w2, sc) else {
+            return Err(MegaError::Input(format!("expert {x}: MXFP4 scales span more than 2^126")));
+        };
+        pack_matrix(&mut out.bytes, format, src, h, i, &|r| (r < h).then_some(r), k2)?;
+        if format != WeightFormat::Bf16 {
+            out.alpha.push(alpha_of(w2, x, k2)?);
+        }
+    }
+    Ok(out)
+}
+
+/// A dense (shared-expert) projection as exact bf16 bits, if it can be: bf16 as is, FP8 when
+/// every 128x128 block multiplier is a power of two whose products stay normal bf16 (DeepSeek-V4's
+/// e8m0 scales); `None` otherwise.
+pub fn dense_as_bf16(p: &DenseProj) -> Option<Vec<u16>> {
+    match &p.data {
+        DenseData::Bf16(w) => Some(bytemuck::cast_slice(w).to_vec()),
+        DenseData::Fp8Block { weight, scale } => {
+            let pow2 = |s: f32| s > 0.0 && s.is_finite() && s.to_bits() & 0x007F_FFFF == 0 && s.is_normal();
+            // e4m3 spans 2^-9 .. 448: keep products inside bf16's normal range.
+            if !scale.iter().all(|&s| pow2(s) && (-110.0..=110.0).contains(&s.log2())) {
+                return None;
+            }
+            let cb = p.cols.div_ceil(128);
+            let mut out = Vec::with_capacity(p.rows * p.cols);
+            for r in 0..p.rows {
+                for c in 0..p.cols {
+                    let v = e4m3::decode(weight[r * p.cols + c]) * scale[(r / 128) * cb + c / 128];
+                    out.push(half::bf16::from_f32(v).to_bits());
+                }
+            }
+            Some(out)
+        }
+    }
+}
+
+/// Packs a dense bf16 matrix `[rows, cols]` (one group) for L1 (`gate`/`up` interleaved by slab)
+/// or L2.
+pub fn pack_dense_l1(gate: &[u16], up: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    let f = WeightFormat::Bf16;
+    let r2 = 2 * rows;
+    let (mut g, mut u) = (Vec::new(), Vec::new());
+    let gate_row = |r: usize| (r < r2 && r % 16 < 8).then(|| 8 * (r / 16) + r % 16);
+    let up_row = |r: usize| (r < r2 && r % 16 >= 8).then(|| 8 * (r / 16) + r % 16 - 8);
+    pack_matrix(&mut g, f, MatrixSource::Bf16(gate), r2, cols, &gate_row, 126)?;
+    pack_matrix(&mut u, f, MatrixSource::Bf16(up), r2, cols, &up_row, 126)?;
+    merge_halves(&mut g, &u, f);
+    Ok(g)
+}
+
+/// Packs a dense bf16 matrix `[rows, cols]` for L2.
+pub fn pack_dense_l2(w: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    pack_matrix(&mut out, WeightFormat::Bf16, MatrixSource::Bf16(w), rows, cols, &|r| (r < rows).then_some(r), 126)?;
+    Ok(out)
+}
+
+/// Pipeline depth of the kernels (`-DTC_STAGES` when the family compiles them).
+pub const STAGES: usize = 4;
+
+/// Dynamic shared memory of instantiation `(nt, spc)` for `format`: [`STAGES`] stages of the 8
+/// weight blocks plus the token tile (`nt` rows x `64 * 8/spc` bf16), then `nt` row indices.
+pub fn smem_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
+    STAGES * (GROUP_SLABS * block_bytes(format) + nt * (GROUP_SLABS / spc) * 128) + nt * 4
+}
+
+/// Token-tile heights (N of the MMA tile, tokens per plan tile) the kernels are built for.
+pub const TOKEN_TILES: [usize; 5] = [8, 16, 32, 64, 128];
+
+/// The smallest slabs-per-CTA of token tile `nt`: a CTA's 8 warps split K into `8 / spc` parts,
+/// and the token tile of one pipeline stage (`nt` rows x `64 * 8/spc` columns) must stay <= 8 KB
+/// (16 KB for nt = 128, which runs with one K part).
+pub fn min_slabs_per_cta(nt: usize) -> usize {
+    (nt / 8).clamp(1, GROUP_SLABS)
+}
+
+/// Every (token tile, slabs per CTA) configuration the kernels are instantiated for.
+pub fn configs() -> impl Iterator<Item = (usize, usize)> {
+    TOKEN_TILES.into_iter().flat_map(|nt| {
+        [1usize, 2, 4, 8].into_iter().filter(move |&s| s >= min_slabs_per_cta(nt)).map(move |s| (nt, s))
+    })
+}
+
+/// The token tile for `expected` rows per active expert: the smallest that holds them (128 at
+/// most; a hot expert simply gets more tiles).
+pub fn choose_token_tile(expected: f64) -> usize {
+    TOKEN_TILES.into_iter().find(|&nt| expected <= nt as f64).unwrap_or(128)
+}
+
+/// Slabs per CTA for a launch whose work is `rows_total` packed rows (over all expected tiles):
+/// the largest (fewest re-reads of the token tile) that still gives every SM two CTAs, else
+/// the smallest allowed (most CTAs).
+pub fn choose_slabs_per_cta(nt: usize, rows_total: usize, sm_count: usize) -> usize {
+    let min = min_slabs_per_cta(nt);
+    [8usize, 4, 2, 1]
+        .into_iter()
+        .filter(|&s| s >= min)
+        .find(|&s| rows_total / (SLAB_ROWS * s) >= 2 * sm_count)
+        .unwrap_or(min)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::e2m1;
+
+    fn bf16_value(bits: u16) -> f64 {
+        half::bf16::from_bits(bits).to_f64()
+    }
+
+    #[test]
+    fn fp4_word_decodes_every_code_in_every_position() {
+        // Each position in turn holds every code while the others hold a fixed pattern.
+        for pos in 0..8 {
+            for code in 0u8..16 {
+                let mut codes = [[0u8; 2]; 4];
+                for (i, pair) in codes.iter_mut().enumerate() {
+                    pair[0] = ((i * 5 + 3) % 16) as u8;
+                    pair[1] = ((i * 7 + 1) % 16) as u8;
+                }
+                codes[pos / 2][pos % 2] = code;
+                let regs = decode_fp4_word(fp4_word(codes));
+                for (r, &reg) in regs.iter().enumerate() {
+                    for h in 0..2 {
+                        let bits = (reg >> (16 * h)) as u16;
+                        let want = e2m1::VALUES[codes[r][h] as usize] as f64;
+                        let got = bf16_value(bits) * 2f64.powi(126);
+                        assert_eq!(got.to_bits(), want.to_bits(), "reg {r} half {h} code {}", codes[r][h]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn word_uses_every_bit_once() {
+        let mut seen = 0u32;
+        for r in 0..4 {
+            for h in 0..2 {
+                for b in 0..4 {
+                    let bit = 1u32 << source_bit(r, h, b);
+                    assert_eq!(seen & bit, 0, "bit used twice");
+                    seen |= bit;
+                }
+            }
+        }
+        assert_eq!(seen, u32::MAX);
+    }
+
+    #[test]
+    fn fragment_positions_cover_the_slab_chunk_once() {
+        let mut hit = vec![0u8; SLAB_ROWS * CHUNK_K];
+        for lane in 0..32 {
+            for q in 0..4 {
+                for r in 0..4 {
+                    for h in 0..2 {
+                        let (row, k) = fragment_position(lane, q, r, h);
+                        hit[row * CHUNK_K + k] += 1;
+                    }
+                }
+            }
+        }
+        assert!(hit.iter().all(|&c| c == 1));
+    }
+
+    #[test]
+    fn mxfp4_k2_keeps_scales_and_products_normal() {
+        assert_eq!(mxfp4_k2(&[127, 120, 125]), Some(126));
+        assert_eq!(mxfp4_k2(&[127, 120, 130]), Some(124));
+        // Tiny scales need a larger offset, huge ones a smaller one.
+        assert_eq!(mxfp4_k2(&[0, 10]), Some(128));
+        assert_eq!(mxfp4_k2(&[250, 254]), Some(0));
+        assert_eq!(mxfp4_k2(&[0, 200]), None);
+        for s in [0u8, 1, 127, 200, 254] {
+            let k = mxfp4_k2(&[s]).unwrap();
+            assert!((128..=254).contains(&(s as i32 + k)));
+        }
+    }
+
+    #[test]
+    fn heuristics() {
+        assert_eq!(choose_token_tile(0.75), 8);
+        assert_eq!(choose_token_tile(9.0), 16);
+        assert_eq!(choose_token_tile(500.0), 128);
+        let all: Vec<_> = configs().collect();
+        assert_eq!(all.len(), 11);
+        assert!(all.contains(&(8, 1)) && all.contains(&(128, 8)) && !all.contains(&(16, 1)));
+        // One expert at T=1 (6144 L1 rows): the most CTAs; many experts: 8 slabs per CTA.
+        assert_eq!(choose_slabs_per_cta(8, 6144, 132), 1);
+        assert_eq!(choose_slabs_per_cta(8, 6 * 6144, 132), 8);
+        assert_eq!(choose_slabs_per_cta(64, 6144, 132), 8);
+    }
+}
