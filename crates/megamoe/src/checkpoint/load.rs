@@ -1,12 +1,11 @@
 //! Loading and validating one MoE layer into a [`MoeLayer`].
 
-use super::layer::{
-    DenseData, DenseProj, ExpertFormat, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert,
-};
+use super::layer::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert};
 use super::naming::Proj;
 use super::Checkpoint;
-use crate::config::{QuantSource, ScoringFunc, WeightQuant};
+use crate::config::{QuantSource, ScoringFunc};
 use crate::error::{MegaError, Result};
+use crate::formats::{e4m3, e8m0, WeightFormat};
 use crate::forward::Mode;
 use half::bf16;
 use rayon::prelude::*;
@@ -58,25 +57,6 @@ fn check_shape(name: &str, got: &[usize], expected: &[usize], why: &str) -> Resu
         Ok(())
     } else {
         Err(MegaError::tensor(name, format!("shape {got:?}, expected {expected:?} ({why})")))
-    }
-}
-
-/// Whether an e4m3 (fn) byte is NaN (S.1111.111).
-fn e4m3_is_nan(b: u8) -> bool {
-    b & 0x7F == 0x7F
-}
-
-/// Whether an e8m0 byte is NaN.
-fn e8m0_is_nan(b: u8) -> bool {
-    b == 0xFF
-}
-
-/// `2^(b-127)` for an e8m0 byte (NaN for 0xFF).
-fn e8m0_value(b: u8) -> f32 {
-    match b {
-        0xFF => f32::NAN,
-        0 => f32::from_bits(0x0040_0000), // 2^-127, an f32 subnormal
-        _ => f32::from_bits((b as u32) << 23),
     }
 }
 
@@ -180,28 +160,26 @@ impl Checkpoint {
 
     /// The routed-expert format of `layer`, as the quantization description declares it for
     /// expert 0's W1 (honouring `exclude_modules`) or, without a description, as its tensors say.
-    pub fn expert_format(&self, layer: usize) -> Result<ExpertFormat> {
+    pub fn expert_format(&self, layer: usize) -> Result<WeightFormat> {
         let module = self.naming().expert_module(layer, 0, Proj::W1);
         if self.quant().source != QuantSource::None {
-            return match self.quant().expert_quant(&module) {
-                WeightQuant::Bf16 => Ok(ExpertFormat::Bf16),
-                WeightQuant::Nvfp4 => Ok(ExpertFormat::Nvfp4),
-                WeightQuant::Mxfp4 => Ok(ExpertFormat::Mxfp4),
-                other => Err(MegaError::Config(format!(
-                    "routed experts (`{module}`) are declared as {other:?}, which megamoe cannot run \
+            let declared = self.quant().expert_quant(&module);
+            return declared.expert_format().ok_or_else(|| {
+                MegaError::Config(format!(
+                    "routed experts (`{module}`) are declared as {declared:?}, which megamoe cannot run \
                      (supported: NVFP4, MXFP4, BF16)"
-                ))),
-            };
+                ))
+            });
         }
         // No description: decide from the tensors.
         let w = format!("{module}.weight");
         let (dt, _) =
             self.store().info(&w).ok_or_else(|| MegaError::tensor(&w, "missing from the checkpoint"))?;
         if self.has(&format!("{module}.weight_scale_2")) {
-            return Ok(ExpertFormat::Nvfp4);
+            return Ok(WeightFormat::Nvfp4);
         }
         match dt {
-            Dtype::BF16 => Ok(ExpertFormat::Bf16),
+            Dtype::BF16 => Ok(WeightFormat::Bf16),
             Dtype::U8 | Dtype::I8 => {
                 for s in ["scale", "weight_scale"] {
                     if let Some((sd, _)) = self.store().info(&format!("{module}.{s}")) {
@@ -210,7 +188,7 @@ impl Checkpoint {
                                 format!("{module}.weight_scale_2"),
                                 "missing: NVFP4 (e4m3 block scales) needs the global scale weight_scale_2",
                             )),
-                            _ => Ok(ExpertFormat::Mxfp4),
+                            _ => Ok(WeightFormat::Mxfp4),
                         };
                     }
                 }
@@ -388,7 +366,7 @@ impl Checkpoint {
         &self,
         layer: usize,
         p: Proj,
-        format: ExpertFormat,
+        format: WeightFormat,
         rows: usize,
         cols: usize,
         opts: &LoadOptions,
@@ -424,19 +402,16 @@ impl Checkpoint {
             }
         };
         // FP4 blocks must tile the input dimension exactly (no partial blocks in these formats).
-        let block = match format {
-            ExpertFormat::Nvfp4 => 16,
-            ExpertFormat::Mxfp4 => 32,
-            ExpertFormat::Bf16 => 1,
-        };
+        let block = format.block_size().unwrap_or(1);
         if !cols.is_multiple_of(block) {
             return Err(MegaError::Config(format!(
                 "layer {layer} {p:?}: input size {cols} is not a multiple of the {format:?} block ({block}); \
                  check hidden_size / moe_intermediate_size in config.json"
             )));
         }
+        let scales_why = format!("one scale per {block} elements, row-major");
         let data = match format {
-            ExpertFormat::Nvfp4 => {
+            WeightFormat::Nvfp4 => {
                 for m in &modules {
                     let w = format!("{m}.weight");
                     let (d, s) = info(&w)?;
@@ -445,7 +420,7 @@ impl Checkpoint {
                     let sc = format!("{m}.weight_scale");
                     let (d, s) = info(&sc)?;
                     check_dtype(&sc, d, &[Dtype::F8_E4M3, Dtype::U8], "NVFP4 e4m3 block scales")?;
-                    check_shape(&sc, &s, &[rows, cols / 16], "one scale per 16 elements, row-major")?;
+                    check_shape(&sc, &s, &[rows, cols / block], &scales_why)?;
                     info(&format!("{m}.weight_scale_2"))?;
                 }
                 let mut global_scale = Vec::with_capacity(e_n);
@@ -486,11 +461,18 @@ impl Checkpoint {
                     None
                 };
                 let scale = |m: &String| format!("{m}.weight_scale");
-                let (packed, scales) =
-                    self.stack_fp4(&modules, rows, cols, 16, &scale, (e4m3_is_nan, "e4m3 scale"), progress)?;
+                let (packed, scales) = self.stack_fp4(
+                    &modules,
+                    rows,
+                    cols,
+                    block,
+                    &scale,
+                    (e4m3::is_nan, "e4m3 scale"),
+                    progress,
+                )?;
                 ProjData::Nvfp4 { packed, scales, global_scale, input_scale }
             }
-            ExpertFormat::Mxfp4 => {
+            WeightFormat::Mxfp4 => {
                 for m in &modules {
                     let w = format!("{m}.weight");
                     let (d, s) = info(&w)?;
@@ -499,20 +481,20 @@ impl Checkpoint {
                     let sc = scale_name(m);
                     let (d, s) = info(&sc)?;
                     check_dtype(&sc, d, &[Dtype::F8_E8M0, Dtype::U8], "MXFP4 e8m0 block scales")?;
-                    check_shape(&sc, &s, &[rows, cols / 32], "one scale per 32 elements, row-major")?;
+                    check_shape(&sc, &s, &[rows, cols / block], &scales_why)?;
                 }
                 let (packed, scales) = self.stack_fp4(
                     &modules,
                     rows,
                     cols,
-                    32,
+                    block,
                     &|m: &String| scale_name(m),
-                    (e8m0_is_nan, "e8m0 scale"),
+                    (e8m0::is_nan, "e8m0 scale"),
                     progress,
                 )?;
                 ProjData::Mxfp4 { packed, scales }
             }
-            ExpertFormat::Bf16 => {
+            WeightFormat::Bf16 => {
                 for m in &modules {
                     let w = format!("{m}.weight");
                     let (d, s) = info(&w)?;
@@ -649,7 +631,7 @@ impl Checkpoint {
                 DenseData::Bf16(w)
             }
             _ => {
-                scan_nan_bytes(&wname, v.data(), cols, e4m3_is_nan, "e4m3 weight")?;
+                scan_nan_bytes(&wname, v.data(), cols, e4m3::is_nan, "e4m3 weight")?;
                 let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
                 let sname = ["scale", "weight_scale_inv", "weight_scale"]
                     .iter()
@@ -671,8 +653,8 @@ impl Checkpoint {
                 check_shape(&sname, sv.shape(), &[br, bc], "[ceil(rows/128), ceil(cols/128)]")?;
                 let scale: Vec<f32> = match sv.dtype() {
                     Dtype::F8_E8M0 | Dtype::U8 => {
-                        scan_nan_bytes(&sname, sv.data(), bc, e8m0_is_nan, "e8m0 scale")?;
-                        sv.data().iter().map(|&b| e8m0_value(b)).collect()
+                        scan_nan_bytes(&sname, sv.data(), bc, e8m0::is_nan, "e8m0 scale")?;
+                        sv.data().iter().map(|&b| e8m0::decode(b)).collect()
                     }
                     _ => {
                         let s = crate::tensor_io::to_f32(&sname, &sv)?.1;
@@ -694,19 +676,5 @@ impl Checkpoint {
             }
         };
         Ok(DenseProj { rows, cols, data })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn e8m0_values() {
-        assert_eq!(e8m0_value(127), 1.0);
-        assert_eq!(e8m0_value(128), 2.0);
-        assert_eq!(e8m0_value(0), 2f32.powi(-127));
-        assert!(e8m0_value(255).is_nan());
-        assert!(e4m3_is_nan(0x7F) && e4m3_is_nan(0xFF) && !e4m3_is_nan(0x7E));
     }
 }
