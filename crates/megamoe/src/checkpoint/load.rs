@@ -10,6 +10,7 @@ use crate::forward::Mode;
 use half::bf16;
 use rayon::prelude::*;
 use safetensors::Dtype;
+use std::ops::Range;
 
 /// Options of [`Checkpoint::load_layer_with`].
 #[derive(Clone, Debug, Default)]
@@ -17,8 +18,8 @@ pub struct LoadOptions {
     /// Treat a missing or invalid NVFP4 `input_scale` as an error (W4A4 needs it); otherwise it is
     /// a warning and the layer's `input_scale` is `None`.
     pub require_input_scale: bool,
-    /// Show a progress bar: `Some(true)` always, `Some(false)` never, `None` when the layer has
-    /// many experts (>= 64).
+    /// Show a progress bar: `Some(true)` always, `Some(false)` never, `None` when many experts
+    /// (>= 64) are loaded.
     pub progress: Option<bool>,
 }
 
@@ -91,6 +92,23 @@ pub(crate) fn scan_nan_bytes(
     }
 }
 
+/// The routed experts a range load asks for must be a non-empty `start..end` with `end <= E`.
+fn check_expert_range(layer: usize, experts: &Range<usize>, e: usize) -> Result<()> {
+    let problem = if experts.start > experts.end {
+        "is reversed"
+    } else if experts.is_empty() {
+        "is empty"
+    } else if experts.end > e {
+        "goes beyond the layer's routed experts"
+    } else {
+        return Ok(());
+    };
+    Err(MegaError::Input(format!(
+        "layer {layer}: expert range {experts:?} {problem}; expected start..end with \
+         start < end <= E = {e} (n_routed_experts)"
+    )))
+}
+
 /// A scalar f32 (shape `[]` or `[1]`, dtype F32/BF16/F16).
 fn scalar_f32(ck: &Checkpoint, name: &str) -> Result<f32> {
     let v = ck.tensor(name)?;
@@ -148,9 +166,20 @@ impl Progress {
 }
 
 impl Checkpoint {
-    /// Loads layer `layer` with default options (`input_scale` optional).
+    /// Loads layer `layer` whole (every routed expert `0..E`) with default options
+    /// (`input_scale` optional).
     pub fn load_layer(&self, layer: usize) -> Result<LoadedLayer> {
-        self.load_layer_with(layer, &LoadOptions::default())
+        self.load_layer_experts(layer, 0..self.config().n_routed_experts)
+    }
+
+    /// Loads the routed experts `experts` (global ids, a rank's contiguous range) of layer
+    /// `layer`, with the router and the shared expert whole, and default options. Only those
+    /// experts' tensors are read and host memory is proportional to the range; the result has
+    /// `expert_range == experts` and expert tensors of `experts.len()` experts. An empty or
+    /// reversed range, or one beyond `n_routed_experts`, is an error naming the layer, the range
+    /// and E.
+    pub fn load_layer_experts(&self, layer: usize, experts: Range<usize>) -> Result<LoadedLayer> {
+        self.load_layer_experts_with(layer, experts, &LoadOptions::default())
     }
 
     /// Loads layer `layer` for a forward in `mode` (W4A4 requires valid `input_scale`s).
@@ -161,7 +190,13 @@ impl Checkpoint {
     /// The routed-expert format of `layer`, as the quantization description declares it for
     /// expert 0's W1 (honouring `exclude_modules`) or, without a description, as its tensors say.
     pub fn expert_format(&self, layer: usize) -> Result<WeightFormat> {
-        let module = self.naming().expert_module(layer, 0, Proj::W1);
+        self.expert_format_at(layer, 0)
+    }
+
+    /// [`Checkpoint::expert_format`] as expert `expert`'s W1 declares it (a range load asks the
+    /// first expert it reads, so it touches no tensor outside its range).
+    fn expert_format_at(&self, layer: usize, expert: usize) -> Result<WeightFormat> {
+        let module = self.naming().expert_module(layer, expert, Proj::W1);
         if self.quant().source != QuantSource::None {
             let declared = self.quant().expert_quant(&module);
             return declared.expert_format().ok_or_else(|| {
@@ -205,8 +240,21 @@ impl Checkpoint {
         }
     }
 
-    /// Loads and validates layer `layer` into one host copy (see the module docs for the checks).
+    /// Loads and validates layer `layer` whole into one host copy (see the module docs for the
+    /// checks).
     pub fn load_layer_with(&self, layer: usize, opts: &LoadOptions) -> Result<LoadedLayer> {
+        self.load_layer_experts_with(layer, 0..self.config().n_routed_experts, opts)
+    }
+
+    /// [`Checkpoint::load_layer_experts`] with options: loads and validates the routed experts
+    /// `experts` of layer `layer` (router and shared expert whole), ending with
+    /// [`MoeLayer::validate`].
+    pub fn load_layer_experts_with(
+        &self,
+        layer: usize,
+        experts: Range<usize>,
+        opts: &LoadOptions,
+    ) -> Result<LoadedLayer> {
         let layers = self.moe_layers();
         if !layers.contains(&layer) {
             return Err(MegaError::Input(format!(
@@ -215,26 +263,28 @@ impl Checkpoint {
             )));
         }
         let cfg = self.config().clone();
+        check_expert_range(layer, &experts, cfg.n_routed_experts)?;
         let mut warnings = Vec::new();
         let router = self.load_router(layer, &mut warnings)?;
-        let format = self.expert_format(layer)?;
+        let format = self.expert_format_at(layer, experts.start)?;
         self.check_expert_set(layer)?;
-        let show = opts.progress.unwrap_or(cfg.n_routed_experts >= 64);
-        let progress = Progress::new(show, 3 * cfg.n_routed_experts as u64, layer);
+        let show = opts.progress.unwrap_or(experts.len() >= 64);
+        let progress = Progress::new(show, 3 * experts.len() as u64, layer);
         let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
-        let w1 = self.load_proj(layer, Proj::W1, format, i, h, opts, &mut warnings, &progress);
+        let ex = &experts;
+        let w1 = self.load_proj(layer, ex, Proj::W1, format, i, h, opts, &mut warnings, &progress);
         let w2 = w1.and_then(|w1| {
-            Ok((w1, self.load_proj(layer, Proj::W2, format, h, i, opts, &mut warnings, &progress)?))
+            Ok((w1, self.load_proj(layer, ex, Proj::W2, format, h, i, opts, &mut warnings, &progress)?))
         });
         let w3 = w2.and_then(|(w1, w2)| {
-            Ok((w1, w2, self.load_proj(layer, Proj::W3, format, i, h, opts, &mut warnings, &progress)?))
+            Ok((w1, w2, self.load_proj(layer, ex, Proj::W3, format, i, h, opts, &mut warnings, &progress)?))
         });
         progress.finish();
         let (w1, w2, w3) = w3?;
         if let (ProjData::Nvfp4 { global_scale: g1, .. }, ProjData::Nvfp4 { global_scale: g3, .. }) =
             (&w1.data, &w3.data)
         {
-            self.warn_w13_mismatch(layer, g1, g3, &mut warnings);
+            self.warn_w13_mismatch(layer, experts.start, g1, g3, &mut warnings);
         }
         if let (
             ProjData::Nvfp4 { input_scale: Some(s1), .. },
@@ -243,29 +293,21 @@ impl Checkpoint {
         {
             if let Some(e) = s1.iter().zip(s3).position(|(a, b)| a != b) {
                 warnings.push(format!(
-                    "layer {layer}: W1 and W3 input_scale differ (first: expert {e}, {} vs {}); W4A4 quantizes \
+                    "layer {layer}: W1 and W3 input_scale differ (first: expert {}, {} vs {}); W4A4 quantizes \
                      the shared L1 input with W1's",
-                    s1[e], s3[e]
+                    experts.start + e,
+                    s1[e],
+                    s3[e]
                 ));
             }
         }
         let shared = self.load_shared(layer)?;
+        let layer = MoeLayer { index: layer, expert_range: experts, config: cfg, router, w1, w2, w3, shared };
+        layer.validate()?;
         for w in &warnings {
             tracing::warn!("{w}");
         }
-        Ok(LoadedLayer {
-            layer: MoeLayer {
-                index: layer,
-                expert_range: 0..cfg.n_routed_experts,
-                config: cfg,
-                router,
-                w1,
-                w2,
-                w3,
-                shared,
-            },
-            warnings,
-        })
+        Ok(LoadedLayer { layer, warnings })
     }
 
     fn load_router(&self, layer: usize, warnings: &mut Vec<String>) -> Result<RouterWeights> {
@@ -361,10 +403,12 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// One projection of the routed experts `experts` (global ids), stacked in range order.
     #[allow(clippy::too_many_arguments)]
     fn load_proj(
         &self,
         layer: usize,
+        experts: &Range<usize>,
         p: Proj,
         format: WeightFormat,
         rows: usize,
@@ -373,9 +417,9 @@ impl Checkpoint {
         warnings: &mut Vec<String>,
         progress: &Progress,
     ) -> Result<ExpertProj> {
-        let e_n = self.config().n_routed_experts;
+        let e_n = experts.len();
         let n = self.naming();
-        let modules: Vec<String> = (0..e_n).map(|e| n.expert_module(layer, e, p)).collect();
+        let modules: Vec<String> = experts.clone().map(|e| n.expert_module(layer, e, p)).collect();
         let why_w = if p == Proj::W2 {
             "[hidden_size, moe_intermediate_size] from config.json"
         } else {
@@ -560,13 +604,22 @@ impl Checkpoint {
         Ok((packed, scales))
     }
 
-    fn warn_w13_mismatch(&self, layer: usize, g1: &[f32], g3: &[f32], warnings: &mut Vec<String>) {
+    /// Warns about experts (global ids; `g1[0]` is expert `first`) whose W1 and W3 global scales
+    /// differ.
+    fn warn_w13_mismatch(
+        &self,
+        layer: usize,
+        first: usize,
+        g1: &[f32],
+        g3: &[f32],
+        warnings: &mut Vec<String>,
+    ) {
         let diff: Vec<(usize, f32)> = g1
             .iter()
             .zip(g3)
             .enumerate()
             .filter(|(_, (a, b))| a != b)
-            .map(|(e, (a, b))| (e, b / a))
+            .map(|(e, (a, b))| (first + e, b / a))
             .collect();
         if diff.is_empty() {
             return;
