@@ -1,7 +1,7 @@
 //! The MoE block's hyper-parameters, read from a checkpoint's `config.json`.
 
-use crate::checkpoint::layer::ExpertFormat;
 use crate::error::{MegaError, Result};
+use crate::formats::{nvfp4, WeightFormat};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
@@ -240,11 +240,11 @@ pub enum WeightQuant {
 
 impl WeightQuant {
     /// The routed-expert format this corresponds to, if any.
-    pub fn expert_format(&self) -> Option<ExpertFormat> {
+    pub fn expert_format(&self) -> Option<WeightFormat> {
         match self {
-            WeightQuant::Bf16 => Some(ExpertFormat::Bf16),
-            WeightQuant::Nvfp4 => Some(ExpertFormat::Nvfp4),
-            WeightQuant::Mxfp4 => Some(ExpertFormat::Mxfp4),
+            WeightQuant::Bf16 => Some(WeightFormat::Bf16),
+            WeightQuant::Nvfp4 => Some(WeightFormat::Nvfp4),
+            WeightQuant::Mxfp4 => Some(WeightFormat::Mxfp4),
             _ => None,
         }
     }
@@ -358,10 +358,11 @@ impl QuantConfig {
                 (w.clone(), w)
             }
         };
-        if experts == WeightQuant::Nvfp4 && group_size.is_some_and(|g| g != 16) {
+        if experts == WeightQuant::Nvfp4 && group_size.is_some_and(|g| g != nvfp4::BLOCK) {
             return Err(MegaError::Config(format!(
-                "{file}: NVFP4 with group_size {}, expected 16",
-                group_size.unwrap_or(0)
+                "{file}: NVFP4 with group_size {}, expected {}",
+                group_size.unwrap_or(0),
+                nvfp4::BLOCK
             )));
         }
         let mut exclude_modules = Vec::new();

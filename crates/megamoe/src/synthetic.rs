@@ -2,10 +2,9 @@
 //! and tests. FP4 codes and scales are drawn directly (no BF16 original, no quantization pass), so
 //! even a whole V4-Pro layer (384 experts) is generated in seconds.
 
-use crate::checkpoint::{
-    DenseData, DenseProj, ExpertFormat, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert,
-};
+use crate::checkpoint::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert};
 use crate::config::{MoeConfig, ScoringFunc};
+use crate::formats::WeightFormat;
 use half::bf16;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
@@ -77,7 +76,7 @@ fn e4m3_scale_byte(r: &mut Rng64) -> u8 {
 
 /// One projection of `experts` experts, `rows x cols`, with `|w| ~ 1/sqrt(cols)`.
 fn random_proj(
-    format: ExpertFormat,
+    format: WeightFormat,
     experts: usize,
     rows: usize,
     cols: usize,
@@ -85,11 +84,13 @@ fn random_proj(
     stream: u64,
 ) -> ExpertProj {
     let per = rows * cols;
+    // Block scales per expert matrix (unused for BF16).
+    let sc = per / format.block_size().unwrap_or(1);
     let data = match format {
-        ExpertFormat::Nvfp4 => {
+        WeightFormat::Nvfp4 => {
             let mut packed = vec![0u8; experts * per / 2];
-            let mut scales = vec![0u8; experts * per / 16];
-            packed.par_chunks_mut(per / 2).zip(scales.par_chunks_mut(per / 16)).enumerate().for_each(
+            let mut scales = vec![0u8; experts * sc];
+            packed.par_chunks_mut(per / 2).zip(scales.par_chunks_mut(sc)).enumerate().for_each(
                 |(e, (p, s))| {
                     let mut r = rng(seed, stream * 1_000_003 + e as u64);
                     r.fill_bytes(p);
@@ -107,11 +108,11 @@ fn random_proj(
             let input_scale = Some(vec![amax / 2688.0; experts]);
             ProjData::Nvfp4 { packed, scales, global_scale, input_scale }
         }
-        ExpertFormat::Mxfp4 => {
+        WeightFormat::Mxfp4 => {
             let mut packed = vec![0u8; experts * per / 2];
-            let mut scales = vec![0u8; experts * per / 32];
+            let mut scales = vec![0u8; experts * sc];
             let base = 127 - (2.3 * (cols as f32).sqrt()).log2().round() as i32;
-            packed.par_chunks_mut(per / 2).zip(scales.par_chunks_mut(per / 32)).enumerate().for_each(
+            packed.par_chunks_mut(per / 2).zip(scales.par_chunks_mut(sc)).enumerate().for_each(
                 |(e, (p, s))| {
                     let mut r = rng(seed, stream * 1_000_003 + e as u64);
                     r.fill_bytes(p);
@@ -120,7 +121,7 @@ fn random_proj(
             );
             ProjData::Mxfp4 { packed, scales }
         }
-        ExpertFormat::Bf16 => {
+        WeightFormat::Bf16 => {
             let mut weight = vec![bf16::ZERO; experts * per];
             let std = 1.0 / (cols as f32).sqrt();
             weight.par_chunks_mut(per).enumerate().for_each(|(e, w)| {
@@ -144,7 +145,7 @@ fn random_dense(rows: usize, cols: usize, seed: u64, stream: u64) -> DenseProj {
 /// `cfg.vocab_size` tokens) instead of a score bias. The same arguments give the same layer.
 pub fn random_layer(
     cfg: &MoeConfig,
-    format: ExpertFormat,
+    format: WeightFormat,
     layer_index: usize,
     hash: bool,
     seed: u64,
@@ -254,14 +255,14 @@ mod tests {
     #[test]
     fn layers_are_reproducible_and_well_formed() {
         let cfg = tiny_config();
-        for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4, ExpertFormat::Bf16] {
+        for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4, WeightFormat::Bf16] {
             let a = random_layer(&cfg, format, 0, true, 5);
             let b = random_layer(&cfg, format, 0, true, 5);
             assert_eq!(format!("{:?}", a.w2.data), format!("{:?}", b.w2.data));
             assert_eq!(a.format(), format);
             distinct_in_range(a.router.tid2eid.as_ref().unwrap(), 4, 0, 16);
         }
-        let l = random_layer(&cfg, ExpertFormat::Nvfp4, 1, false, 5);
+        let l = random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 5);
         if let ProjData::Nvfp4 { scales, .. } = &l.w1.data {
             assert!(scales.iter().all(|&s| s & 0x7F != 0x7F), "NaN scale drawn");
         }
@@ -270,10 +271,10 @@ mod tests {
     #[test]
     fn skew_keeps_hash_ids_distinct_and_empties_experts() {
         let cfg = tiny_config();
-        let mut l = random_layer(&cfg, ExpertFormat::Nvfp4, 0, true, 9);
+        let mut l = random_layer(&cfg, WeightFormat::Nvfp4, 0, true, 9);
         skew_routing(&mut l, 2, 3);
         distinct_in_range(l.router.tid2eid.as_ref().unwrap(), 4, 0, 13);
-        let mut s = random_layer(&cfg, ExpertFormat::Nvfp4, 1, false, 9);
+        let mut s = random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 9);
         skew_routing(&mut s, 2, 3);
         assert!(s.router.bias.as_ref().unwrap()[13..].iter().all(|&b| b == -100.0));
     }

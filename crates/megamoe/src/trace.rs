@@ -2,6 +2,12 @@
 //!
 //! Every stage has one canonical layout, independent of how a backend orders its work:
 //! per-slot tensors are indexed by `slot = t*k + j` (token-major), never by plan row.
+//!
+//! On a layer that holds only a range of experts (expert parallelism), the reference records
+//! zeros in the per-slot stages for slots routed outside the range, keeps [`Stage::PlanCounts`]
+//! `[E]` by global id (zero outside the range) and shows in [`Stage::InputQuant`] the input of
+//! each token's first slot inside the range (zeros for a token with none); see
+//! [`crate::reference::forward_detailed`].
 
 /// The stages of a forward, in pipeline order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]

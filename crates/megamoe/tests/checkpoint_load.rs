@@ -2,8 +2,9 @@
 //! one-layer extracts, HF naming, exclude_modules, FP8 shared experts, W1/W3 scale mismatch.
 
 use megamoe::checkpoint::writer::{read_checkpoint_dir, write_checkpoint};
-use megamoe::checkpoint::{Checkpoint, DenseData, ExpertFormat, LoadOptions, MoeLayer, Naming, ProjData};
+use megamoe::checkpoint::{Checkpoint, DenseData, LoadOptions, MoeLayer, Naming, ProjData};
 use megamoe::config::{QuantSource, WeightQuant};
+use megamoe::formats::WeightFormat;
 use megamoe::tensor_io::OwnedTensor;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;
@@ -25,7 +26,7 @@ fn f32_scalar(st: &SafeTensors<'_>, name: &str) -> f32 {
 
 #[test]
 fn fixtures_load_every_layer_with_the_files_bytes() {
-    for (name, fmt) in [("nvfp4-tiny", ExpertFormat::Nvfp4), ("mxfp4-tiny", ExpertFormat::Mxfp4)] {
+    for (name, fmt) in [("nvfp4-tiny", WeightFormat::Nvfp4), ("mxfp4-tiny", WeightFormat::Mxfp4)] {
         let dir = fixture(name);
         let ck = Checkpoint::open(&dir).unwrap();
         assert_eq!(ck.naming(), Naming::DeepSeekV4);
@@ -37,7 +38,7 @@ fn fixtures_load_every_layer_with_the_files_bytes() {
         for l in [0usize, 1] {
             let loaded = ck.load_layer(l).unwrap();
             // ModelOpt quantized W1 and W3 separately: their global scales differ (a warning), nothing else.
-            if fmt == ExpertFormat::Nvfp4 {
+            if fmt == WeightFormat::Nvfp4 {
                 assert_eq!(loaded.warnings.len(), 1, "{name} layer {l}: {:?}", loaded.warnings);
                 assert!(loaded.warnings[0].contains("w3/w1"));
             } else {
@@ -252,9 +253,9 @@ fn exclude_modules_make_experts_bf16() {
         q["quantization"]["exclude_modules"].as_array_mut().unwrap().push("layers.1.ffn.experts.*".into());
     });
     let ck = Checkpoint::open(dir.path()).unwrap();
-    assert_eq!(ck.load_layer(0).unwrap().layer.format(), ExpertFormat::Nvfp4);
+    assert_eq!(ck.load_layer(0).unwrap().layer.format(), WeightFormat::Nvfp4);
     let l1 = ck.load_layer(1).unwrap().layer;
-    assert_eq!(l1.format(), ExpertFormat::Bf16);
+    assert_eq!(l1.format(), WeightFormat::Bf16);
     let ProjData::Bf16 { weight } = &l1.w2.data else { panic!() };
     assert_eq!(weight[256 * 128 * 5 + 3].to_f32(), ((3 + 5) % 7) as f32 * 0.125 - 0.375);
 
@@ -322,7 +323,7 @@ fn load_options_for_modes() {
 fn synthetic_layers_round_trip_through_the_writer() {
     use megamoe::checkpoint::writer::write_layers;
     let cfg = megamoe::synthetic::tiny_config();
-    for fmt in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4, ExpertFormat::Bf16] {
+    for fmt in [WeightFormat::Nvfp4, WeightFormat::Mxfp4, WeightFormat::Bf16] {
         for (naming, shards) in [(Naming::DeepSeekV4, 1), (Naming::Hf, 3)] {
             let layers = [
                 megamoe::synthetic::random_layer(&cfg, fmt, 0, true, 5),

@@ -9,7 +9,8 @@
 use half::bf16;
 use megamoe::backend::cuda::CudaEngine;
 use megamoe::backend::MoeEngine;
-use megamoe::checkpoint::{ExpertFormat, MoeLayer, ProjData};
+use megamoe::checkpoint::{MoeLayer, ProjData};
+use megamoe::formats::WeightFormat;
 use megamoe::forward::{ForwardInput, Mode};
 use megamoe::synthetic;
 use megamoe::trace::{Stage, StageTrace};
@@ -251,7 +252,7 @@ fn tol(mode: Mode) -> f64 {
     }
 }
 
-fn check_case(format: ExpertFormat, hash: bool, skew: bool, tokens: &[usize], seed: u64) {
+fn check_case(format: WeightFormat, hash: bool, skew: bool, tokens: &[usize], seed: u64) {
     let mut layer = synthetic::random_layer(&synthetic::tiny_config(), format, 0, hash, seed);
     if skew {
         synthetic::skew_routing(&mut layer, 2, 4);
@@ -265,7 +266,7 @@ fn check_case(format: ExpertFormat, hash: bool, skew: bool, tokens: &[usize], se
         let input = ForwardInput { x: &x, input_ids: Some(&ids) };
         let (rid, rw, margin) = host_router(&layer, &x, Some(&ids));
         for mode in Mode::ALL {
-            if mode == Mode::W4A4 && format != ExpertFormat::Nvfp4 {
+            if mode == Mode::W4A4 && format != WeightFormat::Nvfp4 {
                 assert!(eng.forward(&input, mode, None).is_err(), "W4A4 on {format:?} must be an error");
                 continue;
             }
@@ -299,24 +300,24 @@ fn check_case(format: ExpertFormat, hash: bool, skew: bool, tokens: &[usize], se
 
 #[test]
 fn nvfp4_all_modes_match_host_model() {
-    check_case(ExpertFormat::Nvfp4, false, false, &[1, 17, 129], 11);
+    check_case(WeightFormat::Nvfp4, false, false, &[1, 17, 129], 11);
 }
 
 #[test]
 fn mxfp4_and_bf16_match_host_model() {
-    check_case(ExpertFormat::Mxfp4, false, true, &[3, 64], 12);
-    check_case(ExpertFormat::Bf16, false, false, &[5, 33], 13);
+    check_case(WeightFormat::Mxfp4, false, true, &[3, 64], 12);
+    check_case(WeightFormat::Bf16, false, false, &[5, 33], 13);
 }
 
 #[test]
 fn hash_layer_and_skewed_routing() {
-    check_case(ExpertFormat::Nvfp4, true, true, &[2, 100], 14);
+    check_case(WeightFormat::Nvfp4, true, true, &[2, 100], 14);
 }
 
 #[test]
 fn repeat_runs_and_graph_replay_are_bitwise_identical() {
     let layer =
-        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 21));
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 21));
     let Some(mut eng) = engine(&layer, 300) else { return };
     let x = synthetic::random_hidden(257, 256, 5);
     let input = ForwardInput { x: &x, input_ids: None };
@@ -344,7 +345,7 @@ fn repeat_runs_and_graph_replay_are_bitwise_identical() {
 #[test]
 fn nan_rows_route_in_range_and_bad_input_is_an_error() {
     let layer =
-        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Mxfp4, 1, false, 31));
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Mxfp4, 1, false, 31));
     let Some(mut eng) = engine(&layer, 8) else { return };
     let mut x = synthetic::random_hidden(4, 256, 9);
     x[256 + 3] = bf16::NAN;
@@ -362,7 +363,7 @@ fn nan_rows_route_in_range_and_bad_input_is_an_error() {
     let big = synthetic::random_hidden(9, 256, 1);
     assert!(eng.forward(&ForwardInput { x: &big, input_ids: None }, Mode::W4A16, None).is_err());
     assert!(eng.forward(&ForwardInput { x: &big[..100], input_ids: None }, Mode::W4A16, None).is_err());
-    let hl = Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 0, true, 3));
+    let hl = Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 0, true, 3));
     let mut he = engine(&hl, 4).unwrap();
     let x4 = synthetic::random_hidden(4, 256, 2);
     assert!(he.forward(&ForwardInput { x: &x4, input_ids: None }, Mode::W4A16, None).is_err());
@@ -373,7 +374,7 @@ fn nan_rows_route_in_range_and_bad_input_is_an_error() {
 #[test]
 fn trace_records_every_stage_in_canonical_layout() {
     let layer =
-        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 41));
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 41));
     let Some(mut eng) = engine(&layer, 16) else { return };
     let x = synthetic::random_hidden(7, 256, 3);
     let mut tr = StageTrace::default();
@@ -414,7 +415,7 @@ fn rel_l2_finite(a: &[f32], b: &[f32]) -> f64 {
 fn nan_and_inf_tokens_match_the_cpu_reference_in_every_mode() {
     // H = 256 and I = 128 are multiples of 128 (W4A8); NVFP4 with input scales (W4A4); shared expert.
     let layer =
-        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 51));
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 51));
     let Some(mut eng) = engine(&layer, 8) else { return };
     let (t, h, k) = (5, 256, 4);
     let mut x = synthetic::random_hidden(t, h, 17);
@@ -470,7 +471,7 @@ fn nan_and_inf_tokens_match_the_cpu_reference_in_every_mode() {
 fn all_zero_routing_scores_keep_zero_weights_as_the_cpu() {
     // Hash layer: the experts are fixed by tid2eid whatever their score. Router logits of about
     // -25600 make every score exactly 0, so the renormalisation sum is 0 (no 0/0 = NaN).
-    let mut layer = synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 0, true, 61);
+    let mut layer = synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 0, true, 61);
     layer.router.weight.iter_mut().for_each(|w| *w = -1.0);
     let layer = Arc::new(layer);
     let Some(mut eng) = engine(&layer, 4) else { return };
@@ -498,7 +499,7 @@ fn creation_error(layer: MoeLayer) -> String {
 #[test]
 fn engine_rejects_nan_scale_bytes_and_non_finite_global_scales() {
     let cfg = synthetic::tiny_config();
-    let nv = synthetic::random_layer(&cfg, ExpertFormat::Nvfp4, 1, false, 71);
+    let nv = synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 71);
     // e4m3 NaN (0x7F / 0xFF) in expert 3's w2 block scales.
     for byte in [0x7Fu8, 0xFF] {
         let mut l = nv.clone();
@@ -520,7 +521,7 @@ fn engine_rejects_nan_scale_bytes_and_non_finite_global_scales() {
         assert!(e.contains("layers.1.ffn.experts.2.w1.weight_scale_2"), "{e}");
     }
     // e8m0 NaN (0xFF) in expert 5's w3 scales.
-    let mut mx = synthetic::random_layer(&cfg, ExpertFormat::Mxfp4, 1, false, 72);
+    let mut mx = synthetic::random_layer(&cfg, WeightFormat::Mxfp4, 1, false, 72);
     if let ProjData::Mxfp4 { scales, .. } = &mut mx.w3.data {
         let per = scales.len() / 16;
         scales[5 * per] = 0xFF;
@@ -540,7 +541,7 @@ fn engine_rejects_nan_scale_bytes_and_non_finite_global_scales() {
 #[test]
 fn gemv_decode_path_matches_the_cpu_reference_at_t1_to_8() {
     use megamoe::backend::gpu_layout;
-    for (fi, format) in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4, ExpertFormat::Bf16].into_iter().enumerate()
+    for (fi, format) in [WeightFormat::Nvfp4, WeightFormat::Mxfp4, WeightFormat::Bf16].into_iter().enumerate()
     {
         let layer =
             Arc::new(synthetic::random_layer(&synthetic::tiny_config(), format, 1, false, 61 + fi as u64));
@@ -553,7 +554,7 @@ fn gemv_decode_path_matches_the_cpu_reference_at_t1_to_8() {
             let x = synthetic::random_hidden(t, h, 300 + t as u64);
             let input = ForwardInput { x: &x, input_ids: None };
             for mode in Mode::ALL {
-                if mode == Mode::W4A4 && format != ExpertFormat::Nvfp4 {
+                if mode == Mode::W4A4 && format != WeightFormat::Nvfp4 {
                     continue;
                 }
                 eng.poison(0xFF).unwrap();

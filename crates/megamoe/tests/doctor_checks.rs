@@ -3,9 +3,10 @@
 //! must give no error.
 
 use megamoe::checkpoint::writer::{read_checkpoint_dir, write_checkpoint, write_layers};
-use megamoe::checkpoint::{Checkpoint, ExpertFormat, Naming};
+use megamoe::checkpoint::{Checkpoint, Naming};
 use megamoe::diagnostics::doctor::{codes, examine, unreadable, DoctorOptions};
 use megamoe::diagnostics::{Report, Severity};
+use megamoe::formats::WeightFormat;
 use megamoe::tensor_io::OwnedTensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -158,7 +159,7 @@ fn padded_scale_shape() {
     cfg.moe_intermediate_size = 96;
     cfg.n_routed_experts = 8;
     let layers: Vec<_> = (0..2)
-        .map(|l| megamoe::synthetic::random_layer(&cfg, ExpertFormat::Nvfp4, l, l == 0, 7 + l as u64))
+        .map(|l| megamoe::synthetic::random_layer(&cfg, WeightFormat::Nvfp4, l, l == 0, 7 + l as u64))
         .collect();
     let dir = tempfile::tempdir().unwrap();
     write_layers(dir.path(), &layers, Naming::DeepSeekV4, 1).unwrap();

@@ -3,7 +3,8 @@
 
 use half::bf16;
 use megamoe::backend::{create_engine, BackendKind};
-use megamoe::checkpoint::{ExpertFormat, MoeLayer, ProjData};
+use megamoe::checkpoint::{MoeLayer, ProjData};
+use megamoe::formats::WeightFormat;
 use megamoe::forward::{ForwardInput, Mode};
 use megamoe::reference::{self, float64};
 use megamoe::synthetic::{random_hidden, random_input_ids, random_layer, tiny_config};
@@ -27,7 +28,7 @@ fn fwd(
 
 #[test]
 fn fp32_matches_float64_for_every_format() {
-    for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4, ExpertFormat::Bf16] {
+    for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4, WeightFormat::Bf16] {
         for hash in [false, true] {
             let layer = random_layer(&tiny_config(), format, usize::from(!hash), hash, 11);
             let x = random_hidden(19, 256, 3);
@@ -54,7 +55,7 @@ fn quantized_modes_stay_close_to_w4a16() {
     let mut cfg = tiny_config();
     cfg.hidden_size = 256;
     cfg.moe_intermediate_size = 256;
-    let mut layer = random_layer(&cfg, ExpertFormat::Nvfp4, 1, false, 12);
+    let mut layer = random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 12);
     // Calibrate W2's activation global scale to this layer's activations (amax ~ 20 here).
     if let ProjData::Nvfp4 { input_scale: Some(s), .. } = &mut layer.w2.data {
         s.iter_mut().for_each(|v| *v = 20.0 / (6.0 * 448.0));
@@ -75,25 +76,25 @@ fn mode_errors_are_clear() {
     // W4A8 needs multiples of 128.
     let mut cfg = tiny_config();
     cfg.moe_intermediate_size = 96;
-    let layer = random_layer(&cfg, ExpertFormat::Nvfp4, 1, false, 1);
+    let layer = random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 1);
     let x = random_hidden(2, 256, 1);
     let err = fwd(&layer, &x, None, Mode::W4A8).unwrap_err().to_string();
     assert!(err.contains("w4a8") && err.contains("128"), "{err}");
     assert!(fwd(&layer, &x, None, Mode::W4A16).is_ok());
 
     // W4A4 needs NVFP4 experts...
-    let mx = random_layer(&tiny_config(), ExpertFormat::Mxfp4, 1, false, 1);
+    let mx = random_layer(&tiny_config(), WeightFormat::Mxfp4, 1, false, 1);
     let err = fwd(&mx, &x, None, Mode::W4A4).unwrap_err().to_string();
     assert!(err.contains("w4a4") && err.contains("Mxfp4"), "{err}");
     // ...with an input_scale...
-    let mut nv = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 1, false, 1);
+    let mut nv = random_layer(&tiny_config(), WeightFormat::Nvfp4, 1, false, 1);
     if let ProjData::Nvfp4 { input_scale, .. } = &mut nv.w2.data {
         *input_scale = None;
     }
     let err = fwd(&nv, &x, None, Mode::W4A4).unwrap_err().to_string();
     assert!(err.contains("w2.input_scale") && err.contains("missing"), "{err}");
     // ...that is positive and finite (0 would mean an infinite scale and NaN outputs).
-    let mut nv = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 1, false, 1);
+    let mut nv = random_layer(&tiny_config(), WeightFormat::Nvfp4, 1, false, 1);
     if let ProjData::Nvfp4 { input_scale: Some(s), .. } = &mut nv.w1.data {
         s[5] = 0.0;
     }
@@ -104,14 +105,14 @@ fn mode_errors_are_clear() {
 #[test]
 fn malformed_layers_and_inputs_are_errors_not_panics() {
     let x = random_hidden(2, 256, 1);
-    let mut layer = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 1, false, 1);
+    let mut layer = random_layer(&tiny_config(), WeightFormat::Nvfp4, 1, false, 1);
     if let ProjData::Nvfp4 { scales, .. } = &mut layer.w3.data {
         scales.pop();
     }
     let err = fwd(&layer, &x, None, Mode::W4A16).unwrap_err().to_string();
     assert!(err.contains("w3") && err.contains("weight_scale"), "{err}");
 
-    let layer = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 1, false, 1);
+    let layer = random_layer(&tiny_config(), WeightFormat::Nvfp4, 1, false, 1);
     let err = fwd(&layer, &x[..300], None, Mode::W4A16).unwrap_err().to_string();
     assert!(err.contains("300"), "{err}");
     // No tokens: empty outputs.
@@ -121,7 +122,7 @@ fn malformed_layers_and_inputs_are_errors_not_panics() {
 
 #[test]
 fn a_token_naming_one_expert_twice_gets_both() {
-    let mut layer = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 0, true, 21);
+    let mut layer = random_layer(&tiny_config(), WeightFormat::Nvfp4, 0, true, 21);
     layer.shared = None;
     let t2e = layer.router.tid2eid.as_mut().unwrap();
     t2e[..4].copy_from_slice(&[3, 3, 3, 3]); // token id 0
@@ -147,7 +148,7 @@ fn a_token_naming_one_expert_twice_gets_both() {
 
 #[test]
 fn zero_token_experts_and_skew() {
-    let mut layer = random_layer(&tiny_config(), ExpertFormat::Mxfp4, 1, false, 2);
+    let mut layer = random_layer(&tiny_config(), WeightFormat::Mxfp4, 1, false, 2);
     megamoe::synthetic::skew_routing(&mut layer, 2, 6);
     let x = random_hidden(40, 256, 8);
     let mut t = StageTrace::default();
@@ -163,7 +164,7 @@ fn zero_token_experts_and_skew() {
 #[test]
 fn trace_records_every_stage_consistently() {
     for mode in [Mode::W4A16, Mode::W4A8, Mode::W4A4] {
-        let layer = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 1, false, 4);
+        let layer = random_layer(&tiny_config(), WeightFormat::Nvfp4, 1, false, 4);
         let x = random_hidden(5, 256, 9);
         let input = ForwardInput { x: &x, input_ids: None };
         let mut t = StageTrace::default();
@@ -208,7 +209,7 @@ fn trace_records_every_stage_consistently() {
 
 #[test]
 fn results_do_not_depend_on_threads_or_chunking() {
-    let layer = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 1, false, 6);
+    let layer = random_layer(&tiny_config(), WeightFormat::Nvfp4, 1, false, 6);
     let x = random_hidden(300, 256, 10); // > one 256-token chunk
     let input = ForwardInput { x: &x, input_ids: None };
     let many = reference::forward(&layer, &input, Mode::W4A4, None).unwrap();
@@ -233,7 +234,7 @@ fn results_do_not_depend_on_threads_or_chunking() {
 
 #[test]
 fn cpu_engine_runs_the_reference() {
-    let layer = Arc::new(random_layer(&tiny_config(), ExpertFormat::Nvfp4, 0, true, 8));
+    let layer = Arc::new(random_layer(&tiny_config(), WeightFormat::Nvfp4, 0, true, 8));
     let x = random_hidden(3, 256, 1);
     let ids = random_input_ids(3, 1000, 2);
     let input = ForwardInput { x: &x, input_ids: Some(&ids) };
@@ -251,7 +252,7 @@ fn cpu_engine_runs_the_reference() {
 fn v4_flash_decode_timing() {
     let cfg = megamoe::synthetic::v4_flash_config();
     let t0 = std::time::Instant::now();
-    let layer = random_layer(&cfg, ExpertFormat::Nvfp4, 5, false, 1);
+    let layer = random_layer(&cfg, WeightFormat::Nvfp4, 5, false, 1);
     println!("generated in {:.1} s", t0.elapsed().as_secs_f64());
     for tokens in [1usize, 8] {
         let x = random_hidden(tokens, cfg.hidden_size, 2);
@@ -276,7 +277,7 @@ fn v4_flash_decode_timing() {
 fn fp8_block_shared_expert_equals_its_bf16_dequantization() {
     use megamoe::checkpoint::{DenseData, DenseProj};
     use megamoe::formats::e4m3;
-    let base = random_layer(&tiny_config(), ExpertFormat::Nvfp4, 1, false, 31);
+    let base = random_layer(&tiny_config(), WeightFormat::Nvfp4, 1, false, 31);
     let to_fp8 = |p: &DenseProj| -> (DenseProj, DenseProj) {
         let DenseData::Bf16(w) = &p.data else { panic!("synthetic shared experts are bf16") };
         let bc = p.cols.div_ceil(128);
@@ -327,7 +328,7 @@ fn wider_shared_expert_and_other_score_functions() {
     cfg.n_shared_experts = 2;
     cfg.scoring_func = megamoe::config::ScoringFunc::Sigmoid;
     cfg.swiglu_limit = 0.0;
-    let layer = random_layer(&cfg, ExpertFormat::Mxfp4, 1, false, 41);
+    let layer = random_layer(&cfg, WeightFormat::Mxfp4, 1, false, 41);
     assert_eq!(layer.shared.as_ref().unwrap().w1.rows, 256);
     let x = random_hidden(7, 256, 13);
     let out = fwd(&layer, &x, None, Mode::W4A16).unwrap();

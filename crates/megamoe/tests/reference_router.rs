@@ -1,8 +1,8 @@
 //! Router semantics: score functions, biased top-k with ties and NaN, hash routing, weights.
 
 use half::bf16;
-use megamoe::checkpoint::ExpertFormat;
 use megamoe::config::ScoringFunc;
+use megamoe::formats::WeightFormat;
 use megamoe::router::{self, route, topk};
 use megamoe::synthetic::{random_hidden, random_layer, tiny_config};
 
@@ -10,7 +10,7 @@ use megamoe::synthetic::{random_hidden, random_layer, tiny_config};
 fn identity_router(func: ScoringFunc, hash: bool) -> megamoe::checkpoint::MoeLayer {
     let mut cfg = tiny_config();
     cfg.scoring_func = func;
-    let mut layer = random_layer(&cfg, ExpertFormat::Bf16, if hash { 0 } else { 1 }, hash, 5);
+    let mut layer = random_layer(&cfg, WeightFormat::Bf16, if hash { 0 } else { 1 }, hash, 5);
     let (e, h) = (cfg.n_routed_experts, cfg.hidden_size);
     layer.router.weight = (0..e * h).map(|i| if i % h == i / h { 1.0 } else { 0.0 }).collect();
     if !hash {
@@ -101,7 +101,7 @@ fn nan_scores_give_k_distinct_in_range_ids() {
     assert!(!r.topk_ids.contains(&2) && !r.topk_ids.contains(&7));
 
     // A fully NaN row (every logit NaN, e.g. a NaN token hitting a dense router weight).
-    let mut dense = random_layer(&tiny_config(), ExpertFormat::Bf16, 1, false, 3);
+    let mut dense = random_layer(&tiny_config(), WeightFormat::Bf16, 1, false, 3);
     dense.router.bias = Some(vec![0.0; 16]);
     let mut x = random_hidden(3, 256, 1);
     x[256 + 17] = bf16::NAN;
@@ -124,7 +124,7 @@ fn topk_property_matches_sort() {
 
 #[test]
 fn hash_routing_uses_tid2eid_and_checks_ids() {
-    let layer = random_layer(&tiny_config(), ExpertFormat::Bf16, 0, true, 9);
+    let layer = random_layer(&tiny_config(), WeightFormat::Bf16, 0, true, 9);
     assert!(layer.is_hash());
     let x = random_hidden(3, 256, 2);
     let ids = [5i64, 0, 999];
@@ -147,7 +147,7 @@ fn hash_routing_uses_tid2eid_and_checks_ids() {
 
 #[test]
 fn hash_table_with_bad_expert_is_an_error() {
-    let mut layer = random_layer(&tiny_config(), ExpertFormat::Bf16, 0, true, 9);
+    let mut layer = random_layer(&tiny_config(), WeightFormat::Bf16, 0, true, 9);
     layer.router.tid2eid.as_mut().unwrap()[4 * 7 + 2] = 16;
     let x = random_hidden(1, 256, 2);
     let err = route(&layer, &x, Some(&[7])).unwrap_err().to_string();

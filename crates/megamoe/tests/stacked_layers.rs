@@ -9,7 +9,7 @@
 //! the expert math's rounding, which must stay small over all 61 layers (asserted).
 
 use half::bf16;
-use megamoe::checkpoint::ExpertFormat;
+use megamoe::formats::WeightFormat;
 use megamoe::forward::{ForwardInput, Mode};
 use megamoe::reference::{self, float64};
 use megamoe::synthetic::{random_hidden, random_input_ids, random_layer, tiny_config};
@@ -36,7 +36,7 @@ fn run_stack(share_routing: bool) -> Vec<(f64, usize)> {
     let mut errs = Vec::new();
     for layer_idx in 0..cfg.num_hidden_layers {
         let hash = cfg.is_hash_layer(layer_idx);
-        let layer = random_layer(&cfg, ExpertFormat::Nvfp4, layer_idx, hash, 100 + layer_idx as u64);
+        let layer = random_layer(&cfg, WeightFormat::Nvfp4, layer_idx, hash, 100 + layer_idx as u64);
         let (x32, x64) = (renorm(&h32, h), renorm(&h64, h));
         let out =
             reference::forward(&layer, &ForwardInput { x: &x32, input_ids: Some(&ids) }, Mode::W4A16, None)

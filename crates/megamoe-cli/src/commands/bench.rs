@@ -109,7 +109,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 }
 
 fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
-    use megamoe::checkpoint::ExpertFormat;
+    use megamoe::formats::WeightFormat;
     use megamoe::forward::ForwardInput;
     use megamoe::synthetic;
     anyhow::ensure!(a.runs > 0, "--runs must be positive");
@@ -123,9 +123,9 @@ fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
         cfg.n_routed_experts = e;
     }
     let format = match a.format {
-        ForwardFormat::Nvfp4 => ExpertFormat::Nvfp4,
-        ForwardFormat::Mxfp4 => ExpertFormat::Mxfp4,
-        ForwardFormat::Bf16 => ExpertFormat::Bf16,
+        ForwardFormat::Nvfp4 => WeightFormat::Nvfp4,
+        ForwardFormat::Mxfp4 => WeightFormat::Mxfp4,
+        ForwardFormat::Bf16 => WeightFormat::Bf16,
     };
     let t0 = Instant::now();
     // A score-routed layer (the common case), FP4 codes and scales drawn directly.

@@ -12,9 +12,10 @@ use anyhow::Context;
 use half::bf16;
 use megamoe::backend::{create_engine, BackendKind, MoeEngine};
 use megamoe::checkpoint::naming::Naming;
-use megamoe::checkpoint::{Checkpoint, ExpertFormat, ExpertProj, MoeLayer, ProjData};
+use megamoe::checkpoint::{Checkpoint, ExpertProj, MoeLayer, ProjData};
 use megamoe::config::MoeConfig;
 use megamoe::formats::nvfp4;
+use megamoe::formats::WeightFormat;
 use megamoe::forward::{ForwardInput, ForwardOutput, Mode};
 use megamoe::reference::{self, float64};
 use megamoe::synthetic;
@@ -77,7 +78,7 @@ fn demo_config(experts: usize) -> MoeConfig {
 fn quantized_layer(cfg: &MoeConfig, index: usize, calib: &[bf16]) -> anyhow::Result<MoeLayer> {
     let t0 = Instant::now();
     let mut layer =
-        synthetic::random_layer(cfg, ExpertFormat::Bf16, index, cfg.is_hash_layer(index), 7 + index as u64);
+        synthetic::random_layer(cfg, WeightFormat::Bf16, index, cfg.is_hash_layer(index), 7 + index as u64);
     let t_gen = t0.elapsed().as_secs_f64();
     // Calibration (what ModelOpt does): activation amax on a few tokens of the BF16 layer.
     let ids = synthetic::random_input_ids(calib.len() / cfg.hidden_size, cfg.vocab_size, 99);
@@ -215,7 +216,7 @@ fn timed(
 
 fn cuda_usable() -> Result<(), String> {
     let probe =
-        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 1));
+        Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 1));
     create_engine(BackendKind::Cuda, probe, 1).map(|_| ()).map_err(|e| e.to_string())
 }
 
@@ -277,7 +278,7 @@ fn gpu_demo(args: &Args) -> anyhow::Result<Vec<Outcome>> {
     print_header("the full V4-Pro layer, FP4 codes and scales drawn directly", &cfg, tokens, args.mode);
     let l = cfg.num_hash_layers; // the first score-routed layer
     let t0 = Instant::now();
-    let layer = Arc::new(synthetic::random_layer(&cfg, ExpertFormat::Nvfp4, l, false, 2026));
+    let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, l, false, 2026));
     println!("layer {l}      generated in {:.1} s", t0.elapsed().as_secs_f64());
     let x = synthetic::random_hidden(tokens, cfg.hidden_size, 42);
     let input = ForwardInput { x: &x, input_ids: None };

@@ -3,8 +3,9 @@
 //! non-zero on any failure. `--timings` adds graph-replay timings of one V4-Pro rank.
 
 use megamoe::backend::{create_engine, BackendKind, MoeEngine};
-use megamoe::checkpoint::{ExpertFormat, MoeLayer};
+use megamoe::checkpoint::MoeLayer;
 use megamoe::config::MoeConfig;
+use megamoe::formats::WeightFormat;
 use megamoe::forward::{ForwardInput, ForwardOutput, Mode};
 use megamoe::synthetic;
 use std::sync::Arc;
@@ -34,7 +35,7 @@ struct Case {
     name: &'static str,
     cfg: MoeConfig,
     tokens: Vec<usize>,
-    formats: Vec<ExpertFormat>,
+    formats: Vec<WeightFormat>,
     hash: bool,
     skew: bool,
 }
@@ -50,8 +51,8 @@ fn cfg(h: usize, i: usize, e: usize, k: usize) -> MoeConfig {
 }
 
 fn cases(quick: bool) -> Vec<Case> {
-    use ExpertFormat::*;
-    let all = vec![Nvfp4, Mxfp4, Bf16];
+    use WeightFormat::*;
+    let all = WeightFormat::ALL.to_vec();
     if quick {
         return vec![
             Case {
@@ -170,14 +171,6 @@ fn threshold(mode: Mode) -> f64 {
     }
 }
 
-fn fmt_name(f: ExpertFormat) -> &'static str {
-    match f {
-        ExpertFormat::Nvfp4 => "nvfp4",
-        ExpertFormat::Mxfp4 => "mxfp4",
-        ExpertFormat::Bf16 => "bf16",
-    }
-}
-
 /// Runs the command.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let kind: BackendKind = args.backend.parse()?;
@@ -185,7 +178,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         // Fail before the sweep and before generating a 48-expert V4-Pro layer (tens of seconds)
         // when no GPU can run the timings.
         let probe =
-            Arc::new(synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 1));
+            Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 1));
         create_engine(BackendKind::Cuda, probe, 1)
             .map_err(|e| anyhow::anyhow!("--timings needs a usable CUDA GPU: {e}"))?;
     }
@@ -245,7 +238,7 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
                 let ids = synthetic::random_input_ids(t, case.cfg.vocab_size, seed + 1 + t as u64);
                 let input = ForwardInput { x: &x, input_ids: Some(&ids) };
                 for mode in Mode::ALL {
-                    if mode == Mode::W4A4 && format != ExpertFormat::Nvfp4 {
+                    if mode == Mode::W4A4 && format != WeightFormat::Nvfp4 {
                         continue;
                     }
                     failures += check_row(&case, &layer, format, t, mode, &input, dut.as_mut(), cpu.as_mut());
@@ -260,7 +253,7 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
 fn check_row(
     case: &Case,
     layer: &MoeLayer,
-    format: ExpertFormat,
+    format: WeightFormat,
     t: usize,
     mode: Mode,
     input: &ForwardInput<'_>,
@@ -284,7 +277,7 @@ fn check_row(
         c.n_routed_experts,
         c.num_experts_per_tok,
         mode.name(),
-        fmt_name(format),
+        format.name(),
         route
     );
     let t0 = Instant::now();
@@ -336,7 +329,7 @@ fn timings(seed: u64) -> anyhow::Result<()> {
         "T", "mode", "median_ms", "min_ms", "weights_GB/s", "TFLOP/s"
     );
     let t0 = Instant::now();
-    let layer = Arc::new(synthetic::random_layer(&cfg, ExpertFormat::Nvfp4, 5, false, seed));
+    let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 5, false, seed));
     eprintln!("(layer generated in {:.1} s)", t0.elapsed().as_secs_f64());
     let mut eng = CudaEngine::new(layer.clone(), 512)?;
     let (h, i, e, k) =
@@ -350,7 +343,8 @@ fn timings(seed: u64) -> anyhow::Result<()> {
             out.topk_ids.iter().for_each(|&id| used[id as usize] = true);
             let active = used.iter().filter(|&&u| u).count();
             // Bytes of the routed experts that received tokens (FP4 + e4m3 scales) + the bf16 shared expert.
-            let wbytes = active as f64 * 3.0 * (h * i) as f64 * 0.5625 + 3.0 * (h * i) as f64 * 2.0;
+            let wbytes = active as f64 * 3.0 * layer.format().matrix_bytes(i, h) as f64
+                + 3.0 * WeightFormat::Bf16.matrix_bytes(i, h) as f64;
             let flops = 2.0 * (t * k + t) as f64 * 3.0 * (h * i) as f64;
             eng.capture_graph(t, mode)?;
             let mut v = eng.time_replays(&input, 20)?;

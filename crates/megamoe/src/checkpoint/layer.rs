@@ -7,7 +7,10 @@ use crate::config::MoeConfig;
 use half::bf16;
 use std::ops::Range;
 
-/// The storage format of the routed experts (the crate's one format type).
+use crate::formats::WeightFormat;
+
+/// The old name of [`WeightFormat`], the crate's one format type; kept only so that code not yet
+/// migrated (the CUDA backend) still compiles. New code names [`WeightFormat`].
 pub use crate::formats::WeightFormat as ExpertFormat;
 
 /// The weights of one projection (W1, W2 or W3) of every routed expert.
@@ -53,11 +56,11 @@ pub struct ExpertProj {
 
 impl ExpertProj {
     /// The storage format.
-    pub fn format(&self) -> ExpertFormat {
+    pub fn format(&self) -> WeightFormat {
         match self.data {
-            ProjData::Nvfp4 { .. } => ExpertFormat::Nvfp4,
-            ProjData::Mxfp4 { .. } => ExpertFormat::Mxfp4,
-            ProjData::Bf16 { .. } => ExpertFormat::Bf16,
+            ProjData::Nvfp4 { .. } => WeightFormat::Nvfp4,
+            ProjData::Mxfp4 { .. } => WeightFormat::Mxfp4,
+            ProjData::Bf16 { .. } => WeightFormat::Bf16,
         }
     }
 }
@@ -139,7 +142,7 @@ impl MoeLayer {
         self.router.tid2eid.is_some()
     }
     /// The routed experts' storage format.
-    pub fn format(&self) -> ExpertFormat {
+    pub fn format(&self) -> WeightFormat {
         self.w1.format()
     }
     /// Routed experts held (`expert_range.len()`).

@@ -1,16 +1,16 @@
 //! Loading and validating one MoE layer into a [`MoeLayer`].
 
-use super::layer::{
-    DenseData, DenseProj, ExpertFormat, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert,
-};
+use super::layer::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert};
 use super::naming::Proj;
 use super::Checkpoint;
-use crate::config::{QuantSource, ScoringFunc, WeightQuant};
+use crate::config::{QuantSource, ScoringFunc};
 use crate::error::{MegaError, Result};
+use crate::formats::{e4m3, e8m0, WeightFormat};
 use crate::forward::Mode;
 use half::bf16;
 use rayon::prelude::*;
 use safetensors::Dtype;
+use std::ops::Range;
 
 /// Options of [`Checkpoint::load_layer_with`].
 #[derive(Clone, Debug, Default)]
@@ -18,8 +18,8 @@ pub struct LoadOptions {
     /// Treat a missing or invalid NVFP4 `input_scale` as an error (W4A4 needs it); otherwise it is
     /// a warning and the layer's `input_scale` is `None`.
     pub require_input_scale: bool,
-    /// Show a progress bar: `Some(true)` always, `Some(false)` never, `None` when the layer has
-    /// many experts (>= 64).
+    /// Show a progress bar: `Some(true)` always, `Some(false)` never, `None` when many experts
+    /// (>= 64) are loaded.
     pub progress: Option<bool>,
 }
 
@@ -61,25 +61,6 @@ fn check_shape(name: &str, got: &[usize], expected: &[usize], why: &str) -> Resu
     }
 }
 
-/// Whether an e4m3 (fn) byte is NaN (S.1111.111).
-fn e4m3_is_nan(b: u8) -> bool {
-    b & 0x7F == 0x7F
-}
-
-/// Whether an e8m0 byte is NaN.
-fn e8m0_is_nan(b: u8) -> bool {
-    b == 0xFF
-}
-
-/// `2^(b-127)` for an e8m0 byte (NaN for 0xFF).
-fn e8m0_value(b: u8) -> f32 {
-    match b {
-        0xFF => f32::NAN,
-        0 => f32::from_bits(0x0040_0000), // 2^-127, an f32 subnormal
-        _ => f32::from_bits((b as u32) << 23),
-    }
-}
-
 /// Fails when any byte of a `[rows, cols]` byte matrix is NaN, reporting count and first position.
 /// Shared with the backends that validate layers built in code (`is_nan`: e.g. [`crate::formats::e4m3::is_nan`]).
 pub(crate) fn scan_nan_bytes(
@@ -109,6 +90,23 @@ pub(crate) fn scan_nan_bytes(
             ),
         )),
     }
+}
+
+/// The routed experts a range load asks for must be a non-empty `start..end` with `end <= E`.
+fn check_expert_range(layer: usize, experts: &Range<usize>, e: usize) -> Result<()> {
+    let problem = if experts.start > experts.end {
+        "is reversed"
+    } else if experts.is_empty() {
+        "is empty"
+    } else if experts.end > e {
+        "goes beyond the layer's routed experts"
+    } else {
+        return Ok(());
+    };
+    Err(MegaError::Input(format!(
+        "layer {layer}: expert range {experts:?} {problem}; expected start..end with \
+         start < end <= E = {e} (n_routed_experts)"
+    )))
 }
 
 /// A scalar f32 (shape `[]` or `[1]`, dtype F32/BF16/F16).
@@ -168,9 +166,20 @@ impl Progress {
 }
 
 impl Checkpoint {
-    /// Loads layer `layer` with default options (`input_scale` optional).
+    /// Loads layer `layer` whole (every routed expert `0..E`) with default options
+    /// (`input_scale` optional).
     pub fn load_layer(&self, layer: usize) -> Result<LoadedLayer> {
-        self.load_layer_with(layer, &LoadOptions::default())
+        self.load_layer_experts(layer, 0..self.config().n_routed_experts)
+    }
+
+    /// Loads the routed experts `experts` (global ids, a rank's contiguous range) of layer
+    /// `layer`, with the router and the shared expert whole, and default options. Only those
+    /// experts' tensors are read and host memory is proportional to the range; the result has
+    /// `expert_range == experts` and expert tensors of `experts.len()` experts. An empty or
+    /// reversed range, or one beyond `n_routed_experts`, is an error naming the layer, the range
+    /// and E.
+    pub fn load_layer_experts(&self, layer: usize, experts: Range<usize>) -> Result<LoadedLayer> {
+        self.load_layer_experts_with(layer, experts, &LoadOptions::default())
     }
 
     /// Loads layer `layer` for a forward in `mode` (W4A4 requires valid `input_scale`s).
@@ -180,28 +189,32 @@ impl Checkpoint {
 
     /// The routed-expert format of `layer`, as the quantization description declares it for
     /// expert 0's W1 (honouring `exclude_modules`) or, without a description, as its tensors say.
-    pub fn expert_format(&self, layer: usize) -> Result<ExpertFormat> {
-        let module = self.naming().expert_module(layer, 0, Proj::W1);
+    pub fn expert_format(&self, layer: usize) -> Result<WeightFormat> {
+        self.expert_format_at(layer, 0)
+    }
+
+    /// [`Checkpoint::expert_format`] as expert `expert`'s W1 declares it (a range load asks the
+    /// first expert it reads, so it touches no tensor outside its range).
+    fn expert_format_at(&self, layer: usize, expert: usize) -> Result<WeightFormat> {
+        let module = self.naming().expert_module(layer, expert, Proj::W1);
         if self.quant().source != QuantSource::None {
-            return match self.quant().expert_quant(&module) {
-                WeightQuant::Bf16 => Ok(ExpertFormat::Bf16),
-                WeightQuant::Nvfp4 => Ok(ExpertFormat::Nvfp4),
-                WeightQuant::Mxfp4 => Ok(ExpertFormat::Mxfp4),
-                other => Err(MegaError::Config(format!(
-                    "routed experts (`{module}`) are declared as {other:?}, which megamoe cannot run \
+            let declared = self.quant().expert_quant(&module);
+            return declared.expert_format().ok_or_else(|| {
+                MegaError::Config(format!(
+                    "routed experts (`{module}`) are declared as {declared:?}, which megamoe cannot run \
                      (supported: NVFP4, MXFP4, BF16)"
-                ))),
-            };
+                ))
+            });
         }
         // No description: decide from the tensors.
         let w = format!("{module}.weight");
         let (dt, _) =
             self.store().info(&w).ok_or_else(|| MegaError::tensor(&w, "missing from the checkpoint"))?;
         if self.has(&format!("{module}.weight_scale_2")) {
-            return Ok(ExpertFormat::Nvfp4);
+            return Ok(WeightFormat::Nvfp4);
         }
         match dt {
-            Dtype::BF16 => Ok(ExpertFormat::Bf16),
+            Dtype::BF16 => Ok(WeightFormat::Bf16),
             Dtype::U8 | Dtype::I8 => {
                 for s in ["scale", "weight_scale"] {
                     if let Some((sd, _)) = self.store().info(&format!("{module}.{s}")) {
@@ -210,7 +223,7 @@ impl Checkpoint {
                                 format!("{module}.weight_scale_2"),
                                 "missing: NVFP4 (e4m3 block scales) needs the global scale weight_scale_2",
                             )),
-                            _ => Ok(ExpertFormat::Mxfp4),
+                            _ => Ok(WeightFormat::Mxfp4),
                         };
                     }
                 }
@@ -227,8 +240,21 @@ impl Checkpoint {
         }
     }
 
-    /// Loads and validates layer `layer` into one host copy (see the module docs for the checks).
+    /// Loads and validates layer `layer` whole into one host copy (see the module docs for the
+    /// checks).
     pub fn load_layer_with(&self, layer: usize, opts: &LoadOptions) -> Result<LoadedLayer> {
+        self.load_layer_experts_with(layer, 0..self.config().n_routed_experts, opts)
+    }
+
+    /// [`Checkpoint::load_layer_experts`] with options: loads and validates the routed experts
+    /// `experts` of layer `layer` (router and shared expert whole), ending with
+    /// [`MoeLayer::validate`].
+    pub fn load_layer_experts_with(
+        &self,
+        layer: usize,
+        experts: Range<usize>,
+        opts: &LoadOptions,
+    ) -> Result<LoadedLayer> {
         let layers = self.moe_layers();
         if !layers.contains(&layer) {
             return Err(MegaError::Input(format!(
@@ -237,26 +263,28 @@ impl Checkpoint {
             )));
         }
         let cfg = self.config().clone();
+        check_expert_range(layer, &experts, cfg.n_routed_experts)?;
         let mut warnings = Vec::new();
         let router = self.load_router(layer, &mut warnings)?;
-        let format = self.expert_format(layer)?;
+        let format = self.expert_format_at(layer, experts.start)?;
         self.check_expert_set(layer)?;
-        let show = opts.progress.unwrap_or(cfg.n_routed_experts >= 64);
-        let progress = Progress::new(show, 3 * cfg.n_routed_experts as u64, layer);
+        let show = opts.progress.unwrap_or(experts.len() >= 64);
+        let progress = Progress::new(show, 3 * experts.len() as u64, layer);
         let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
-        let w1 = self.load_proj(layer, Proj::W1, format, i, h, opts, &mut warnings, &progress);
+        let ex = &experts;
+        let w1 = self.load_proj(layer, ex, Proj::W1, format, i, h, opts, &mut warnings, &progress);
         let w2 = w1.and_then(|w1| {
-            Ok((w1, self.load_proj(layer, Proj::W2, format, h, i, opts, &mut warnings, &progress)?))
+            Ok((w1, self.load_proj(layer, ex, Proj::W2, format, h, i, opts, &mut warnings, &progress)?))
         });
         let w3 = w2.and_then(|(w1, w2)| {
-            Ok((w1, w2, self.load_proj(layer, Proj::W3, format, i, h, opts, &mut warnings, &progress)?))
+            Ok((w1, w2, self.load_proj(layer, ex, Proj::W3, format, i, h, opts, &mut warnings, &progress)?))
         });
         progress.finish();
         let (w1, w2, w3) = w3?;
         if let (ProjData::Nvfp4 { global_scale: g1, .. }, ProjData::Nvfp4 { global_scale: g3, .. }) =
             (&w1.data, &w3.data)
         {
-            self.warn_w13_mismatch(layer, g1, g3, &mut warnings);
+            self.warn_w13_mismatch(layer, experts.start, g1, g3, &mut warnings);
         }
         if let (
             ProjData::Nvfp4 { input_scale: Some(s1), .. },
@@ -265,29 +293,21 @@ impl Checkpoint {
         {
             if let Some(e) = s1.iter().zip(s3).position(|(a, b)| a != b) {
                 warnings.push(format!(
-                    "layer {layer}: W1 and W3 input_scale differ (first: expert {e}, {} vs {}); W4A4 quantizes \
+                    "layer {layer}: W1 and W3 input_scale differ (first: expert {}, {} vs {}); W4A4 quantizes \
                      the shared L1 input with W1's",
-                    s1[e], s3[e]
+                    experts.start + e,
+                    s1[e],
+                    s3[e]
                 ));
             }
         }
         let shared = self.load_shared(layer)?;
+        let layer = MoeLayer { index: layer, expert_range: experts, config: cfg, router, w1, w2, w3, shared };
+        layer.validate()?;
         for w in &warnings {
             tracing::warn!("{w}");
         }
-        Ok(LoadedLayer {
-            layer: MoeLayer {
-                index: layer,
-                expert_range: 0..cfg.n_routed_experts,
-                config: cfg,
-                router,
-                w1,
-                w2,
-                w3,
-                shared,
-            },
-            warnings,
-        })
+        Ok(LoadedLayer { layer, warnings })
     }
 
     fn load_router(&self, layer: usize, warnings: &mut Vec<String>) -> Result<RouterWeights> {
@@ -383,21 +403,23 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// One projection of the routed experts `experts` (global ids), stacked in range order.
     #[allow(clippy::too_many_arguments)]
     fn load_proj(
         &self,
         layer: usize,
+        experts: &Range<usize>,
         p: Proj,
-        format: ExpertFormat,
+        format: WeightFormat,
         rows: usize,
         cols: usize,
         opts: &LoadOptions,
         warnings: &mut Vec<String>,
         progress: &Progress,
     ) -> Result<ExpertProj> {
-        let e_n = self.config().n_routed_experts;
+        let e_n = experts.len();
         let n = self.naming();
-        let modules: Vec<String> = (0..e_n).map(|e| n.expert_module(layer, e, p)).collect();
+        let modules: Vec<String> = experts.clone().map(|e| n.expert_module(layer, e, p)).collect();
         let why_w = if p == Proj::W2 {
             "[hidden_size, moe_intermediate_size] from config.json"
         } else {
@@ -424,19 +446,16 @@ impl Checkpoint {
             }
         };
         // FP4 blocks must tile the input dimension exactly (no partial blocks in these formats).
-        let block = match format {
-            ExpertFormat::Nvfp4 => 16,
-            ExpertFormat::Mxfp4 => 32,
-            ExpertFormat::Bf16 => 1,
-        };
+        let block = format.block_size().unwrap_or(1);
         if !cols.is_multiple_of(block) {
             return Err(MegaError::Config(format!(
                 "layer {layer} {p:?}: input size {cols} is not a multiple of the {format:?} block ({block}); \
                  check hidden_size / moe_intermediate_size in config.json"
             )));
         }
+        let scales_why = format!("one scale per {block} elements, row-major");
         let data = match format {
-            ExpertFormat::Nvfp4 => {
+            WeightFormat::Nvfp4 => {
                 for m in &modules {
                     let w = format!("{m}.weight");
                     let (d, s) = info(&w)?;
@@ -445,7 +464,7 @@ impl Checkpoint {
                     let sc = format!("{m}.weight_scale");
                     let (d, s) = info(&sc)?;
                     check_dtype(&sc, d, &[Dtype::F8_E4M3, Dtype::U8], "NVFP4 e4m3 block scales")?;
-                    check_shape(&sc, &s, &[rows, cols / 16], "one scale per 16 elements, row-major")?;
+                    check_shape(&sc, &s, &[rows, cols / block], &scales_why)?;
                     info(&format!("{m}.weight_scale_2"))?;
                 }
                 let mut global_scale = Vec::with_capacity(e_n);
@@ -486,11 +505,18 @@ impl Checkpoint {
                     None
                 };
                 let scale = |m: &String| format!("{m}.weight_scale");
-                let (packed, scales) =
-                    self.stack_fp4(&modules, rows, cols, 16, &scale, (e4m3_is_nan, "e4m3 scale"), progress)?;
+                let (packed, scales) = self.stack_fp4(
+                    &modules,
+                    rows,
+                    cols,
+                    block,
+                    &scale,
+                    (e4m3::is_nan, "e4m3 scale"),
+                    progress,
+                )?;
                 ProjData::Nvfp4 { packed, scales, global_scale, input_scale }
             }
-            ExpertFormat::Mxfp4 => {
+            WeightFormat::Mxfp4 => {
                 for m in &modules {
                     let w = format!("{m}.weight");
                     let (d, s) = info(&w)?;
@@ -499,20 +525,20 @@ impl Checkpoint {
                     let sc = scale_name(m);
                     let (d, s) = info(&sc)?;
                     check_dtype(&sc, d, &[Dtype::F8_E8M0, Dtype::U8], "MXFP4 e8m0 block scales")?;
-                    check_shape(&sc, &s, &[rows, cols / 32], "one scale per 32 elements, row-major")?;
+                    check_shape(&sc, &s, &[rows, cols / block], &scales_why)?;
                 }
                 let (packed, scales) = self.stack_fp4(
                     &modules,
                     rows,
                     cols,
-                    32,
+                    block,
                     &|m: &String| scale_name(m),
-                    (e8m0_is_nan, "e8m0 scale"),
+                    (e8m0::is_nan, "e8m0 scale"),
                     progress,
                 )?;
                 ProjData::Mxfp4 { packed, scales }
             }
-            ExpertFormat::Bf16 => {
+            WeightFormat::Bf16 => {
                 for m in &modules {
                     let w = format!("{m}.weight");
                     let (d, s) = info(&w)?;
@@ -578,13 +604,22 @@ impl Checkpoint {
         Ok((packed, scales))
     }
 
-    fn warn_w13_mismatch(&self, layer: usize, g1: &[f32], g3: &[f32], warnings: &mut Vec<String>) {
+    /// Warns about experts (global ids; `g1[0]` is expert `first`) whose W1 and W3 global scales
+    /// differ.
+    fn warn_w13_mismatch(
+        &self,
+        layer: usize,
+        first: usize,
+        g1: &[f32],
+        g3: &[f32],
+        warnings: &mut Vec<String>,
+    ) {
         let diff: Vec<(usize, f32)> = g1
             .iter()
             .zip(g3)
             .enumerate()
             .filter(|(_, (a, b))| a != b)
-            .map(|(e, (a, b))| (e, b / a))
+            .map(|(e, (a, b))| (first + e, b / a))
             .collect();
         if diff.is_empty() {
             return;
@@ -649,7 +684,7 @@ impl Checkpoint {
                 DenseData::Bf16(w)
             }
             _ => {
-                scan_nan_bytes(&wname, v.data(), cols, e4m3_is_nan, "e4m3 weight")?;
+                scan_nan_bytes(&wname, v.data(), cols, e4m3::is_nan, "e4m3 weight")?;
                 let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
                 let sname = ["scale", "weight_scale_inv", "weight_scale"]
                     .iter()
@@ -671,8 +706,8 @@ impl Checkpoint {
                 check_shape(&sname, sv.shape(), &[br, bc], "[ceil(rows/128), ceil(cols/128)]")?;
                 let scale: Vec<f32> = match sv.dtype() {
                     Dtype::F8_E8M0 | Dtype::U8 => {
-                        scan_nan_bytes(&sname, sv.data(), bc, e8m0_is_nan, "e8m0 scale")?;
-                        sv.data().iter().map(|&b| e8m0_value(b)).collect()
+                        scan_nan_bytes(&sname, sv.data(), bc, e8m0::is_nan, "e8m0 scale")?;
+                        sv.data().iter().map(|&b| e8m0::decode(b)).collect()
                     }
                     _ => {
                         let s = crate::tensor_io::to_f32(&sname, &sv)?.1;
@@ -694,19 +729,5 @@ impl Checkpoint {
             }
         };
         Ok(DenseProj { rows, cols, data })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn e8m0_values() {
-        assert_eq!(e8m0_value(127), 1.0);
-        assert_eq!(e8m0_value(128), 2.0);
-        assert_eq!(e8m0_value(0), 2f32.powi(-127));
-        assert!(e8m0_value(255).is_nan());
-        assert!(e4m3_is_nan(0x7F) && e4m3_is_nan(0xFF) && !e4m3_is_nan(0x7E));
     }
 }

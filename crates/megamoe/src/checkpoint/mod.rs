@@ -35,7 +35,8 @@ use std::path::{Path, PathBuf};
 pub const HF_QUANT_FILE: &str = "hf_quant_config.json";
 
 /// An opened checkpoint directory: parsed config, quantization description, detected naming and
-/// memory-mapped tensors. Opening reads only headers; layers are read by [`Checkpoint::load_layer`].
+/// memory-mapped tensors. Opening reads only headers; layers are read by [`Checkpoint::load_layer`]
+/// (whole) or [`Checkpoint::load_layer_experts`] (one rank's expert range).
 pub struct Checkpoint {
     dir: PathBuf,
     config_json: serde_json::Value,

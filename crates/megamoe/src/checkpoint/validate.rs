@@ -106,19 +106,18 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
     }
     let n = e * rows * cols;
     let format = p.format();
-    if let Some(block) = format.block_size() {
-        if !cols.is_multiple_of(block) {
-            return Err(MegaError::tensor(
-                &name,
-                format!("{cols} columns, {} needs a multiple of {block}", format.name()),
-            ));
-        }
+    let block = format.block_size().unwrap_or(1);
+    if !cols.is_multiple_of(block) {
+        return Err(MegaError::tensor(
+            &name,
+            format!("{cols} columns, {format} needs a multiple of {block}"),
+        ));
     }
     let expert_name = |x: usize, t: &str| {
         format!("layers.{}.ffn.experts.{}.{proj}.{t}", layer.index, layer.expert_range.start + x)
     };
     // Per expert, so that the error names it: `[rows, cols / block]` scale bytes each.
-    let scan = |scales: &[u8], block: usize, is_nan: fn(u8) -> bool, tensor: &str, what: &str| {
+    let scan = |scales: &[u8], is_nan: fn(u8) -> bool, tensor: &str, what: &str| {
         let (per_expert, scols) = ((rows * cols / block).max(1), (cols / block).max(1));
         scales
             .chunks(per_expert)
@@ -128,7 +127,7 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
     match &p.data {
         ProjData::Nvfp4 { packed, scales, global_scale, input_scale } => {
             expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
-            expect_len(&name, "weight_scale", scales.len(), n / 16)?;
+            expect_len(&name, "weight_scale", scales.len(), n / block)?;
             expect_len(&name, "weight_scale_2", global_scale.len(), e)?;
             if let Some((x, g)) = global_scale.iter().enumerate().find(|(_, g)| !g.is_finite()) {
                 return Err(MegaError::tensor(
@@ -139,12 +138,12 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
             if let Some(s) = input_scale {
                 expect_len(&name, "input_scale", s.len(), e)?;
             }
-            scan(scales, 16, e4m3::is_nan, "weight_scale", "e4m3 scale")?;
+            scan(scales, e4m3::is_nan, "weight_scale", "e4m3 scale")?;
         }
         ProjData::Mxfp4 { packed, scales } => {
             expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
-            expect_len(&name, "scale", scales.len(), n / 32)?;
-            scan(scales, 32, e8m0::is_nan, "scale", "e8m0 scale")?;
+            expect_len(&name, "scale", scales.len(), n / block)?;
+            scan(scales, e8m0::is_nan, "scale", "e8m0 scale")?;
         }
         ProjData::Bf16 { weight } => expect_len(&name, "weight", weight.len(), n)?,
     }

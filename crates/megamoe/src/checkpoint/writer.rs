@@ -93,14 +93,15 @@ pub fn read_checkpoint_dir(dir: &Path) -> Result<(Value, Option<Value>, BTreeMap
     Ok((config, quant, read_tensors(dir)?))
 }
 
-use super::layer::{DenseData, DenseProj, ExpertFormat, ExpertProj, MoeLayer, ProjData};
+use super::layer::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData};
 use super::naming::{Naming, Proj};
 use crate::config::{MoeConfig, ScoringFunc};
+use crate::formats::{nvfp4, WeightFormat};
 use safetensors::Dtype;
 
 /// A `config.json` (HF names) describing `cfg`, with the quantization block for `format`
 /// (ModelOpt NVFP4, or the official V4 `fp8` + `expert_dtype: fp4` for MXFP4).
-pub fn config_json(cfg: &MoeConfig, format: ExpertFormat) -> Value {
+pub fn config_json(cfg: &MoeConfig, format: WeightFormat) -> Value {
     let scoring = match cfg.scoring_func {
         ScoringFunc::SqrtSoftplus => "sqrtsoftplus",
         ScoringFunc::Sigmoid => "sigmoid",
@@ -124,31 +125,30 @@ pub fn config_json(cfg: &MoeConfig, format: ExpertFormat) -> Value {
         "hidden_act": "silu",
     });
     match format {
-        ExpertFormat::Nvfp4 => {
-            v["quantization_config"] =
-                serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16});
+        WeightFormat::Nvfp4 => {
+            v["quantization_config"] = serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": nvfp4::BLOCK});
         }
-        ExpertFormat::Mxfp4 => {
+        WeightFormat::Mxfp4 => {
             v["quantization_config"] = serde_json::json!({
                 "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]
             });
             v["expert_dtype"] = "fp4".into();
         }
-        ExpertFormat::Bf16 => {}
+        WeightFormat::Bf16 => {}
     }
     v
 }
 
 /// The `hf_quant_config.json` ModelOpt writes for `format` (NVFP4 only; `None` otherwise): the
 /// router and shared experts are excluded (they stay BF16).
-pub fn hf_quant_json(format: ExpertFormat) -> Option<Value> {
-    (format == ExpertFormat::Nvfp4).then(|| {
+pub fn hf_quant_json(format: WeightFormat) -> Option<Value> {
+    (format == WeightFormat::Nvfp4).then(|| {
         serde_json::json!({
             "producer": {"name": "megamoe", "version": env!("CARGO_PKG_VERSION")},
             "quantization": {
                 "quant_algo": "NVFP4",
                 "kv_cache_quant_algo": null,
-                "group_size": 16,
+                "group_size": nvfp4::BLOCK,
                 "exclude_modules": ["*.attn.*", "*.shared_experts.*", "*.ffn.gate*", "*.mlp.gate"]
             }
         })
@@ -167,18 +167,19 @@ fn put_experts(
     naming: Naming,
 ) {
     let (r, c) = (proj.rows, proj.cols);
+    let block = proj.format().block_size().unwrap_or(1);
     for e in 0..proj.experts {
         let m = naming.expert_module(l, e, p);
         match &proj.data {
             ProjData::Nvfp4 { packed, scales, global_scale, input_scale } => {
-                let (pk, sc) = (r * c / 2, r * c / 16);
+                let (pk, sc) = (r * c / 2, r * c / block);
                 out.insert(
                     format!("{m}.weight"),
                     u8_tensor(Dtype::U8, &[r, c / 2], &packed[e * pk..(e + 1) * pk]),
                 );
                 out.insert(
                     format!("{m}.weight_scale"),
-                    u8_tensor(Dtype::F8_E4M3, &[r, c / 16], &scales[e * sc..(e + 1) * sc]),
+                    u8_tensor(Dtype::F8_E4M3, &[r, c / block], &scales[e * sc..(e + 1) * sc]),
                 );
                 out.insert(format!("{m}.weight_scale_2"), OwnedTensor::f32(&[], &[global_scale[e]]));
                 if let Some(is) = input_scale {
@@ -186,14 +187,14 @@ fn put_experts(
                 }
             }
             ProjData::Mxfp4 { packed, scales } => {
-                let (pk, sc) = (r * c / 2, r * c / 32);
+                let (pk, sc) = (r * c / 2, r * c / block);
                 out.insert(
                     format!("{m}.weight"),
                     u8_tensor(Dtype::I8, &[r, c / 2], &packed[e * pk..(e + 1) * pk]),
                 );
                 out.insert(
                     format!("{m}.scale"),
-                    u8_tensor(Dtype::F8_E8M0, &[r, c / 32], &scales[e * sc..(e + 1) * sc]),
+                    u8_tensor(Dtype::F8_E8M0, &[r, c / block], &scales[e * sc..(e + 1) * sc]),
                 );
             }
             ProjData::Bf16 { weight } => {

@@ -9,9 +9,9 @@
 
 use super::doctor::{codes, proj_label, proj_shape, DoctorOptions};
 use super::report::{Finding, ReferenceRow, Report, Severity};
-use crate::checkpoint::{Checkpoint, ExpertFormat, Naming, Proj, TensorStore};
+use crate::checkpoint::{Checkpoint, Naming, Proj, TensorStore};
 use crate::error::{MegaError, Result};
-use crate::formats::{mxfp4, nvfp4, scale_layout};
+use crate::formats::{mxfp4, nvfp4, scale_layout, WeightFormat};
 use rayon::prelude::*;
 use std::path::Path;
 use tracing::{debug, info};
@@ -72,49 +72,49 @@ struct Stored {
     global: f32,
 }
 
-fn read_stored(ck: &Checkpoint, layer: usize, e: usize, p: Proj, format: ExpertFormat) -> Option<Stored> {
+fn read_stored(ck: &Checkpoint, layer: usize, e: usize, p: Proj, format: WeightFormat) -> Option<Stored> {
     let m = ck.naming().expert_module(layer, e, p);
     let packed = ck.tensor(&format!("{m}.weight")).ok()?.data().to_vec();
     let (scales, global) = match format {
-        ExpertFormat::Nvfp4 => {
+        WeightFormat::Nvfp4 => {
             let s = ck.tensor(&format!("{m}.weight_scale")).ok()?.data().to_vec();
             let g = ck.tensor(&format!("{m}.weight_scale_2")).ok()?;
             let g = crate::tensor_io::to_f32("weight_scale_2", &g).ok()?.1.first().copied()?;
             (s, g)
         }
-        ExpertFormat::Mxfp4 => {
+        WeightFormat::Mxfp4 => {
             let name = [format!("{m}.scale"), format!("{m}.weight_scale")].into_iter().find(|n| ck.has(n))?;
             (ck.tensor(&name).ok()?.data().to_vec(), 1.0)
         }
-        ExpertFormat::Bf16 => (Vec::new(), 1.0),
+        WeightFormat::Bf16 => (Vec::new(), 1.0),
     };
     Some(Stored { packed, scales, global })
 }
 
 /// Dequantizes stored parts as the checkpoint declares them; `None` when the sizes do not fit.
-fn dequant(s: &Stored, rows: usize, cols: usize, format: ExpertFormat) -> Option<Vec<f32>> {
+fn dequant(s: &Stored, rows: usize, cols: usize, format: WeightFormat) -> Option<Vec<f32>> {
     match format {
-        ExpertFormat::Nvfp4 => {
+        WeightFormat::Nvfp4 => {
             nvfp4::Nvfp4Matrix::from_parts(rows, cols, s.packed.clone(), s.scales.clone(), s.global)
                 .ok()
                 .map(|m| m.dequantize())
         }
-        ExpertFormat::Mxfp4 => mxfp4::Mxfp4Matrix::from_parts(rows, cols, s.packed.clone(), s.scales.clone())
+        WeightFormat::Mxfp4 => mxfp4::Mxfp4Matrix::from_parts(rows, cols, s.packed.clone(), s.scales.clone())
             .ok()
             .map(|m| m.dequantize()),
-        ExpertFormat::Bf16 => (s.packed.len() == rows * cols * 2).then(|| {
+        WeightFormat::Bf16 => (s.packed.len() == rows * cols * 2).then(|| {
             s.packed.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
         }),
     }
 }
 
 /// The error a correct quantization of `reference` has.
-fn expected_error(reference: &[f32], rows: usize, cols: usize, format: ExpertFormat) -> Option<f64> {
+fn expected_error(reference: &[f32], rows: usize, cols: usize, format: WeightFormat) -> Option<f64> {
     let deq = match format {
-        ExpertFormat::Nvfp4 => nvfp4::quantize(reference, rows, cols).ok()?.dequantize(),
-        ExpertFormat::Mxfp4 => mxfp4::quantize(reference, rows, cols).ok()?.dequantize(),
+        WeightFormat::Nvfp4 => nvfp4::quantize(reference, rows, cols).ok()?.dequantize(),
+        WeightFormat::Mxfp4 => mxfp4::quantize(reference, rows, cols).ok()?.dequantize(),
         // BF16 experts: the reference itself rounded to bf16.
-        ExpertFormat::Bf16 => reference.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+        WeightFormat::Bf16 => reference.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
     };
     Some(rel_error(&deq, reference))
 }
@@ -157,7 +157,7 @@ fn diagnose(
     layer: usize,
     e: usize,
     p: Proj,
-    format: ExpertFormat,
+    format: WeightFormat,
     stored: &Stored,
     reference: &[f32],
     limit: f64,
@@ -167,7 +167,7 @@ fn diagnose(
         let err = rel_error(&deq?, reference);
         (err <= limit).then_some(err)
     };
-    let fp4 = format != ExpertFormat::Bf16;
+    let fp4 = format != WeightFormat::Bf16;
     // 1. Nibble order reversed.
     if fp4 {
         let mut s = stored.clone();
@@ -200,8 +200,7 @@ fn diagnose(
         }
     }
     // 3. Scales stored in the swizzled 128x4 layout but declared row-major.
-    if fp4 {
-        let block = if format == ExpertFormat::Nvfp4 { 16 } else { 32 };
+    if let Some(block) = format.block_size() {
         let scols = cols / block;
         if stored.scales.len() == scale_layout::swizzled_len(rows, scols) {
             if let Ok(un) = scale_layout::from_swizzled(&stored.scales, rows, scols) {
@@ -220,7 +219,7 @@ fn diagnose(
         }
     }
     // 4. Global scale stored as its reciprocal.
-    if format == ExpertFormat::Nvfp4 && stored.global.is_finite() && stored.global != 0.0 {
+    if format == WeightFormat::Nvfp4 && stored.global.is_finite() && stored.global != 0.0 {
         let s = Stored { global: 1.0 / stored.global, ..stored.clone() };
         if let Some(error) = fits(dequant(&s, rows, cols, format)) {
             return Some(Verdict {
@@ -271,7 +270,7 @@ fn diagnose(
 pub(crate) fn compare_layer(
     ck: &Checkpoint,
     layer: usize,
-    format: ExpertFormat,
+    format: WeightFormat,
     refw: &ReferenceWeights,
     opts: &DoctorOptions,
     report: &mut Report,

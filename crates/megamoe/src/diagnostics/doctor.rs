@@ -16,10 +16,10 @@
 //! ```
 
 use super::report::{Finding, Report, Severity};
-use crate::checkpoint::{Checkpoint, ExpertFormat, Naming, Proj};
+use crate::checkpoint::{Checkpoint, Naming, Proj};
 use crate::config::ScoringFunc;
 use crate::error::{MegaError, Result};
-use crate::formats::{e2m1, e4m3, scale_layout};
+use crate::formats::{e2m1, e4m3, scale_layout, WeightFormat};
 use rayon::prelude::*;
 use safetensors::Dtype;
 use std::path::PathBuf;
@@ -322,7 +322,7 @@ fn examine_layer(
     }
 
     // Layer-level comparisons across experts.
-    if format == ExpertFormat::Nvfp4 {
+    if format == WeightFormat::Nvfp4 {
         report.findings.extend(check_w13(ck, layer, &stats_of));
     }
     for (i, p) in Proj::ALL.into_iter().enumerate() {
@@ -384,7 +384,7 @@ fn examine_proj(
     layer: usize,
     expert: usize,
     p: Proj,
-    format: ExpertFormat,
+    format: WeightFormat,
     out: &mut Vec<Finding>,
 ) -> ProjStats {
     let (rows, cols) = proj_shape(ck, p);
@@ -408,7 +408,7 @@ fn examine_proj(
         "[moe_intermediate_size, hidden_size] from config.json"
     };
     match format {
-        ExpertFormat::Bf16 => {
+        WeightFormat::Bf16 => {
             if let Some(f) =
                 dtype_finding(layer, Some(expert), &wname, wdt, &[Dtype::BF16], "BF16 expert weights")
             {
@@ -440,9 +440,9 @@ fn examine_proj(
             stats.norm = Some(sum.sqrt());
             stats
         }
-        ExpertFormat::Nvfp4 | ExpertFormat::Mxfp4 => {
-            let nv = format == ExpertFormat::Nvfp4;
-            let block = if nv { 16 } else { 32 };
+        WeightFormat::Nvfp4 | WeightFormat::Mxfp4 => {
+            let nv = format == WeightFormat::Nvfp4;
+            let block = format.block_size().expect("FP4 formats have a block size");
             let ok_w = if nv { [Dtype::U8, Dtype::I8] } else { [Dtype::I8, Dtype::U8] };
             let mut ok = true;
             if let Some(f) = dtype_finding(layer, Some(expert), &wname, wdt, &ok_w, "packed E2M1 codes") {

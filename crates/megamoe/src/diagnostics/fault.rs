@@ -80,11 +80,12 @@ impl Fault {
             Fault::ScaleLayout | Fault::NibbleOrder | Fault::GlobalScaleReciprocal => {
                 for p in [&mut l.w1, &mut l.w2, &mut l.w3] {
                     let (rows, cols, experts) = (p.rows, p.cols, p.experts);
-                    let (packed, scales, block, global) = match &mut p.data {
+                    let Some(block) = p.format().block_size() else { continue };
+                    let (packed, scales, global) = match &mut p.data {
                         ProjData::Nvfp4 { packed, scales, global_scale, .. } => {
-                            (packed, scales, 16, Some(global_scale))
+                            (packed, scales, Some(global_scale))
                         }
-                        ProjData::Mxfp4 { packed, scales } => (packed, scales, 32, None),
+                        ProjData::Mxfp4 { packed, scales } => (packed, scales, None),
                         ProjData::Bf16 { .. } => continue,
                     };
                     match self {

@@ -11,7 +11,7 @@
 //! Dequantize recognises both namings, writes `X.weight` as BF16 or F32, drops the scale tensors
 //! (and an NVFP4 weight's `input_scale`) and copies everything else.
 
-use super::{mxfp4, nvfp4};
+use super::{mxfp4, nvfp4, WeightFormat};
 use crate::error::{MegaError, Result};
 use crate::tensor_io::{write_safetensors, OwnedTensor};
 use rayon::prelude::*;
@@ -40,12 +40,25 @@ impl std::str::FromStr for Fp4Format {
     }
 }
 
+impl Fp4Format {
+    /// The storage format it writes (block size, scale code, name).
+    pub fn weight_format(self) -> WeightFormat {
+        match self {
+            Fp4Format::Nvfp4 => WeightFormat::Nvfp4,
+            Fp4Format::Mxfp4 => WeightFormat::Mxfp4,
+        }
+    }
+}
+
+impl From<Fp4Format> for WeightFormat {
+    fn from(f: Fp4Format) -> WeightFormat {
+        f.weight_format()
+    }
+}
+
 impl std::fmt::Display for Fp4Format {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Fp4Format::Nvfp4 => "nvfp4",
-            Fp4Format::Mxfp4 => "mxfp4",
-        })
+        f.write_str(self.weight_format().name())
     }
 }
 
@@ -162,10 +175,7 @@ fn quantize_one(name: &str, view: &TensorView<'_>, format: Fp4Format) -> Result<
         ));
     }
     let (rows, cols) = (shape[0], shape[1]);
-    let block = match format {
-        Fp4Format::Nvfp4 => nvfp4::BLOCK,
-        Fp4Format::Mxfp4 => mxfp4::BLOCK,
-    };
+    let block = format.weight_format().block_size().expect("FP4 formats are block-scaled");
     if cols % block != 0 {
         return Err(MegaError::tensor(
             name,
@@ -195,7 +205,7 @@ fn quantize_one(name: &str, view: &TensorView<'_>, format: Fp4Format) -> Result<
             let q = run!(nvfp4::quantize_generic);
             vec![
                 (name.to_string(), raw(Dtype::U8, &[rows, cols / 2], q.packed)),
-                (format!("{stem}.weight_scale"), raw(Dtype::F8_E4M3, &[rows, cols / 16], q.scales)),
+                (format!("{stem}.weight_scale"), raw(Dtype::F8_E4M3, &[rows, cols / block], q.scales)),
                 (format!("{stem}.weight_scale_2"), OwnedTensor::f32(&[], &[q.global_scale])),
             ]
         }
@@ -203,7 +213,7 @@ fn quantize_one(name: &str, view: &TensorView<'_>, format: Fp4Format) -> Result<
             let q = run!(mxfp4::quantize_generic);
             vec![
                 (name.to_string(), raw(Dtype::I8, &[rows, cols / 2], q.packed)),
-                (format!("{stem}.scale"), raw(Dtype::F8_E8M0, &[rows, cols / 32], q.scales)),
+                (format!("{stem}.scale"), raw(Dtype::F8_E8M0, &[rows, cols / block], q.scales)),
             ]
         }
     })
@@ -307,9 +317,10 @@ fn dequant_nvfp4(
         return Err(MegaError::tensor(
             sn,
             format!(
-                "shape {:?}, expected {want:?} for weight {:?} (16-element blocks)",
+                "shape {:?}, expected {want:?} for weight {:?} ({}-element blocks)",
                 ws.shape(),
-                w.shape()
+                w.shape(),
+                nvfp4::BLOCK
             ),
         ));
     }
@@ -345,9 +356,10 @@ fn dequant_mxfp4(stem: &str, w: &TensorView<'_>, sc: &TensorView<'_>) -> Result<
         return Err(MegaError::tensor(
             sn,
             format!(
-                "shape {:?}, expected {want:?} for weight {:?} (32-element blocks)",
+                "shape {:?}, expected {want:?} for weight {:?} ({}-element blocks)",
                 sc.shape(),
-                w.shape()
+                w.shape(),
+                mxfp4::BLOCK
             ),
         ));
     }

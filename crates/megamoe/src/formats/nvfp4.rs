@@ -140,7 +140,8 @@ pub fn block_scale(block_amax: f32, global_scale: f32) -> u8 {
 /// Quantizes one row: `x` has `cols` elements, `packed` `cols / 2` bytes, `scales` `cols / 16`.
 /// With `keep_scales`, `scales` already holds the block scales to use.
 fn quantize_row<T: FloatElement>(x: &[T], g: f32, keep_scales: bool, packed: &mut [u8], scales: &mut [u8]) {
-    for ((xb, pb), sb) in x.chunks_exact(BLOCK).zip(packed.chunks_exact_mut(8)).zip(scales.iter_mut()) {
+    for ((xb, pb), sb) in x.chunks_exact(BLOCK).zip(packed.chunks_exact_mut(BLOCK / 2)).zip(scales.iter_mut())
+    {
         let mut v = [0.0f32; BLOCK];
         for (d, s) in v.iter_mut().zip(xb) {
             *d = s.to_f32();
@@ -165,7 +166,7 @@ fn quantize_row<T: FloatElement>(x: &[T], g: f32, keep_scales: bool, packed: &mu
 /// `out` has `2 * packed_row.len()` elements and `scales_row` `out.len() / 16`; apply the global
 /// scale after accumulation, as DESIGN.md asks.
 pub fn dequantize_row(packed_row: &[u8], scales_row: &[u8], out: &mut [f32]) {
-    for ((o, p), &s) in out.chunks_exact_mut(BLOCK).zip(packed_row.chunks_exact(8)).zip(scales_row) {
+    for ((o, p), &s) in out.chunks_exact_mut(BLOCK).zip(packed_row.chunks_exact(BLOCK / 2)).zip(scales_row) {
         let sf = e4m3::decode(s);
         for (pair, &b) in o.chunks_exact_mut(2).zip(p) {
             pair[0] = e2m1::decode(b & 0xF) * sf;
@@ -206,7 +207,7 @@ impl Nvfp4Matrix {
             .zip(self.packed.par_chunks(self.cols / 2))
             .zip(self.scales.par_chunks(self.cols / BLOCK))
             .for_each(|((o, p), s)| {
-                for ((o, p), &s) in o.chunks_exact_mut(BLOCK).zip(p.chunks_exact(8)).zip(s) {
+                for ((o, p), &s) in o.chunks_exact_mut(BLOCK).zip(p.chunks_exact(BLOCK / 2)).zip(s) {
                     let sf = e4m3::decode(s) * g;
                     for (pair, &b) in o.chunks_exact_mut(2).zip(p) {
                         pair[0] = e2m1::decode(b & 0xF) * sf;

@@ -99,7 +99,7 @@ fn slice_proj(p: &ExpertProj, r: &Range<usize>) -> ExpertProj {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::ExpertFormat;
+    use crate::formats::WeightFormat;
     use crate::synthetic;
 
     #[test]
@@ -127,7 +127,7 @@ mod tests {
 
     #[test]
     fn slicing_keeps_the_owned_experts_bytes() {
-        let layer = synthetic::random_layer(&synthetic::tiny_config(), ExpertFormat::Nvfp4, 1, false, 3);
+        let layer = synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 3);
         let s = ExpertShard::new(16, 4, 2).unwrap();
         let part = s.slice_layer(&layer).unwrap();
         assert_eq!(part.w2.experts, 4);

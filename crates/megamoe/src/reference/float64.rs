@@ -1,7 +1,8 @@
 //! A float64 W4A16 forward, simple and slow, for tests that measure how far the fp32 reference
 //! drifts (e.g. over many stacked layers). Same semantics as [`super::forward`] in W4A16 mode, with
 //! every sum, score and weight in f64 (the activation is still rounded to bf16 before W2, as the
-//! model defines it).
+//! model defines it). As there, the router covers all `E` experts and only the experts the layer
+//! holds (`expert_range`) contribute to the routed sum; the shared expert is always added.
 
 use super::weights::MatView;
 use crate::checkpoint::MoeLayer;
@@ -125,13 +126,8 @@ pub fn forward_w4a16_with_ids(
                         "input_ids[{t}] = {tok} is outside the tid2eid rows"
                     )));
                 }
-                let row = &t2e[tok as usize * k..(tok as usize + 1) * k];
-                if row.iter().any(|&e| e < 0 || e as usize >= e_count) {
-                    return Err(MegaError::Input(format!(
-                        "tid2eid row {tok} names an expert outside 0..{e_count}"
-                    )));
-                }
-                row.iter().map(|&e| e as usize).collect()
+                // Entries were checked to lie in 0..E by `validate`.
+                t2e[tok as usize * k..(tok as usize + 1) * k].iter().map(|&e| e as usize).collect()
             } else {
                 let biased: Vec<f64> = match &layer.router.bias {
                     Some(b) => scores.iter().zip(b).map(|(s, b)| s + *b as f64).collect(),
@@ -153,6 +149,8 @@ pub fn forward_w4a16_with_ids(
             w.iter_mut().for_each(|v| *v *= c.routed_scaling_factor as f64);
             let mut y = vec![0.0f64; h];
             for (&e, &rw) in ids.iter().zip(&w) {
+                // Other ranks' experts: computed there.
+                let Some(e) = layer.local_expert(e as i32) else { continue };
                 let o = expert64(
                     &MatView::expert(&layer.w1, e),
                     &MatView::expert(&layer.w3, e),

@@ -11,6 +11,12 @@
 //! token of the expert in fp32; the NVFP4 global scale is an fp32 alpha applied after accumulation,
 //! one per projection per expert. Work is spread with rayon over (expert, row block) tasks; experts
 //! without tokens cost nothing. Results do not depend on the thread count.
+//!
+//! Expert parallelism: a layer holding only a range of experts (`MoeLayer::expert_range`, loaded
+//! with `Checkpoint::load_layer_experts` or sliced with `ExpertShard::slice_layer`) computes only
+//! the slots routed to its own experts, planned over local ids; slots routed elsewhere (and `-1`
+//! in an external routing, [`forward_routed`]) contribute nothing. Every entry point checks the
+//! layer with [`MoeLayer::validate`] first.
 
 pub mod file;
 pub mod float64;
@@ -40,7 +46,8 @@ pub struct ReferenceOutput {
     pub output: ForwardOutput,
     /// Router scores `[T, E]`.
     pub scores: Vec<f32>,
-    /// Sum of the routed experts' contributions `[T, H]` (`y = routed + shared`).
+    /// Sum of the routed experts' contributions `[T, H]` (`y = routed + shared`); on a layer holding
+    /// a range of experts, of those experts only.
     pub routed: Vec<f32>,
     /// Shared expert output `[T, H]` (zeros when the layer has none).
     pub shared: Vec<f32>,
@@ -84,7 +91,11 @@ pub fn check_mode(layer: &MoeLayer, mode: Mode) -> Result<()> {
                 };
                 if let Some((e, v)) = s.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
                     return Err(MegaError::tensor(
-                        format!("layers.{}.ffn.experts.{e}.{proj}.input_scale", layer.index),
+                        format!(
+                            "layers.{}.ffn.experts.{}.{proj}.input_scale",
+                            layer.index,
+                            layer.expert_range.start + e
+                        ),
                         format!("is {v}; mode w4a4 needs a positive finite activation global scale"),
                     ));
                 }
@@ -94,7 +105,8 @@ pub fn check_mode(layer: &MoeLayer, mode: Mode) -> Result<()> {
     }
 }
 
-/// Runs the reference forward. When `trace` is given, records every [`Stage`].
+/// Runs the reference forward: router, the routed experts the layer holds, shared expert (see
+/// [`forward_detailed`]). When `trace` is given, records every [`Stage`].
 pub fn forward(
     layer: &MoeLayer,
     input: &ForwardInput<'_>,
@@ -304,9 +316,18 @@ fn run_jobs(jobs: &[Job<'_>], inter: usize, hidden: usize, limit: f32, keep: boo
 
 /// Runs the reference forward and returns the routed and shared parts separately as well.
 ///
+/// The router always covers all `E` experts; the routed sum covers only the experts the layer
+/// holds (`layer.expert_range`): on a layer loaded or sliced for one rank, slots routed to other
+/// ranks' experts contribute nothing (those ranks compute them), and the shared expert is still
+/// added, so `y = shared + this rank's routed contributions`. A whole layer holds every expert.
+///
 /// Tracing runs all tokens as one chunk (full-size per-slot buffers). In W4A4 the expert input
 /// depends on the expert's own `input_scale`; [`Stage::InputQuant`] then shows each token's input
-/// as quantized for its first chosen expert (slot `j = 0`).
+/// as quantized for its first chosen expert (slot `j = 0`). On a layer that holds only a range of
+/// experts, the per-slot stages ([`Stage::L1Gate`] .. [`Stage::L2Out`]) are zeros for slots routed
+/// outside the range, [`Stage::InputQuant`] shows the input of the token's first slot inside the
+/// range (zeros for a token with none) and [`Stage::PlanCounts`] stays `[E]` by global id, zero
+/// outside the range.
 pub fn forward_detailed(
     layer: &MoeLayer,
     input: &ForwardInput<'_>,
@@ -319,149 +340,23 @@ pub fn forward_detailed(
     let shape = ForwardShape::of(layer, tokens);
     shape.check_x(input.x.len())?;
     let (h, inter, e_count, k) = (shape.hidden, shape.inter, shape.experts, shape.top_k);
-    let limit = layer.config.swiglu_limit;
 
     let routing = router::route(layer, input.x, input.input_ids)?;
-    let full_plan = RoutingPlan::build(&routing.topk_ids, e_count)?;
-
-    let mut routed = vec![0.0f32; tokens * h];
-    let mut shared = vec![0.0f32; tokens * h];
-    let mut y = vec![0.0f32; tokens * h];
     let tracing = trace.is_some();
-    let mut tr = if tracing { Some(TraceBufs::new(tokens, &shape)) } else { None };
-    let chunk = if tracing { tokens.max(1) } else { TOKEN_CHUNK };
+    let routed = routed_experts(layer, input.x, &routing.topk_ids, &routing.topk_weights, mode, tracing)?;
+    let shared = shared_expert(layer, input.x);
+    let y: Vec<f32> = routed.sum.iter().zip(&shared).map(|(r, s)| r + s).collect();
 
-    let input_scale = |p: &ProjData, e: usize| match p {
-        ProjData::Nvfp4 { input_scale: Some(s), .. } => s[e],
-        _ => 1.0, // unreachable after check_mode for W4A4
-    };
-
-    for t0 in (0..tokens).step_by(chunk) {
-        let t1 = (t0 + chunk).min(tokens);
-        let tc = t1 - t0;
-        let ids = &routing.topk_ids[t0 * k..t1 * k];
-        let wts = &routing.topk_weights[t0 * k..t1 * k];
-        let plan = RoutingPlan::build(ids, e_count)?;
-        let x_f32: Vec<f32> = input.x[t0 * h..t1 * h].iter().map(|v| v.to_f32()).collect();
-
-        // Expert inputs in plan-row order, through the mode's input quantization.
-        let mut xin = vec![0.0f32; tc * k * h];
-        match mode {
-            Mode::W4A16 => xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
-                let t = plan.perm[row] as usize / k;
-                dst.copy_from_slice(&x_f32[t * h..(t + 1) * h]);
-            }),
-            Mode::W4A8 => {
-                let mut xq = vec![0.0f32; tc * h];
-                xq.par_chunks_mut(h).zip(x_f32.par_chunks(h)).for_each(|(q, x)| {
-                    fmt::act_quant::fp8_block128_ue8m0(x, q);
-                });
-                xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
-                    let t = plan.perm[row] as usize / k;
-                    dst.copy_from_slice(&xq[t * h..(t + 1) * h]);
-                });
-            }
-            Mode::W4A4 => xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
-                let slot = plan.perm[row] as usize;
-                let (t, e) = (slot / k, ids[slot] as usize);
-                fmt::act_quant::nvfp4_block16(
-                    &x_f32[t * h..(t + 1) * h],
-                    input_scale(&layer.w1.data, e),
-                    dst,
-                );
-            }),
-        }
-
-        let mut jobs: Vec<Job<'_>> = Vec::new();
-        let mut job_of_expert = vec![usize::MAX; e_count];
-        for e in plan.active_experts() {
-            let (r0, r1) = (plan.offsets[e] as usize, plan.offsets[e + 1] as usize);
-            job_of_expert[e] = jobs.len();
-            jobs.push(Job {
-                w1: MatView::expert(&layer.w1, e),
-                w3: MatView::expert(&layer.w3, e),
-                w2: MatView::expert(&layer.w2, e),
-                input: &xin[r0 * h..r1 * h],
-                n: r1 - r0,
-                row_weight: Some(plan.perm[r0..r1].iter().map(|&s| wts[s as usize]).collect()),
-                act_quant: match mode {
-                    Mode::W4A16 => ActQuant::None,
-                    Mode::W4A8 => ActQuant::Fp8,
-                    Mode::W4A4 => ActQuant::Nvfp4(input_scale(&layer.w2.data, e)),
-                },
-            });
-        }
-        let shared_job = layer.shared.as_ref().filter(|_| tc > 0).map(|s| {
-            jobs.push(Job {
-                w1: MatView::dense(&s.w1),
-                w3: MatView::dense(&s.w3),
-                w2: MatView::dense(&s.w2),
-                input: &x_f32,
-                n: tc,
-                row_weight: None,
-                act_quant: ActQuant::None,
-            });
-            jobs.len() - 1
-        });
-        // The shared expert may be wider than I (several fused); run it separately then.
-        let shared_inter = layer.shared.as_ref().map_or(inter, |s| s.w1.rows);
-        let results = if shared_job.is_some() && shared_inter != inter {
-            let sj = jobs.pop().expect("shared job");
-            let mut r = run_jobs(&jobs, inter, h, limit, tracing);
-            r.extend(run_jobs(std::slice::from_ref(&sj), shared_inter, h, limit, false));
-            r
-        } else {
-            run_jobs(&jobs, inter, h, limit, tracing)
-        };
-
-        // Combine: per token, the k slots in slot order, then the shared expert.
-        let slot_out = |slot: usize| -> &[f32] {
-            let e = ids[slot] as usize;
-            let i = plan.row_of_slot[slot] as usize - plan.offsets[e] as usize;
-            &results[job_of_expert[e]].0[i * h..(i + 1) * h]
-        };
-        for t in 0..tc {
-            let dst = &mut routed[(t0 + t) * h..(t0 + t + 1) * h];
-            for j in 0..k {
-                for (d, v) in dst.iter_mut().zip(slot_out(t * k + j)) {
-                    *d += v;
-                }
-            }
-            if let Some(sj) = shared_job {
-                shared[(t0 + t) * h..(t0 + t + 1) * h].copy_from_slice(&results[sj].0[t * h..(t + 1) * h]);
-            }
-        }
-
-        if let Some(tb) = tr.as_mut() {
-            // Canonical per-slot layouts (slot = t*k + j); this chunk is the whole forward.
-            for (slot, &e) in ids.iter().enumerate() {
-                let e = e as usize;
-                let i = plan.row_of_slot[slot] as usize - plan.offsets[e] as usize;
-                let (out, l1) = &results[job_of_expert[e]];
-                let s = slot * inter..(slot + 1) * inter;
-                let src = i * inter..(i + 1) * inter;
-                tb.gate[s.clone()].copy_from_slice(&l1.gate[src.clone()]);
-                tb.up[s.clone()].copy_from_slice(&l1.up[src.clone()]);
-                tb.act[s.clone()].copy_from_slice(&l1.act[src.clone()]);
-                tb.act_q[s].copy_from_slice(&l1.act_q[src]);
-                tb.l2[slot * h..(slot + 1) * h].copy_from_slice(&out[i * h..(i + 1) * h]);
-            }
-            for t in 0..tc {
-                let row = plan.row_of_slot[t * k] as usize;
-                tb.input_q[t * h..(t + 1) * h].copy_from_slice(&xin[row * h..(row + 1) * h]);
-            }
-        }
-    }
-    for ((yv, r), s) in y.iter_mut().zip(&routed).zip(&shared) {
-        *yv = r + s;
-    }
-
-    if let (Some(t), Some(tb)) = (trace, tr) {
+    if let (Some(t), Some(tb)) = (trace, routed.trace) {
         let slots = tokens * k;
+        let mut counts = vec![0.0f32; e_count];
+        for (c, &n) in counts[layer.expert_range.clone()].iter_mut().zip(&routed.counts) {
+            *c = n as f32;
+        }
         t.record(Stage::RouterScores, &[tokens, e_count], routing.scores.clone());
         t.record(Stage::TopkIds, &[tokens, k], routing.topk_ids.iter().map(|&v| v as f32).collect());
         t.record(Stage::TopkWeights, &[tokens, k], routing.topk_weights.clone());
-        t.record(Stage::PlanCounts, &[e_count], full_plan.counts.iter().map(|&c| c as f32).collect());
+        t.record(Stage::PlanCounts, &[e_count], counts);
         t.record(Stage::InputQuant, &[tokens, h], tb.input_q);
         t.record(Stage::L1Gate, &[slots, inter], tb.gate);
         t.record(Stage::L1Up, &[slots, inter], tb.up);
@@ -475,9 +370,231 @@ pub fn forward_detailed(
     Ok(ReferenceOutput {
         output: ForwardOutput { y, topk_ids: routing.topk_ids, topk_weights: routing.topk_weights },
         scores: routing.scores,
-        routed,
+        routed: routed.sum,
         shared,
     })
+}
+
+/// The routed experts' sum `[T, H]` for an external routing, in vLLM's convention: `topk_ids`
+/// `[T, k]` are global expert ids, `-1` means "not routed here" and is skipped, and slots routed
+/// to experts outside `layer.expert_range` contribute nothing (another rank computes them);
+/// `topk_weights` `[T, k]` multiply each slot's activation before W2, as the router's weights do
+/// (non-finite weights are allowed and propagate as the math says). No router, no shared expert:
+/// this is what one expert-parallel rank adds to the combine. Same per-slot math and slot order as
+/// [`forward_detailed`]'s `routed` (fed its own routing, the results are equal).
+///
+/// Errors: `x` not `[T, H]`, `topk_ids` or `topk_weights` not `[T, k]`, an id `>= E` or `< -1`
+/// (the message names `topk_ids[i]`), a layer that fails [`MoeLayer::validate`] or a mode the
+/// layer cannot run ([`check_mode`]).
+pub fn forward_routed(
+    layer: &MoeLayer,
+    x: &[bf16],
+    topk_ids: &[i32],
+    topk_weights: &[f32],
+    mode: Mode,
+) -> Result<Vec<f32>> {
+    layer.validate()?;
+    check_mode(layer, mode)?;
+    let (h, k) = (layer.config.hidden_size, layer.config.num_experts_per_tok);
+    if !x.len().is_multiple_of(h) {
+        return Err(MegaError::Input(format!(
+            "x has {} elements, not a multiple of H={h} (expected [T, H])",
+            x.len()
+        )));
+    }
+    let tokens = x.len() / h;
+    for (name, len) in [("topk_ids", topk_ids.len()), ("topk_weights", topk_weights.len())] {
+        if len != tokens * k {
+            return Err(MegaError::Input(format!(
+                "{name} has {len} elements, expected [T={tokens}, k={k}] = {} (T from x)",
+                tokens * k
+            )));
+        }
+    }
+    Ok(routed_experts(layer, x, topk_ids, topk_weights, mode, false)?.sum)
+}
+
+/// What [`routed_experts`] computes.
+struct Routed {
+    /// Sum of the local slots' contributions `[T, H]`, per token in slot order.
+    sum: Vec<f32>,
+    /// Slots routed to each local expert `[E_local]`.
+    counts: Vec<u32>,
+    /// Full-size per-slot buffers (non-local slots zero), when tracing.
+    trace: Option<TraceBufs>,
+}
+
+/// The one routed-experts path of the reference: `ids` `[T, k]` global ids (`-1`: skipped),
+/// `wts` `[T, k]`; only the layer's own experts are computed, planned over local ids. The caller
+/// has validated the layer, the mode and the shapes of `x`, `ids` and `wts`.
+fn routed_experts(
+    layer: &MoeLayer,
+    x: &[bf16],
+    ids: &[i32],
+    wts: &[f32],
+    mode: Mode,
+    tracing: bool,
+) -> Result<Routed> {
+    let c = &layer.config;
+    let (h, inter, e_count, k) =
+        (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);
+    let limit = c.swiglu_limit;
+    let tokens = x.len() / h;
+    if let Some((i, &v)) = ids.iter().enumerate().find(|(_, &v)| v < -1 || v >= e_count as i32) {
+        return Err(MegaError::Input(format!(
+            "topk_ids[{i}] = {v} is outside the router's experts: expected a global id in 0..{e_count} \
+             or -1 (not routed here)"
+        )));
+    }
+    let n_local = layer.local_experts();
+    let shape = ForwardShape::of(layer, tokens);
+    let mut sum = vec![0.0f32; tokens * h];
+    let mut counts = vec![0u32; n_local];
+    let mut tr = if tracing { Some(TraceBufs::new(tokens, &shape)) } else { None };
+    let chunk = if tracing { tokens.max(1) } else { TOKEN_CHUNK };
+
+    let input_scale = |p: &ProjData, e: usize| match p {
+        ProjData::Nvfp4 { input_scale: Some(s), .. } => s[e],
+        _ => 1.0, // unreachable after check_mode for W4A4
+    };
+
+    for t0 in (0..tokens).step_by(chunk) {
+        let t1 = (t0 + chunk).min(tokens);
+        let tc = t1 - t0;
+        let ids = &ids[t0 * k..t1 * k];
+        let wts = &wts[t0 * k..t1 * k];
+        // The slots this layer computes, compacted: `slot_of[c]` (chunk slot) and `local[c]`
+        // (local expert); `compact[slot]` is `c`, or `None` for -1 and other ranks' experts.
+        let mut compact: Vec<Option<usize>> = vec![None; ids.len()];
+        let (mut slot_of, mut local) = (Vec::new(), Vec::new());
+        for (slot, &id) in ids.iter().enumerate() {
+            if let Some(e) = layer.local_expert(id) {
+                compact[slot] = Some(slot_of.len());
+                slot_of.push(slot);
+                local.push(e as i32);
+            }
+        }
+        let plan = RoutingPlan::build(&local, n_local)?;
+        for (total, n) in counts.iter_mut().zip(&plan.counts) {
+            *total += n;
+        }
+        let x_f32: Vec<f32> = x[t0 * h..t1 * h].iter().map(|v| v.to_f32()).collect();
+
+        // Expert inputs in plan-row order, through the mode's input quantization.
+        let row_token = |row: usize| slot_of[plan.perm[row] as usize] / k;
+        let mut xin = vec![0.0f32; local.len() * h];
+        match mode {
+            Mode::W4A16 => xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
+                let t = row_token(row);
+                dst.copy_from_slice(&x_f32[t * h..(t + 1) * h]);
+            }),
+            Mode::W4A8 => {
+                let mut xq = vec![0.0f32; tc * h];
+                xq.par_chunks_mut(h).zip(x_f32.par_chunks(h)).for_each(|(q, x)| {
+                    fmt::act_quant::fp8_block128_ue8m0(x, q);
+                });
+                xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
+                    let t = row_token(row);
+                    dst.copy_from_slice(&xq[t * h..(t + 1) * h]);
+                });
+            }
+            Mode::W4A4 => xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
+                let (t, e) = (row_token(row), local[plan.perm[row] as usize] as usize);
+                fmt::act_quant::nvfp4_block16(
+                    &x_f32[t * h..(t + 1) * h],
+                    input_scale(&layer.w1.data, e),
+                    dst,
+                );
+            }),
+        }
+
+        let mut jobs: Vec<Job<'_>> = Vec::new();
+        let mut job_of_expert = vec![usize::MAX; n_local];
+        for e in plan.active_experts() {
+            let (r0, r1) = (plan.offsets[e] as usize, plan.offsets[e + 1] as usize);
+            job_of_expert[e] = jobs.len();
+            jobs.push(Job {
+                w1: MatView::expert(&layer.w1, e),
+                w3: MatView::expert(&layer.w3, e),
+                w2: MatView::expert(&layer.w2, e),
+                input: &xin[r0 * h..r1 * h],
+                n: r1 - r0,
+                row_weight: Some(plan.perm[r0..r1].iter().map(|&c| wts[slot_of[c as usize]]).collect()),
+                act_quant: match mode {
+                    Mode::W4A16 => ActQuant::None,
+                    Mode::W4A8 => ActQuant::Fp8,
+                    Mode::W4A4 => ActQuant::Nvfp4(input_scale(&layer.w2.data, e)),
+                },
+            });
+        }
+        let results = run_jobs(&jobs, inter, h, limit, tracing);
+        // `(job, row within the job)` of compacted slot `c`.
+        let place = |c: usize| {
+            let e = local[c] as usize;
+            (job_of_expert[e], plan.row_of_slot[c] as usize - plan.offsets[e] as usize)
+        };
+
+        // Combine: per token, its local slots in slot order.
+        for t in 0..tc {
+            let dst = &mut sum[(t0 + t) * h..(t0 + t + 1) * h];
+            for c in compact[t * k..(t + 1) * k].iter().flatten() {
+                let (j, i) = place(*c);
+                for (d, v) in dst.iter_mut().zip(&results[j].0[i * h..(i + 1) * h]) {
+                    *d += v;
+                }
+            }
+        }
+
+        if let Some(tb) = tr.as_mut() {
+            // Canonical per-slot layouts (slot = t*k + j); this chunk is the whole forward.
+            for (c, &slot) in slot_of.iter().enumerate() {
+                let (j, i) = place(c);
+                let (out, l1) = &results[j];
+                let s = slot * inter..(slot + 1) * inter;
+                let src = i * inter..(i + 1) * inter;
+                tb.gate[s.clone()].copy_from_slice(&l1.gate[src.clone()]);
+                tb.up[s.clone()].copy_from_slice(&l1.up[src.clone()]);
+                tb.act[s.clone()].copy_from_slice(&l1.act[src.clone()]);
+                tb.act_q[s].copy_from_slice(&l1.act_q[src]);
+                tb.l2[slot * h..(slot + 1) * h].copy_from_slice(&out[i * h..(i + 1) * h]);
+            }
+            for t in 0..tc {
+                if let Some(&c) = compact[t * k..(t + 1) * k].iter().flatten().next() {
+                    let row = plan.row_of_slot[c] as usize;
+                    tb.input_q[t * h..(t + 1) * h].copy_from_slice(&xin[row * h..(row + 1) * h]);
+                }
+            }
+        }
+    }
+    Ok(Routed { sum, counts, trace: tr })
+}
+
+/// The shared expert's output `[T, H]` (zeros when the layer has none): weight 1, activations
+/// never quantized, in chunks of [`TOKEN_CHUNK`] tokens.
+fn shared_expert(layer: &MoeLayer, x: &[bf16]) -> Vec<f32> {
+    let h = layer.config.hidden_size;
+    let tokens = x.len() / h;
+    let mut out = vec![0.0f32; tokens * h];
+    let Some(s) = &layer.shared else { return out };
+    for t0 in (0..tokens).step_by(TOKEN_CHUNK) {
+        let t1 = (t0 + TOKEN_CHUNK).min(tokens);
+        let x_f32: Vec<f32> = x[t0 * h..t1 * h].iter().map(|v| v.to_f32()).collect();
+        let job = Job {
+            w1: MatView::dense(&s.w1),
+            w3: MatView::dense(&s.w3),
+            w2: MatView::dense(&s.w2),
+            input: &x_f32,
+            n: t1 - t0,
+            row_weight: None,
+            act_quant: ActQuant::None,
+        };
+        // The shared expert may be wider than I (several fused): its own intermediate size.
+        let (y, _) = run_jobs(std::slice::from_ref(&job), s.w1.rows, h, layer.config.swiglu_limit, false)
+            .pop()
+            .expect("one job, one result");
+        out[t0 * h..t1 * h].copy_from_slice(&y);
+    }
+    out
 }
 
 /// Full-size trace buffers in canonical layouts.

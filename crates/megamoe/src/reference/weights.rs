@@ -4,6 +4,7 @@
 
 use crate::checkpoint::{DenseData, DenseProj, ExpertProj, ProjData};
 use crate::formats as fmt;
+use fmt::{mxfp4, nvfp4};
 use half::bf16;
 
 /// One `rows x cols` matrix, readable row by row. Values are `row(r)[c] * alpha`.
@@ -35,14 +36,14 @@ impl<'a> MatView<'a> {
             ProjData::Nvfp4 { packed, scales, global_scale, .. } => (
                 Kind::Nvfp4 {
                     packed: &packed[e * n / 2..(e + 1) * n / 2],
-                    scales: &scales[e * n / 16..(e + 1) * n / 16],
+                    scales: &scales[e * n / nvfp4::BLOCK..(e + 1) * n / nvfp4::BLOCK],
                 },
                 global_scale[e],
             ),
             ProjData::Mxfp4 { packed, scales } => (
                 Kind::Mxfp4 {
                     packed: &packed[e * n / 2..(e + 1) * n / 2],
-                    scales: &scales[e * n / 32..(e + 1) * n / 32],
+                    scales: &scales[e * n / mxfp4::BLOCK..(e + 1) * n / mxfp4::BLOCK],
                 },
                 1.0,
             ),
@@ -66,15 +67,15 @@ impl<'a> MatView<'a> {
         match self.kind {
             Kind::Nvfp4 { packed, scales } => decode_fp4_row(
                 &packed[r * c / 2..(r + 1) * c / 2],
-                &scales[r * c / 16..(r + 1) * c / 16],
-                16,
+                &scales[r * c / nvfp4::BLOCK..(r + 1) * c / nvfp4::BLOCK],
+                nvfp4::BLOCK,
                 fmt::e4m3::decode,
                 out,
             ),
             Kind::Mxfp4 { packed, scales } => decode_fp4_row(
                 &packed[r * c / 2..(r + 1) * c / 2],
-                &scales[r * c / 32..(r + 1) * c / 32],
-                32,
+                &scales[r * c / mxfp4::BLOCK..(r + 1) * c / mxfp4::BLOCK],
+                mxfp4::BLOCK,
                 fmt::e8m0::decode,
                 out,
             ),
@@ -119,13 +120,13 @@ mod tests {
         let nv_scales = [0x00u8, 0x01, 0x3F, 0x7E];
         let mx_scales = [0u8, 127];
         let (mut a, mut b) = (vec![0.0f32; cols], vec![0.0f32; cols]);
-        decode_fp4_row(&packed, &nv_scales, 16, fmt::e4m3::decode, &mut a);
+        decode_fp4_row(&packed, &nv_scales, nvfp4::BLOCK, fmt::e4m3::decode, &mut a);
         fmt::nvfp4::dequantize_row(&packed, &nv_scales, &mut b);
         assert_eq!(
             a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
-        decode_fp4_row(&packed, &mx_scales, 32, fmt::e8m0::decode, &mut a);
+        decode_fp4_row(&packed, &mx_scales, mxfp4::BLOCK, fmt::e8m0::decode, &mut a);
         fmt::mxfp4::dequantize_row(&packed, &mx_scales, &mut b);
         assert_eq!(
             a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
