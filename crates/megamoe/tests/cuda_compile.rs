@@ -39,7 +39,12 @@ fn every_kernel_compiles_for_hopper_and_blackwell() {
         for (spec, names) in module_catalogue() {
             let t0 = std::time::Instant::now();
             let c = runtime::compile(&spec, arch).unwrap_or_else(|e| panic!("{} for {arch}: {e}", spec.name));
-            eprintln!("{} for {arch}: {} bytes in {:.1} s", spec.name, c.image.len(), t0.elapsed().as_secs_f64());
+            eprintln!(
+                "{} for {arch}: {} bytes in {:.1} s",
+                spec.name,
+                c.image.len(),
+                t0.elapsed().as_secs_f64()
+            );
             if !c.log.trim().is_empty() {
                 eprintln!("{}", c.log);
             }

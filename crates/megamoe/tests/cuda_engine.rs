@@ -7,7 +7,10 @@
 #![cfg(feature = "cuda")]
 
 use half::bf16;
-use megamoe::backend::cuda::CudaEngine;
+use megamoe::backend::cuda::{
+    CudaDevice, CudaEngine, DType, DeviceTensor, ForwardIo, LayerWeights, Routing, StreamRef, Workspace,
+    WorkspaceDims,
+};
 use megamoe::backend::MoeEngine;
 use megamoe::checkpoint::{MoeLayer, ProjData};
 use megamoe::formats::WeightFormat;
@@ -16,9 +19,23 @@ use megamoe::synthetic;
 use megamoe::trace::{Stage, StageTrace};
 use std::sync::Arc;
 
+/// Every GEMM family; the correctness tests run on each.
+const FAMILIES: [&str; 2] = ["tc", "simt"];
+
 fn engine(layer: &Arc<MoeLayer>, max_t: usize) -> Option<CudaEngine> {
-    match CudaEngine::new(layer.clone(), max_t) {
-        Ok(e) => Some(e),
+    engine_with(layer, max_t, None)
+}
+
+/// An engine whose routed experts (and shared expert, when it can) use GEMM family `family`.
+fn engine_with(layer: &Arc<MoeLayer>, max_t: usize, family: Option<&str>) -> Option<CudaEngine> {
+    match CudaEngine::with_family(layer.clone(), max_t, family) {
+        Ok(e) => {
+            if let Some(f) = family {
+                let (got, _) = e.weights().families();
+                assert_eq!(got, f, "asked for family {f}, got {got}");
+            }
+            Some(e)
+        }
         Err(e) => {
             if std::env::var_os("MEGAMOE_REQUIRE_GPU").is_some() {
                 panic!("MEGAMOE_REQUIRE_GPU is set but the CUDA engine failed: {e}");
@@ -253,12 +270,18 @@ fn tol(mode: Mode) -> f64 {
 }
 
 fn check_case(format: WeightFormat, hash: bool, skew: bool, tokens: &[usize], seed: u64) {
+    for family in FAMILIES {
+        check_case_on(family, format, hash, skew, tokens, seed);
+    }
+}
+
+fn check_case_on(family: &str, format: WeightFormat, hash: bool, skew: bool, tokens: &[usize], seed: u64) {
     let mut layer = synthetic::random_layer(&synthetic::tiny_config(), format, 0, hash, seed);
     if skew {
         synthetic::skew_routing(&mut layer, 2, 4);
     }
     let layer = Arc::new(layer);
-    let Some(mut eng) = engine(&layer, *tokens.iter().max().unwrap()) else { return };
+    let Some(mut eng) = engine_with(&layer, *tokens.iter().max().unwrap(), Some(family)) else { return };
     let c = layer.config.clone();
     for &t in tokens {
         let x = synthetic::random_hidden(t, c.hidden_size, seed + t as u64);
@@ -292,8 +315,8 @@ fn check_case(format: WeightFormat, hash: bool, skew: bool, tokens: &[usize], se
             }
             let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, mode);
             let err = rel_l2(&out.y, &want);
-            eprintln!("{format:?} hash={hash} skew={skew} {mode} T={t}: rel L2 {err:.2e}");
-            assert!(err < tol(mode), "{format:?} {mode} T={t}: rel L2 {err:.3e} > {}", tol(mode));
+            eprintln!("{family} {format:?} hash={hash} skew={skew} {mode} T={t}: rel L2 {err:.2e}");
+            assert!(err < tol(mode), "{family} {format:?} {mode} T={t}: rel L2 {err:.3e} > {}", tol(mode));
         }
     }
 }
@@ -316,9 +339,15 @@ fn hash_layer_and_skewed_routing() {
 
 #[test]
 fn repeat_runs_and_graph_replay_are_bitwise_identical() {
+    for family in FAMILIES {
+        repeat_runs_and_graph_replay_on(family);
+    }
+}
+
+fn repeat_runs_and_graph_replay_on(family: &str) {
     let layer =
         Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 21));
-    let Some(mut eng) = engine(&layer, 300) else { return };
+    let Some(mut eng) = engine_with(&layer, 300, Some(family)) else { return };
     let x = synthetic::random_hidden(257, 256, 5);
     let input = ForwardInput { x: &x, input_ids: None };
     for mode in Mode::ALL {
@@ -413,10 +442,16 @@ fn rel_l2_finite(a: &[f32], b: &[f32]) -> f64 {
 
 #[test]
 fn nan_and_inf_tokens_match_the_cpu_reference_in_every_mode() {
+    for family in FAMILIES {
+        nan_and_inf_tokens_on(family);
+    }
+}
+
+fn nan_and_inf_tokens_on(family: &str) {
     // H = 256 and I = 128 are multiples of 128 (W4A8); NVFP4 with input scales (W4A4); shared expert.
     let layer =
         Arc::new(synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 51));
-    let Some(mut eng) = engine(&layer, 8) else { return };
+    let Some(mut eng) = engine_with(&layer, 8, Some(family)) else { return };
     let (t, h, k) = (5, 256, 4);
     let mut x = synthetic::random_hidden(t, h, 17);
     // Token 1: one NaN (in its second 128-block); token 3: one +Inf (in its first block).
@@ -535,22 +570,25 @@ fn engine_rejects_nan_scale_bytes_and_non_finite_global_scales() {
     }
 }
 
-/// The decode path: at T = 1..8 the heuristic picks the weight-streaming GEMV kernels for the routed
-/// experts and the shared expert (asserted), and every format and mode matches the CPU reference
-/// (tokens whose routing flips at a near-tie are left out), repeats bitwise, and replays in a graph.
+/// The decode path: at T = 1..8 (the SIMT family's GEMV, the tensor-core family's 8-token tiles with
+/// K split inside the CTA) every format and mode matches the CPU reference (tokens whose routing
+/// flips at a near-tie are left out), repeats bitwise, and replays in a graph.
 #[test]
-fn gemv_decode_path_matches_the_cpu_reference_at_t1_to_8() {
-    use megamoe::backend::gpu_layout;
+fn decode_path_matches_the_cpu_reference_at_t1_to_8() {
+    for family in FAMILIES {
+        decode_path_on(family);
+    }
+}
+
+fn decode_path_on(family: &str) {
     for (fi, format) in [WeightFormat::Nvfp4, WeightFormat::Mxfp4, WeightFormat::Bf16].into_iter().enumerate()
     {
         let layer =
             Arc::new(synthetic::random_layer(&synthetic::tiny_config(), format, 1, false, 61 + fi as u64));
-        let Some(mut eng) = engine(&layer, 8) else { return };
+        let Some(mut eng) = engine_with(&layer, 8, Some(family)) else { return };
         let c = layer.config.clone();
-        let (h, k, e) = (c.hidden_size, c.num_experts_per_tok, c.n_routed_experts);
+        let (h, k) = (c.hidden_size, c.num_experts_per_tok);
         for t in 1..=8usize {
-            assert!(gpu_layout::is_gemv(gpu_layout::choose_block_m(t * k, e)), "T={t}: GEMV not chosen");
-            assert!(gpu_layout::is_gemv(gpu_layout::choose_dense_block_m(t)));
             let x = synthetic::random_hidden(t, h, 300 + t as u64);
             let input = ForwardInput { x: &x, input_ids: None };
             for mode in Mode::ALL {
@@ -576,7 +614,7 @@ fn gemv_decode_path_matches_the_cpu_reference_at_t1_to_8() {
                 assert!(gy.len() * 2 >= t * h, "{format:?} {mode} T={t}: most tokens routed differently");
                 assert!(g.y.iter().all(|v| v.is_finite()), "{format:?} {mode} T={t}: non-finite output");
                 let err = rel_l2(&gy, &ry);
-                eprintln!("GEMV {format:?} {mode} T={t}: rel L2 vs CPU reference {err:.2e}");
+                eprintln!("decode {family} {format:?} {mode} T={t}: rel L2 vs CPU reference {err:.2e}");
                 assert!(err < tol(mode), "{format:?} {mode} T={t}: rel L2 {err:.3e} > {}", tol(mode));
                 eng.poison(0xA5).unwrap();
                 let g2 = eng.forward(&input, mode, None).unwrap();
@@ -590,5 +628,308 @@ fn gemv_decode_path_matches_the_cpu_reference_at_t1_to_8() {
                 }
             }
         }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The runtime's seams: caller buffers and streams, several layers, external routing, expert ranges.
+
+/// The device, or a printed skip (a failure under `MEGAMOE_REQUIRE_GPU`).
+fn device() -> Option<Arc<CudaDevice>> {
+    match CudaDevice::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            if std::env::var_os("MEGAMOE_REQUIRE_GPU").is_some() {
+                panic!("MEGAMOE_REQUIRE_GPU is set but no device opened: {e}");
+            }
+            eprintln!("SKIPPED: no usable GPU ({e})");
+            None
+        }
+    }
+}
+
+/// The reference's y restricted to tokens whose expert set the GPU agrees on; returns
+/// (gpu values, reference values) of those tokens.
+fn agreeing_tokens(
+    gy: &[f32],
+    gids: &[i32],
+    r: &megamoe::forward::ForwardOutput,
+    h: usize,
+    k: usize,
+) -> (Vec<f32>, Vec<f64>) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for tok in 0..gids.len() / k {
+        let (mut x, mut y) =
+            (gids[tok * k..(tok + 1) * k].to_vec(), r.topk_ids[tok * k..(tok + 1) * k].to_vec());
+        x.sort();
+        y.sort();
+        if x == y {
+            a.extend_from_slice(&gy[tok * h..(tok + 1) * h]);
+            b.extend(r.y[tok * h..(tok + 1) * h].iter().map(|&v| v as f64));
+        }
+    }
+    (a, b)
+}
+
+fn bf16_bits(x: &[bf16]) -> Vec<u16> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn enqueue_on_a_caller_stream_into_buffers_at_offsets() {
+    let Some(dev) = device() else { return };
+    let layer = synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 81);
+    let c = layer.config.clone();
+    let (t, h, k) = (13usize, c.hidden_size, c.num_experts_per_tok);
+    let w = LayerWeights::upload(&dev, &layer).unwrap();
+    let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, 32)).unwrap();
+    let stream = dev.new_stream().unwrap();
+    // SAFETY: the stream lives until the end of the test.
+    let sref = unsafe { StreamRef::from_raw(stream.cu_stream()) };
+    // One arena: x at byte 4096, y (bf16 then f32) and the routing outputs further on.
+    let arena = dev.alloc(1 << 20, "arena").unwrap();
+    let (xo, yo, io_, wo) = (4096usize, 4096 + 16 * t * h, 4096 + 32 * t * h, 4096 + 40 * t * h);
+    let x = synthetic::random_hidden(t, h, 82);
+    arena.write(dev.stream(), xo, &bf16_bits(&x)).unwrap();
+    let input = ForwardInput { x: &x, input_ids: None };
+    for (mode, ydt) in [(Mode::W4A16, DType::F32), (Mode::W4A8, DType::Bf16), (Mode::W4A4, DType::F32)] {
+        ws.prepare(mode, false).unwrap();
+        ws.poison(0xFF).unwrap();
+        let io = ForwardIo {
+            tokens: t,
+            x: DeviceTensor::new(arena.ptr() + xo as u64, t, h, DType::Bf16),
+            input_ids: None,
+            y: DeviceTensor::new(arena.ptr() + yo as u64, t, h, ydt),
+            topk_ids: Some(DeviceTensor::new(arena.ptr() + io_ as u64, t, k, DType::I32)),
+            topk_weights: Some(DeviceTensor::new(arena.ptr() + wo as u64, t, k, DType::F32)),
+            routing: Routing::Internal,
+        };
+        w.enqueue_forward(&ws, &io, mode, sref).unwrap();
+        stream.synchronize().unwrap();
+        let y: Vec<f32> = match ydt {
+            DType::Bf16 => arena
+                .read::<u16>(dev.stream(), yo, t * h)
+                .unwrap()
+                .into_iter()
+                .map(|b| f32::from_bits((b as u32) << 16))
+                .collect(),
+            _ => arena.read::<f32>(dev.stream(), yo, t * h).unwrap(),
+        };
+        let ids = arena.read::<i32>(dev.stream(), io_, t * k).unwrap();
+        // x is untouched.
+        assert_eq!(arena.read::<u16>(dev.stream(), xo, t * h).unwrap(), bf16_bits(&x));
+        let r = megamoe::reference::forward(&layer, &input, mode, None).unwrap();
+        let (a, b) = agreeing_tokens(&y, &ids, &r, h, k);
+        assert!(a.len() * 2 >= t * h, "{mode}: most tokens routed differently");
+        let err = rel_l2(&a, &b);
+        let lim = tol(mode) + if ydt == DType::Bf16 { 8e-3 } else { 0.0 };
+        eprintln!("caller stream {mode} y {ydt:?}: rel L2 {err:.2e}");
+        assert!(err < lim, "{mode}: rel L2 {err:.3e} > {lim}");
+        assert_eq!(ws.take_status().unwrap(), 0);
+    }
+}
+
+#[test]
+fn two_layers_run_concurrently_on_two_streams() {
+    let Some(dev) = device() else { return };
+    let cfg = synthetic::tiny_config();
+    let layers = [
+        synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 91),
+        synthetic::random_layer(&cfg, WeightFormat::Mxfp4, 0, true, 92),
+    ];
+    let (t, h, k) = (40usize, cfg.hidden_size, cfg.num_experts_per_tok);
+    let ws_: Vec<_> = layers.iter().map(|l| LayerWeights::upload(&dev, l).unwrap()).collect();
+    let wss: Vec<_> = ws_.iter().map(|w| Workspace::new(&dev, WorkspaceDims::of(w, t)).unwrap()).collect();
+    let streams: Vec<_> = (0..2).map(|_| dev.new_stream().unwrap()).collect();
+    let xs: Vec<_> = (0..2).map(|i| synthetic::random_hidden(t, h, 93 + i)).collect();
+    let tok_ids = synthetic::random_input_ids(t, cfg.vocab_size, 95);
+    let ids32: Vec<i32> = tok_ids.iter().map(|&v| v as i32).collect();
+    let bufs: Vec<_> = (0..2)
+        .map(|i| {
+            let x = dev.upload(&bf16_bits(&xs[i]), "x").unwrap();
+            let y = dev.alloc(t * h * 4, "y").unwrap();
+            let ti = dev.alloc(t * k * 4, "ids").unwrap();
+            let tw = dev.alloc(t * k * 4, "w").unwrap();
+            (x, y, ti, tw)
+        })
+        .collect();
+    let idsbuf = dev.upload(&ids32, "input_ids").unwrap();
+    let io = |i: usize| ForwardIo {
+        tokens: t,
+        x: DeviceTensor::new(bufs[i].0.ptr(), t, h, DType::Bf16),
+        input_ids: Some(DeviceTensor::new(idsbuf.ptr(), t, 1, DType::I32)),
+        y: DeviceTensor::new(bufs[i].1.ptr(), t, h, DType::F32),
+        topk_ids: Some(DeviceTensor::new(bufs[i].2.ptr(), t, k, DType::I32)),
+        topk_weights: Some(DeviceTensor::new(bufs[i].3.ptr(), t, k, DType::F32)),
+        routing: Routing::Internal,
+    };
+    // Interleaved enqueues on both streams, several rounds, no host sync in between.
+    for _ in 0..5 {
+        for i in 0..2 {
+            // SAFETY: the streams live until the end of the test.
+            let s = unsafe { StreamRef::from_raw(streams[i].cu_stream()) };
+            ws_[i].enqueue_forward(&wss[i], &io(i), Mode::W4A16, s).unwrap();
+        }
+    }
+    for (i, st) in streams.iter().enumerate() {
+        st.synchronize().unwrap();
+        let y = bufs[i].1.read::<f32>(dev.stream(), 0, t * h).unwrap();
+        let ids = bufs[i].2.read::<i32>(dev.stream(), 0, t * k).unwrap();
+        let input = ForwardInput { x: &xs[i], input_ids: Some(&tok_ids) };
+        let r = megamoe::reference::forward(&layers[i], &input, Mode::W4A16, None).unwrap();
+        let (a, b) = agreeing_tokens(&y, &ids, &r, h, k);
+        let err = rel_l2(&a, &b);
+        eprintln!("stream {i}: rel L2 {err:.2e} over {} of {t} tokens", a.len() / h);
+        assert!(a.len() * 2 >= t * h && err < tol(Mode::W4A16), "stream {i}: rel L2 {err:.3e}");
+    }
+}
+
+#[test]
+fn external_routing_with_minus_one_on_a_rank_owning_experts_8_to_15_of_24() {
+    let Some(dev) = device() else { return };
+    let cfg = megamoe::config::MoeConfig { n_routed_experts: 24, ..synthetic::tiny_config() };
+    let full = synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 101);
+    let shard = megamoe::parallel::ExpertShard::new(24, 3, 1).unwrap();
+    assert_eq!(shard.experts, 8..16);
+    let rank = shard.slice_layer(&full).unwrap();
+    let (t, h, k) = (37usize, cfg.hidden_size, cfg.num_experts_per_tok);
+    // A caller's routing: distinct ids per token over all 24 experts, some slots -1 (dropped).
+    let mut ids = vec![0i32; t * k];
+    let mut wts = vec![0f32; t * k];
+    for tok in 0..t {
+        for j in 0..k {
+            ids[tok * k + j] =
+                if (tok + j) % 5 == 0 { -1 } else { ((tok * 7 + j * 5 + tok / 3) % 24) as i32 };
+            wts[tok * k + j] = 0.1 + 0.2 * ((tok * k + j) % 7) as f32;
+        }
+    }
+    let x = synthetic::random_hidden(t, h, 102);
+    for family in FAMILIES {
+        let w = LayerWeights::upload_with(&dev, &rank, Some(family)).unwrap();
+        assert_eq!(w.expert_range(), 8..16);
+        let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, t)).unwrap();
+        let xb = dev.upload(&bf16_bits(&x), "x").unwrap();
+        let ib = dev.upload(&ids, "topk_ids").unwrap();
+        let wb = dev.upload(&wts, "topk_weights").unwrap();
+        let yb = dev.alloc(t * h * 4, "y").unwrap();
+        let xt = DeviceTensor::new(xb.ptr(), t, h, DType::Bf16);
+        let it = DeviceTensor::new(ib.ptr(), t, k, DType::I32);
+        let wt = DeviceTensor::new(wb.ptr(), t, k, DType::F32);
+        let yt = DeviceTensor::new(yb.ptr(), t, h, DType::F32);
+        let s = dev.stream_ref();
+        for mode in Mode::ALL {
+            ws.prepare(mode, false).unwrap();
+            ws.poison(0xFF).unwrap();
+            // plan + GEMMs + combine (no shared expert): the routed sum of experts 8..15 only.
+            let plan = w.enqueue_plan(&ws, &it, s).unwrap();
+            w.enqueue_experts(&ws, &plan, &xt, &wt, mode, s).unwrap();
+            w.enqueue_combine(&ws, &plan, &yt, false, s).unwrap();
+            dev.synchronize().unwrap();
+            let got = yb.read::<f32>(dev.stream(), 0, t * h).unwrap();
+            let want = megamoe::reference::forward_routed(&rank, &x, &ids, &wts, mode).unwrap();
+            let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+            let err = rel_l2(&got, &want64);
+            eprintln!("external routing, rank 8..16, {family} {mode}: rel L2 {err:.2e}");
+            assert!(err < tol(mode), "{family} {mode}: rel L2 {err:.3e}");
+            // Tokens with no slot on this rank get exactly zero.
+            for tok in 0..t {
+                if ids[tok * k..(tok + 1) * k].iter().all(|&e| !(8..16).contains(&e)) {
+                    assert!(got[tok * h..(tok + 1) * h].iter().all(|&v| v == 0.0), "token {tok} not zero");
+                }
+            }
+            // The whole forward with external routing adds the shared expert.
+            let io = ForwardIo {
+                tokens: t,
+                x: xt,
+                input_ids: None,
+                y: yt,
+                topk_ids: Some(it),
+                topk_weights: Some(wt),
+                routing: Routing::External,
+            };
+            w.enqueue_forward(&ws, &io, mode, s).unwrap();
+            dev.synchronize().unwrap();
+            let got2 = yb.read::<f32>(dev.stream(), 0, t * h).unwrap();
+            let shared = megamoe::reference::forward_detailed(
+                &rank,
+                &ForwardInput { x: &x, input_ids: None },
+                mode,
+                None,
+            )
+            .unwrap()
+            .shared;
+            let want2: Vec<f64> = want.iter().zip(&shared).map(|(&a, &b)| (a + b) as f64).collect();
+            let err2 = rel_l2(&got2, &want2);
+            assert!(err2 < tol(mode), "{family} {mode} with shared: rel L2 {err2:.3e}");
+            assert_eq!(ws.take_status().unwrap(), 0, "well-formed ids set no status bit");
+        }
+        // Malformed ids (25, -7) are ignored and reported in the status word.
+        let mut bad = ids.clone();
+        bad[3] = 25;
+        bad[10] = -7;
+        ib.write(dev.stream(), 0, &bad).unwrap();
+        let plan = w.enqueue_plan(&ws, &it, s).unwrap();
+        w.enqueue_experts(&ws, &plan, &xt, &wt, Mode::W4A16, s).unwrap();
+        w.enqueue_combine(&ws, &plan, &yt, false, s).unwrap();
+        assert_eq!(ws.take_status().unwrap(), megamoe::backend::cuda::params::STATUS_BAD_EXPERT_ID as u32);
+    }
+}
+
+#[test]
+fn layers_in_one_workspace_capture_as_one_graph_bitwise_equal_to_eager() {
+    let Some(dev) = device() else { return };
+    let cfg = synthetic::tiny_config();
+    let layers: Vec<_> = (0..4)
+        .map(|l| synthetic::random_layer(&cfg, WeightFormat::ALL[l % 3], l, l == 0, 111 + l as u64))
+        .collect();
+    let ws_: Vec<_> = layers.iter().map(|l| LayerWeights::upload(&dev, l).unwrap()).collect();
+    let (t, h) = (9usize, cfg.hidden_size);
+    let mut ws = Workspace::for_layers(&ws_.iter().collect::<Vec<_>>(), t).unwrap();
+    ws.prepare(Mode::W4A8, false).unwrap();
+    // Activations ping-pong between two bf16 buffers: layer l reads a[l % 2], writes a[(l+1) % 2].
+    let x = synthetic::random_hidden(t, h, 120);
+    let a = [dev.upload(&bf16_bits(&x), "a0").unwrap(), dev.alloc(t * h * 2, "a1").unwrap()];
+    let ids = dev
+        .upload(
+            &synthetic::random_input_ids(t, cfg.vocab_size, 121)
+                .iter()
+                .map(|&v| v as i32)
+                .collect::<Vec<_>>(),
+            "ids",
+        )
+        .unwrap();
+    let stream = dev.new_stream().unwrap();
+    // SAFETY: the stream lives until the end of the test.
+    let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
+    let run = |mode| {
+        for (l, w) in ws_.iter().enumerate() {
+            let io = ForwardIo {
+                tokens: t,
+                x: DeviceTensor::new(a[l % 2].ptr(), t, h, DType::Bf16),
+                input_ids: w.is_hash().then(|| DeviceTensor::new(ids.ptr(), t, 1, DType::I32)),
+                y: DeviceTensor::new(a[(l + 1) % 2].ptr(), t, h, DType::Bf16),
+                topk_ids: None,
+                topk_weights: None,
+                routing: Routing::Internal,
+            };
+            w.enqueue_forward(&ws, &io, mode, s).unwrap();
+        }
+    };
+    for mode in [Mode::W4A16, Mode::W4A8] {
+        a[0].write(dev.stream(), 0, &bf16_bits(&x)).unwrap();
+        run(mode);
+        stream.synchronize().unwrap();
+        let eager = a[0].read::<u16>(dev.stream(), 0, t * h).unwrap();
+        assert!(eager.iter().any(|&b| b != 0));
+        a[0].write(dev.stream(), 0, &bf16_bits(&x)).unwrap();
+        stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        run(mode);
+        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).unwrap().unwrap();
+        graph.launch().unwrap();
+        stream.synchronize().unwrap();
+        let replay = a[0].read::<u16>(dev.stream(), 0, t * h).unwrap();
+        assert_eq!(eager, replay, "{mode}: graph replay of 4 layers differs from the eager run");
     }
 }

@@ -63,18 +63,29 @@ impl DevBuf {
     pub fn write<T: bytemuck::Pod>(&self, stream: &Arc<CudaStream>, offset: usize, data: &[T]) -> Result<()> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         if offset.checked_add(bytes.len()).is_none_or(|end| end > self.bytes) {
-            return Err(err(format!("write of {} bytes at {offset} past a {}-byte buffer", bytes.len(), self.bytes)));
+            return Err(err(format!(
+                "write of {} bytes at {offset} past a {}-byte buffer",
+                bytes.len(),
+                self.bytes
+            )));
         }
         if !bytes.is_empty() {
             // SAFETY: the range was checked against the allocation.
-            unsafe { cudarc::driver::result::memcpy_htod_async(self.ptr + offset as u64, bytes, stream.cu_stream()) }
-                .map_err(derr("copying to the device"))?;
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(self.ptr + offset as u64, bytes, stream.cu_stream())
+            }
+            .map_err(derr("copying to the device"))?;
         }
         stream.synchronize().map_err(derr("copying to the device"))
     }
 
     /// Reads `n` values of `T` from byte `offset` (synchronous).
-    pub fn read<T: bytemuck::Pod + Default>(&self, stream: &Arc<CudaStream>, offset: usize, n: usize) -> Result<Vec<T>> {
+    pub fn read<T: bytemuck::Pod + Default>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset: usize,
+        n: usize,
+    ) -> Result<Vec<T>> {
         let len = n * std::mem::size_of::<T>();
         if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
             return Err(err(format!("read of {len} bytes at {offset} past a {}-byte buffer", self.bytes)));
@@ -83,7 +94,11 @@ impl DevBuf {
         if n > 0 {
             // SAFETY: the range was checked against the allocation.
             unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(&mut v, self.ptr + offset as u64, stream.cu_stream())
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut v,
+                    self.ptr + offset as u64,
+                    stream.cu_stream(),
+                )
             }
             .map_err(derr("copying from the device"))?;
         }

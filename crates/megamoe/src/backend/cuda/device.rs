@@ -25,6 +25,7 @@ pub(crate) struct CoreKernels {
     pub plan_scatter: Kernel<PlanParams>,
     pub quant_rows: Kernel<QuantRowsParams>,
     pub combine: Kernel<CombineParams>,
+    pub residual_norm: Kernel<ResidualNormParams>,
 }
 
 /// The module of the core kernels.
@@ -38,9 +39,18 @@ pub fn core_spec() -> ModuleSpec {
 
 /// The entry points of the core module.
 pub fn core_kernel_names() -> Vec<String> {
-    ["moe_router_logits", "moe_router", "moe_plan_count", "moe_plan_offsets", "moe_plan_scatter", "moe_quant_rows", "moe_combine"]
-        .map(String::from)
-        .to_vec()
+    [
+        "moe_router_logits",
+        "moe_router",
+        "moe_plan_count",
+        "moe_plan_offsets",
+        "moe_plan_scatter",
+        "moe_quant_rows",
+        "moe_combine",
+        "moe_residual_norm",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// One GPU and its loaded kernels.
@@ -109,8 +119,17 @@ impl CudaDevice {
             plan_scatter: Kernel::load(&module, "moe_plan_scatter", t, 0)?,
             quant_rows: Kernel::load(&module, "moe_quant_rows", t, 0)?,
             combine: Kernel::load(&module, "moe_combine", t, 0)?,
+            residual_norm: Kernel::load(&module, "moe_residual_norm", t, 0)?,
         };
-        let dev = Arc::new(CudaDevice { ctx, stream, arch, name, sm_count, core, cache: Mutex::new(HashMap::new()) });
+        let dev = Arc::new(CudaDevice {
+            ctx,
+            stream,
+            arch,
+            name,
+            sm_count,
+            core,
+            cache: Mutex::new(HashMap::new()),
+        });
         open.insert(ordinal, Arc::downgrade(&dev));
         Ok(dev)
     }
@@ -172,10 +191,17 @@ impl CudaDevice {
 
     /// The value cached under `key`, made by `make` the first time (a GEMM family's kernels per
     /// weight format). Called at upload, never inside a forward.
-    pub(crate) fn cached<T: Any + Send + Sync>(&self, key: &str, make: impl FnOnce() -> Result<T>) -> Result<Arc<T>> {
+    pub(crate) fn cached<T: Any + Send + Sync>(
+        &self,
+        key: &str,
+        make: impl FnOnce() -> Result<T>,
+    ) -> Result<Arc<T>> {
         let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(v) = c.get(key) {
-            return v.clone().downcast::<T>().map_err(|_| err(format!("internal: cache entry {key} has another type")));
+            return v
+                .clone()
+                .downcast::<T>()
+                .map_err(|_| err(format!("internal: cache entry {key} has another type")));
         }
         let v = Arc::new(make()?);
         c.insert(key.to_string(), v.clone());

@@ -61,7 +61,12 @@ impl CudaEngine {
     }
 
     /// As [`Self::with_family`], on `device`.
-    pub fn on_device(device: &Arc<CudaDevice>, layer: &MoeLayer, max_tokens: usize, family: Option<&str>) -> Result<Self> {
+    pub fn on_device(
+        device: &Arc<CudaDevice>,
+        layer: &MoeLayer,
+        max_tokens: usize,
+        family: Option<&str>,
+    ) -> Result<Self> {
         let weights = LayerWeights::upload_with(device, layer, family)?;
         let ws = Workspace::new(device, WorkspaceDims::of(&weights, max_tokens))?;
         let c = layer.config.clone();
@@ -137,17 +142,26 @@ impl CudaEngine {
     pub(super) fn upload_input(&mut self, input: &ForwardInput<'_>) -> Result<usize> {
         let h = self.weights.config().hidden_size;
         if !input.x.len().is_multiple_of(h) {
-            return Err(MegaError::Input(format!("x has {} elements, not a multiple of H={h}", input.x.len())));
+            return Err(MegaError::Input(format!(
+                "x has {} elements, not a multiple of H={h}",
+                input.x.len()
+            )));
         }
         let t = input.x.len() / h;
         if t > self.max_tokens {
-            return Err(MegaError::Input(format!("{t} tokens exceed the engine's max_tokens {}", self.max_tokens)));
+            return Err(MegaError::Input(format!(
+                "{t} tokens exceed the engine's max_tokens {}",
+                self.max_tokens
+            )));
         }
         let s = self.stream.cu_stream();
         self.device.bind()?;
         if self.weights.is_hash() {
             let ids = input.input_ids.ok_or_else(|| {
-                MegaError::Input(format!("layer {} is hash-routed: input_ids are required", self.weights.index()))
+                MegaError::Input(format!(
+                    "layer {} is hash-routed: input_ids are required",
+                    self.weights.index()
+                ))
             })?;
             if ids.len() != t {
                 return Err(MegaError::Input(format!("input_ids has {} entries, expected T={t}", ids.len())));
@@ -156,7 +170,9 @@ impl CudaEngine {
             let mut ids32 = Vec::with_capacity(t);
             for (i, &id) in ids.iter().enumerate() {
                 if id < 0 || id as usize >= vocab {
-                    return Err(MegaError::Input(format!("input_ids[{i}] = {id} is outside 0..{vocab} (tid2eid rows)")));
+                    return Err(MegaError::Input(format!(
+                        "input_ids[{i}] = {id} is outside 0..{vocab} (tid2eid rows)"
+                    )));
                 }
                 ids32.push(id as i32);
             }
@@ -176,7 +192,12 @@ impl CudaEngine {
     }
 
     /// Enqueues a copy of the first `n` values of `buf` to the host (valid after [`Self::sync`]).
-    pub(super) fn download<T: bytemuck::Pod + Default>(&self, buf: &DevBuf, n: usize, what: &str) -> Result<Vec<T>> {
+    pub(super) fn download<T: bytemuck::Pod + Default>(
+        &self,
+        buf: &DevBuf,
+        n: usize,
+        what: &str,
+    ) -> Result<Vec<T>> {
         let mut v = vec![T::default(); n];
         if n > 0 {
             // SAFETY: `buf` holds at least `n` values of T (sized from max_tokens).
@@ -195,8 +216,10 @@ impl CudaEngine {
     pub(super) fn collect(&self, t: usize) -> Result<ForwardOutput> {
         let c = self.weights.config();
         let y = self.download::<f32>(&self.io.y, t * c.hidden_size, "copying y")?;
-        let topk_ids = self.download::<i32>(&self.io.topk_ids, t * c.num_experts_per_tok, "copying topk_ids")?;
-        let topk_weights = self.download::<f32>(&self.io.topk_w, t * c.num_experts_per_tok, "copying topk_w")?;
+        let topk_ids =
+            self.download::<i32>(&self.io.topk_ids, t * c.num_experts_per_tok, "copying topk_ids")?;
+        let topk_weights =
+            self.download::<f32>(&self.io.topk_w, t * c.num_experts_per_tok, "copying topk_w")?;
         self.sync("forward")?;
         let status = self.ws.take_status()?;
         if status & (STATUS_BAD_TOKEN_ID | STATUS_BAD_EXPERT_ID) as u32 != 0 {
@@ -217,7 +240,12 @@ impl MoeEngine for CudaEngine {
         )
     }
 
-    fn forward(&mut self, input: &ForwardInput<'_>, mode: Mode, trace: Option<&mut StageTrace>) -> Result<ForwardOutput> {
+    fn forward(
+        &mut self,
+        input: &ForwardInput<'_>,
+        mode: Mode,
+        trace: Option<&mut StageTrace>,
+    ) -> Result<ForwardOutput> {
         self.weights.check_mode(mode)?;
         let t = self.upload_input(input)?;
         if t == 0 {

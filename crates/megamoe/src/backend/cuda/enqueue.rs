@@ -51,7 +51,13 @@ impl Plan {
 impl LayerWeights {
     /// Enqueues one whole forward on `stream`: route (or take the caller's routing), plan,
     /// experts, shared expert, combine. `ws` must have been [`Workspace::prepare`]d for `mode`.
-    pub fn enqueue_forward(&self, ws: &Workspace, io: &ForwardIo, mode: Mode, stream: StreamRef) -> Result<()> {
+    pub fn enqueue_forward(
+        &self,
+        ws: &Workspace,
+        io: &ForwardIo,
+        mode: Mode,
+        stream: StreamRef,
+    ) -> Result<()> {
         self.forward_stages(ws, io, mode, false, stream)
     }
 
@@ -273,7 +279,16 @@ impl LayerWeights {
     /// `moe_quant_rows` over the planned rows: the expert inputs (`input`: gather x) or the L1
     /// output, quantize-dequantized for `mode` (W4A8 / W4A4).
     #[allow(clippy::too_many_arguments)]
-    fn quant_rows(&self, ws: &Workspace, plan: &Plan, src: u64, dst: u64, input: bool, mode: Mode, s: StreamRef) -> Result<()> {
+    fn quant_rows(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        src: u64,
+        dst: u64,
+        input: bool,
+        mode: Mode,
+        s: StreamRef,
+    ) -> Result<()> {
         let c = &self.config;
         let p = QuantRowsParams {
             src,
@@ -386,14 +401,27 @@ impl LayerWeights {
             h: c.hidden_size as i32,
             inter: sh.inter as i32,
         };
-        let l1 = GemmL1Params { g: dense(x, &sh.l1), perm: 0, topk_w: 0, limit: c.swiglu_limit, act: ws.sact.ptr() };
+        let l1 = GemmL1Params {
+            g: dense(x, &sh.l1),
+            perm: 0,
+            topk_w: 0,
+            limit: c.swiglu_limit,
+            act: ws.sact.ptr(),
+        };
         sh.kernels.l1(s, &launch, &l1, None)?;
         let l2 = GemmL2Params { g: dense(ws.sact.ptr(), &sh.l2), out: ws.shared_out.ptr() };
         sh.kernels.l2(s, &launch, &l2)?;
         Ok(ws.shared_out.ptr())
     }
 
-    fn combine_raw(&self, ws: &Workspace, plan: &Plan, y: &DeviceTensor, shared: u64, s: StreamRef) -> Result<()> {
+    fn combine_raw(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        y: &DeviceTensor,
+        shared: u64,
+        s: StreamRef,
+    ) -> Result<()> {
         let c = &self.config;
         let p = CombineParams {
             l2: ws.l2.ptr(),

@@ -50,7 +50,14 @@ impl DeviceTensor {
     }
 
     /// Checks shape, dtype (one of `dtypes`) and alignment (`align` bytes), naming the tensor.
-    pub(crate) fn check(&self, name: &str, rows: usize, cols: usize, dtypes: &[DType], align: u64) -> Result<()> {
+    pub(crate) fn check(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        dtypes: &[DType],
+        align: u64,
+    ) -> Result<()> {
         if self.rows != rows || self.cols != cols || !dtypes.contains(&self.dtype) {
             return Err(MegaError::Input(format!(
                 "{name}: expected [{rows}, {cols}] {}, got [{}, {}] {:?}",
@@ -109,7 +116,9 @@ impl ForwardIo {
         let (t, h, k) = (self.tokens, c.hidden_size, c.num_experts_per_tok);
         self.x.check("x", t, h, &[DType::Bf16], 16)?;
         self.y.check("y", t, h, &[DType::F32, DType::Bf16], 4)?;
-        for (name, v, dt) in [("topk_ids", &self.topk_ids, DType::I32), ("topk_weights", &self.topk_weights, DType::F32)] {
+        for (name, v, dt) in
+            [("topk_ids", &self.topk_ids, DType::I32), ("topk_weights", &self.topk_weights, DType::F32)]
+        {
             match v {
                 Some(v) => v.check(name, t, k, &[dt], 4)?,
                 None if self.routing == Routing::External => {

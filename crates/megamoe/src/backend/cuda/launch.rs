@@ -90,7 +90,9 @@ impl<P: Copy> Kernel<P> {
                     max_smem as i32,
                 )
             }
-            .map_err(|e| err(format!("kernel {name}: opting in to {max_smem} bytes of shared memory: {e}")))?;
+            .map_err(|e| {
+                err(format!("kernel {name}: opting in to {max_smem} bytes of shared memory: {e}"))
+            })?;
         }
         Ok(Kernel { func, name: name.to_string(), threads, max_smem, _p: PhantomData })
     }
@@ -157,6 +159,8 @@ impl<P: Copy> Kernel<P> {
         let mut args = [params as *const P as *mut c_void];
         sys::cuLaunchKernelEx(&config, self.func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
             .result()
-            .map_err(|e| err(format!("launching {} (grid {:?}, {} B smem): {e}", self.name, cfg.grid, cfg.smem)))
+            .map_err(|e| {
+                err(format!("launching {} (grid {:?}, {} B smem): {e}", self.name, cfg.grid, cfg.smem))
+            })
     }
 }

@@ -12,12 +12,14 @@
 //! - the kernel ABI (`params.rs` -> `kernels/params.cuh`): one typed parameter struct per kernel,
 //!   launched through [`launch::Kernel`] (`cuLaunchKernelEx`: per-kernel block size, dynamic
 //!   shared memory above 48 KB, clusters, programmatic dependent launch);
+//! - [`CudaModel`] (`model.rs`): every layer of a model on one device with one workspace, and
+//!   the residual stream between layers for model runs;
 //! - [`CudaEngine`] (`engine.rs`, `graph.rs`, `trace_copy.rs`): the host-slice
 //!   [`super::MoeEngine`] over all of this, with CUDA-graph capture and stage traces.
 //!
 //! Kernel sources (each opens with its data layouts, tiling and pipeline): `kernels/common.cuh`
 //! (conversions, reductions, PTX wrappers), `router.cu`, `plan.cu`, `quant.cu` (staging,
-//! activation quantization, combine), `gemm_tc.cu` (tensor-core family), `gemm_simt.cu` (SIMT
+//! activation quantization, combine), `residual.cu` (between a model's layers), `gemm_tc.cu` (tensor-core family), `gemm_simt.cu` (SIMT
 //! family and decode GEMV).
 
 mod buffer;
@@ -28,6 +30,7 @@ pub(crate) mod gemm;
 mod graph;
 mod io;
 pub mod launch;
+mod model;
 pub mod params;
 pub mod runtime;
 mod trace_copy;
@@ -41,6 +44,7 @@ pub use enqueue::Plan;
 pub use gemm::family_names;
 pub use io::{DType, DeviceTensor, ForwardIo, Routing};
 pub use launch::StreamRef;
+pub use model::CudaModel;
 pub use weights::LayerWeights;
 pub use workspace::{Workspace, WorkspaceDims};
 

@@ -212,6 +212,20 @@ kernel_abi! {
         y_dtype: i32 => "int",
     }
 
+    /// `moe_residual_norm`: `h += y; x = bf16(h / rms(h))` per token (between a model's layers).
+    struct ResidualNormParams {
+        /// Residual stream `[T, H]` f32, updated in place.
+        hs: DevPtr => "float*",
+        /// The layer's output `[T, H]` f32.
+        y: DevPtr => "const float*",
+        /// The next layer's input `[T, H]` bf16.
+        x: DevPtr => "bf16_t*",
+        /// Tokens T.
+        t: i32 => "int",
+        /// Hidden size H.
+        h: i32 => "int",
+    }
+
     /// The operands every grouped-GEMM kernel takes (both families).
     struct GemmOperands {
         /// A rows, bf16 `[rows, K]`.
@@ -287,7 +301,8 @@ mod tests {
 
     #[test]
     fn params_header_is_current() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda").join(HEADER_FILE);
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda").join(HEADER_FILE);
         let want = c_header();
         if std::env::var_os("MEGAMOE_BLESS").is_some() {
             std::fs::write(&path, &want).unwrap();

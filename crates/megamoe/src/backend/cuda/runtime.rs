@@ -15,11 +15,12 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 /// after [`COMMON`].
 pub const PARAMS: &str = include_str!("kernels/params.cuh");
 
-/// The router, plan, staging and combine kernels: one module, compiled once per device.
-pub const CORE_SOURCES: [(&str, &str); 3] = [
+/// The router, plan, staging, combine and residual kernels: one module, compiled once per device.
+pub const CORE_SOURCES: [(&str, &str); 4] = [
     ("router", include_str!("kernels/router.cu")),
     ("plan", include_str!("kernels/plan.cu")),
     ("quant", include_str!("kernels/quant.cu")),
+    ("residual", include_str!("kernels/residual.cu")),
 ];
 
 /// The SIMT GEMM family's source (compiled per weight format).
@@ -29,10 +30,11 @@ pub const GEMM_SIMT: &str = include_str!("kernels/gemm_simt.cu");
 pub const GEMM_TC: &str = include_str!("kernels/gemm_tc.cu");
 
 /// Every source with its name (for the layout-comment check and the compile test).
-pub const ALL_SOURCES: [(&str, &str); 5] = [
+pub const ALL_SOURCES: [(&str, &str); 6] = [
     CORE_SOURCES[0],
     CORE_SOURCES[1],
     CORE_SOURCES[2],
+    CORE_SOURCES[3],
     ("gemm_simt", GEMM_SIMT),
     ("gemm_tc", GEMM_TC),
 ];

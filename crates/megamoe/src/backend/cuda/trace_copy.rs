@@ -11,7 +11,13 @@ use crate::trace::{Stage, StageTrace};
 
 impl CudaEngine {
     /// Records the stages of the forward of `t` tokens just enqueued with tracing on (waits for it).
-    pub(super) fn record_trace(&self, t: usize, mode: Mode, input: &ForwardInput<'_>, tr: &mut StageTrace) -> Result<()> {
+    pub(super) fn record_trace(
+        &self,
+        t: usize,
+        mode: Mode,
+        input: &ForwardInput<'_>,
+        tr: &mut StageTrace,
+    ) -> Result<()> {
         let c = self.weights.config();
         let (h, i, e, k) =
             (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);

@@ -92,19 +92,27 @@ impl LayerWeights {
 
     /// As [`Self::upload`], preferring the GEMM family named `family` (`tc`, `simt`; one that
     /// cannot hold the layer exactly falls back to the next, with a warning).
-    pub fn upload_with(device: &Arc<CudaDevice>, layer: &MoeLayer, family: Option<&str>) -> Result<LayerWeights> {
+    pub fn upload_with(
+        device: &Arc<CudaDevice>,
+        layer: &MoeLayer,
+        family: Option<&str>,
+    ) -> Result<LayerWeights> {
         layer.validate()?;
         check_supported(layer)?;
         let c = &layer.config;
         let t0 = std::time::Instant::now();
         let experts = gemm::choose_experts(device, layer, family)?.upload_experts(device, layer)?;
         let shared = match &layer.shared {
-            Some(s) => Some(gemm::choose_shared(device, s, family)?.upload_shared(device, s, c.hidden_size)?),
+            Some(s) => {
+                Some(gemm::choose_shared(device, s, family)?.upload_shared(device, s, c.hidden_size)?)
+            }
             None => None,
         };
         let router = upload_router(device, layer)?;
         let (in1_host, in2_host) = match (&layer.w1.data, &layer.w2.data) {
-            (ProjData::Nvfp4 { input_scale: a, .. }, ProjData::Nvfp4 { input_scale: b, .. }) => (a.clone(), b.clone()),
+            (ProjData::Nvfp4 { input_scale: a, .. }, ProjData::Nvfp4 { input_scale: b, .. }) => {
+                (a.clone(), b.clone())
+            }
             _ => (None, None),
         };
         let up = |v: &Option<Vec<f32>>, what: &str| v.as_ref().map(|v| device.upload(v, what)).transpose();

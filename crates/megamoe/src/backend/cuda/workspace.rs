@@ -112,7 +112,9 @@ pub struct Workspace {
 /// The product of `dims` (a buffer's size), or an error naming the buffer when it overflows.
 pub(crate) fn bytes(dims: &[usize], what: &str) -> Result<usize> {
     dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
-        MegaError::Input(format!("the {what} buffer ({dims:?}) overflows the address space; lower max_tokens"))
+        MegaError::Input(format!(
+            "the {what} buffer ({dims:?}) overflows the address space; lower max_tokens"
+        ))
     })
 }
 
@@ -133,7 +135,10 @@ impl Workspace {
         })?;
         let tiles = max_tiles(s, d.local_experts, MIN_BLOCK_M);
         if tiles > u32::MAX as usize / 2 {
-            return Err(MegaError::Input(format!("max_tokens={}: {tiles} GEMM tiles exceed a grid", d.max_tokens)));
+            return Err(MegaError::Input(format!(
+                "max_tokens={}: {tiles} GEMM tiles exceed a grid",
+                d.max_tokens
+            )));
         }
         let (h, i, e, el, mt) = (d.hidden, d.inter, d.experts, d.local_experts, d.max_tokens);
         let need = Self::base_bytes(&d)?;
@@ -175,8 +180,10 @@ impl Workspace {
 
     /// A workspace for forwards of up to `max_tokens` tokens through any of `layers`.
     pub fn for_layers(layers: &[&LayerWeights], max_tokens: usize) -> Result<Workspace> {
-        let first = layers.first().ok_or_else(|| MegaError::Input("a workspace needs at least one layer".into()))?;
-        let dims = layers.iter().map(|w| WorkspaceDims::of(w, max_tokens)).reduce(WorkspaceDims::max).expect("one");
+        let first =
+            layers.first().ok_or_else(|| MegaError::Input("a workspace needs at least one layer".into()))?;
+        let dims =
+            layers.iter().map(|w| WorkspaceDims::of(w, max_tokens)).reduce(WorkspaceDims::max).expect("one");
         Workspace::new(first.device(), dims)
     }
 
@@ -193,7 +200,10 @@ impl Workspace {
             bytes(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
             bytes(&[mt, h, 4], "shared out")?,
         ];
-        parts.iter().try_fold(0usize, |a, &b| a.checked_add(b)).ok_or_else(|| MegaError::Input("workspace too large".into()))
+        parts
+            .iter()
+            .try_fold(0usize, |a, &b| a.checked_add(b))
+            .ok_or_else(|| MegaError::Input("workspace too large".into()))
     }
 
     /// The sizes this workspace holds.

@@ -216,7 +216,8 @@ fn pack_block(
             let bsz = format.block_size().expect("fp4 format");
             let scale_of = |rr: usize, k: usize| scales[rr * (cols / bsz) + k / bsz];
             // NVFP4 blocks with a zero scale are stored as scale 1.0 with zero codes.
-            let zero_block = |rr: usize, k: usize| format == WeightFormat::Nvfp4 && scale_of(rr, k) & 0x7F == 0;
+            let zero_block =
+                |rr: usize, k: usize| format == WeightFormat::Nvfp4 && scale_of(rr, k) & 0x7F == 0;
             let code = |rr: usize, k: usize| {
                 if zero_block(rr, k) {
                     return 0u8;
@@ -281,7 +282,9 @@ fn expert_source(p: &ExpertProj, e: usize) -> (MatrixSource<'_>, Option<&[u8]>) 
             let s = &scales[e * n / 32..(e + 1) * n / 32];
             (MatrixSource::Fp4 { packed: &packed[e * n / 2..(e + 1) * n / 2], scales: s }, Some(s))
         }
-        ProjData::Bf16 { weight } => (MatrixSource::Bf16(bytemuck::cast_slice(&weight[e * n..(e + 1) * n])), None),
+        ProjData::Bf16 { weight } => {
+            (MatrixSource::Bf16(bytemuck::cast_slice(&weight[e * n..(e + 1) * n])), None)
+        }
     }
 }
 
@@ -312,7 +315,10 @@ fn k2_of(p: &ExpertProj, scales: Option<&[u8]>) -> Option<i32> {
 pub fn unsupported_reason(w1: &ExpertProj, w2: &ExpertProj, w3: &ExpertProj) -> Option<String> {
     for (name, p) in [("w1", w1), ("w2", w2), ("w3", w3)] {
         if !p.cols.is_multiple_of(CHUNK_K) || !p.rows.is_multiple_of(8) {
-            return Some(format!("{name} is [{}, {}]: needs K % {CHUNK_K} == 0 and rows % 8 == 0", p.rows, p.cols));
+            return Some(format!(
+                "{name} is [{}, {}]: needs K % {CHUNK_K} == 0 and rows % 8 == 0",
+                p.rows, p.cols
+            ));
         }
         for e in 0..p.experts {
             let (_, sc) = expert_source(p, e);
@@ -452,7 +458,15 @@ pub fn pack_dense_l1(gate: &[u16], up: &[u16], rows: usize, cols: usize) -> Resu
 /// Packs a dense bf16 matrix `[rows, cols]` for L2.
 pub fn pack_dense_l2(w: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
     let mut out = Vec::new();
-    pack_matrix(&mut out, WeightFormat::Bf16, MatrixSource::Bf16(w), rows, cols, &|r| (r < rows).then_some(r), 126)?;
+    pack_matrix(
+        &mut out,
+        WeightFormat::Bf16,
+        MatrixSource::Bf16(w),
+        rows,
+        cols,
+        &|r| (r < rows).then_some(r),
+        126,
+    )?;
     Ok(out)
 }
 

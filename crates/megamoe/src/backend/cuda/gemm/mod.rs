@@ -42,7 +42,9 @@ impl GemmWeights {
         [&self.l1, &self.l2]
             .iter()
             .map(|s| {
-                s.wq.bytes() + s.ws.as_ref().map_or(0, DevBuf::bytes) + s.alpha.as_ref().map_or(0, DevBuf::bytes)
+                s.wq.bytes()
+                    + s.ws.as_ref().map_or(0, DevBuf::bytes)
+                    + s.alpha.as_ref().map_or(0, DevBuf::bytes)
             })
             .sum()
     }
@@ -100,18 +102,29 @@ fn forced(name: Option<&str>) -> Result<Option<&'static dyn GemmFamily>> {
         return Ok(None);
     };
     FAMILIES.into_iter().find(|f| f.name().eq_ignore_ascii_case(want.trim())).map(Some).ok_or_else(|| {
-        crate::error::MegaError::Input(format!("unknown GEMM family `{want}` (known: {})", family_names().join(", ")))
+        crate::error::MegaError::Input(format!(
+            "unknown GEMM family `{want}` (known: {})",
+            family_names().join(", ")
+        ))
     })
 }
 
 /// The family for `layer`'s routed experts: `name` (or `MEGAMOE_GEMM`) when given and able, else
 /// the first able.
-pub(crate) fn choose_experts(dev: &CudaDevice, layer: &MoeLayer, name: Option<&str>) -> Result<&'static dyn GemmFamily> {
+pub(crate) fn choose_experts(
+    dev: &CudaDevice,
+    layer: &MoeLayer,
+    name: Option<&str>,
+) -> Result<&'static dyn GemmFamily> {
     Ok(choose(forced(name)?, |f| f.experts_unsupported(dev, layer), "routed experts"))
 }
 
 /// The family for the shared expert.
-pub(crate) fn choose_shared(dev: &CudaDevice, shared: &SharedExpert, name: Option<&str>) -> Result<&'static dyn GemmFamily> {
+pub(crate) fn choose_shared(
+    dev: &CudaDevice,
+    shared: &SharedExpert,
+    name: Option<&str>,
+) -> Result<&'static dyn GemmFamily> {
     Ok(choose(forced(name)?, |f| f.shared_unsupported(dev, shared), "shared expert"))
 }
 

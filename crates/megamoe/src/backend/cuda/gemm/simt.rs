@@ -119,7 +119,8 @@ impl GemmKernels for SimtKernels {
     }
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
         let kd = kind(l.block_m)?;
-        let cfg = LaunchCfg::grid((l.grid_tiles, layout::l1_grid_y(p.g.inter as usize, l.block_m) as u32, 1), 0);
+        let cfg =
+            LaunchCfg::grid((l.grid_tiles, layout::l1_grid_y(p.g.inter as usize, l.block_m) as u32, 1), 0);
         // SAFETY: the caller's operands cover the plan's rows and the packed weights.
         unsafe {
             match trace {
@@ -138,7 +139,13 @@ impl GemmKernels for SimtKernels {
     }
 }
 
-fn side(dev: &CudaDevice, wq: &[u8], ws: Option<&[u8]>, alpha: Option<&[f32]>, what: &str) -> Result<PackedSide> {
+fn side(
+    dev: &CudaDevice,
+    wq: &[u8],
+    ws: Option<&[u8]>,
+    alpha: Option<&[f32]>,
+    what: &str,
+) -> Result<PackedSide> {
     Ok(PackedSide {
         wq: dev.upload(wq, what)?,
         ws: ws.map(|s| dev.upload(s, &format!("{what} scales"))).transpose()?,
@@ -210,8 +217,9 @@ impl GemmFamily for SimtFamily {
             match &d.data {
                 DenseData::Bf16(w) => Ok((SimtFormat::Bf16, bytemuck::cast_slice::<_, u8>(w).to_vec(), None)),
                 DenseData::Fp8Block { weight, scale } => {
-                    let sc = expand_block_scales(scale, d.rows, d.cols)
-                        .map_err(|e| MegaError::tensor(format!("shared_experts.{name}.scale"), e.to_string()))?;
+                    let sc = expand_block_scales(scale, d.rows, d.cols).map_err(|e| {
+                        MegaError::tensor(format!("shared_experts.{name}.scale"), e.to_string())
+                    })?;
                     Ok((SimtFormat::Fp8, weight.clone(), Some(sc)))
                 }
             }
@@ -226,17 +234,28 @@ impl GemmFamily for SimtFamily {
         let row_bytes = if f1 == SimtFormat::Bf16 { 2 * h } else { h };
         let w13 = interleave_gate_up(&b1, &b3, 1, is, row_bytes, L1_INTERLEAVE)?;
         let w13s = match (s1, s3) {
-            (Some(a), Some(b)) => {
-                Some(interleave_gate_up(&a, &b, 1, is, h / crate::backend::gpu_layout::K_STEP, L1_INTERLEAVE)?)
-            }
+            (Some(a), Some(b)) => Some(interleave_gate_up(
+                &a,
+                &b,
+                1,
+                is,
+                h / crate::backend::gpu_layout::K_STEP,
+                L1_INTERLEAVE,
+            )?),
             _ => None,
         };
-        let up = |v: &Option<Vec<f32>>, what: &str| {
-            v.as_ref().map(|v| dev.upload(v, what)).transpose()
-        };
+        let up = |v: &Option<Vec<f32>>, what: &str| v.as_ref().map(|v| dev.upload(v, what)).transpose();
         Ok(GemmWeights {
-            l1: PackedSide { wq: dev.upload(&w13, "shared w13")?, ws: up(&w13s, "shared w13 scales")?, alpha: None },
-            l2: PackedSide { wq: dev.upload(&b2, "shared w2")?, ws: up(&s2, "shared w2 scales")?, alpha: None },
+            l1: PackedSide {
+                wq: dev.upload(&w13, "shared w13")?,
+                ws: up(&w13s, "shared w13 scales")?,
+                alpha: None,
+            },
+            l2: PackedSide {
+                wq: dev.upload(&b2, "shared w2")?,
+                ws: up(&s2, "shared w2 scales")?,
+                alpha: None,
+            },
             inter: is,
             kernels: kernels(dev, f1)?,
         })

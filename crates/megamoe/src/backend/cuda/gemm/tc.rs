@@ -66,7 +66,13 @@ pub fn kernel_names() -> Vec<String> {
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
     dev.cached(&format!("gemm_tc-{}", f.name()), || {
         let m = dev.module(&module_spec(f))?;
-        let mut k = TcKernels { format: f, sm_count: dev.sm_count(), l1: HashMap::new(), l2: HashMap::new(), l1_trace: HashMap::new() };
+        let mut k = TcKernels {
+            format: f,
+            sm_count: dev.sm_count(),
+            l1: HashMap::new(),
+            l2: HashMap::new(),
+            l1_trace: HashMap::new(),
+        };
         for (nt, s) in layout::configs() {
             let smem = layout::smem_bytes(f, nt, s);
             k.l1.insert((nt, s), Kernel::load(&m, &(format!("moe_tc_l1_n{nt}_s{s}")), THREADS, smem)?);
@@ -119,10 +125,9 @@ impl GemmKernels for TcKernels {
     }
     fn l2(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL2Params) -> Result<()> {
         let (spc, cfg) = self.cfg(l, p.g.h as usize, None);
-        let k = self
-            .l2
-            .get(&(l.block_m, spc))
-            .ok_or_else(|| err(format!("tensor-core family: no L2 kernel for tiles of {} rows", l.block_m)))?;
+        let k = self.l2.get(&(l.block_m, spc)).ok_or_else(|| {
+            err(format!("tensor-core family: no L2 kernel for tiles of {} rows", l.block_m))
+        })?;
         // SAFETY: as in `l1`.
         unsafe { k.launch(s, &cfg, p) }
     }
@@ -150,7 +155,9 @@ impl GemmFamily for TcFamily {
             Ok(PackedSide {
                 wq: dev.upload(&p.bytes, what)?,
                 ws: None,
-                alpha: (!p.alpha.is_empty()).then(|| dev.upload(&p.alpha, &format!("{what} alphas"))).transpose()?,
+                alpha: (!p.alpha.is_empty())
+                    .then(|| dev.upload(&p.alpha, &format!("{what} alphas")))
+                    .transpose()?,
             })
         };
         Ok(GemmWeights {

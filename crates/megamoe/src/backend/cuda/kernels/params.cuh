@@ -93,6 +93,15 @@ struct CombineParams {
 };
 static_assert(sizeof(CombineParams) == 56, "CombineParams mirrors params.rs");
 
+struct ResidualNormParams {
+    float* hs;
+    const float* y;
+    bf16_t* x;
+    int t;
+    int h;
+};
+static_assert(sizeof(ResidualNormParams) == 32, "ResidualNormParams mirrors params.rs");
+
 struct GemmOperands {
     const void* a;
     const unsigned* a_rows;
