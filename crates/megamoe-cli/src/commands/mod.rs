@@ -6,6 +6,7 @@ pub mod demo;
 pub mod doctor;
 pub mod forward;
 pub mod inspect;
+pub mod kernels;
 pub mod quantize;
 pub mod trace;
 pub mod verify;
