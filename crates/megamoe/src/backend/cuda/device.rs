@@ -32,7 +32,7 @@ pub(crate) struct CoreKernels {
 pub fn core_spec() -> ModuleSpec {
     ModuleSpec {
         name: "core".into(),
-        sources: runtime::CORE_SOURCES.iter().map(|(_, s)| *s).collect(),
+        sources: runtime::CORE_SOURCES.iter().map(|(_, s)| (*s).into()).collect(),
         defines: Vec::new(),
     }
 }
@@ -166,6 +166,15 @@ impl CudaDevice {
     /// A new stream on this device.
     pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
         self.ctx.new_stream().map_err(derr("creating a stream"))
+    }
+    /// A new event (timing disabled unless `timing`).
+    pub fn new_event(&self, timing: bool) -> Result<cudarc::driver::CudaEvent> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        self.ctx.new_event(Some(flags)).map_err(derr("creating an event"))
     }
     /// Makes this device's context current on the calling thread (every enqueue does this).
     pub fn bind(&self) -> Result<()> {

@@ -18,7 +18,7 @@ use super::buffer::{lazy, opt_ptr};
 use super::device::CORE_THREADS;
 use super::gemm::GemmLaunch;
 use super::io::{DType, DeviceTensor, ForwardIo, Routing};
-use super::launch::{LaunchCfg, StreamRef};
+use super::launch::{self, LaunchCfg, StreamRef};
 use super::params::*;
 use super::weights::{router_smem, LayerWeights};
 use super::workspace::Workspace;
@@ -87,9 +87,23 @@ impl LayerWeights {
             }
             Routing::External => (io.topk_ids.expect("checked").ptr, io.topk_weights.expect("checked").ptr),
         };
+        // The shared expert needs only x: it runs on the workspace's side stream while the
+        // routed experts run here, and is joined back before the combine.
+        let overlap = ws.overlap_shared && self.shared.is_some();
+        let side = StreamRef(ws.side.cu_stream());
+        if overlap {
+            launch::record(&ws.fork, s)?;
+            launch::wait(side, &ws.fork)?;
+        }
+        let shared = self.shared_raw(ws, io.x.ptr, t, if overlap { side } else { s })?;
+        if overlap {
+            launch::record(&ws.join, side)?;
+        }
         let plan = self.plan_raw(ws, ids, t, s)?;
         self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, s)?;
-        let shared = self.shared_raw(ws, io.x.ptr, t, s)?;
+        if overlap {
+            launch::wait(s, &ws.join)?;
+        }
         self.combine_raw(ws, &plan, &io.y, shared, s)
     }
 

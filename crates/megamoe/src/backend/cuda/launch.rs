@@ -40,6 +40,26 @@ unsafe impl Send for StreamRef {}
 // SAFETY: as above; the handle itself is immutable.
 unsafe impl Sync for StreamRef {}
 
+/// Records `event` on `stream` (a fork or join point of a forward; captured into graphs).
+pub(crate) fn record(event: &cudarc::driver::CudaEvent, stream: StreamRef) -> Result<()> {
+    // SAFETY: both handles are live for the duration of the call.
+    unsafe { cudarc::driver::result::event::record(event.cu_event(), stream.0) }
+        .map_err(derr("cuEventRecord"))
+}
+
+/// Makes `stream` wait for the work recorded in `event`.
+pub(crate) fn wait(stream: StreamRef, event: &cudarc::driver::CudaEvent) -> Result<()> {
+    // SAFETY: both handles are live for the duration of the call.
+    unsafe {
+        cudarc::driver::result::stream::wait_event(
+            stream.0,
+            event.cu_event(),
+            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+        )
+    }
+    .map_err(derr("cuStreamWaitEvent"))
+}
+
 /// Grid, shared memory and launch attributes of one launch.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LaunchCfg {

@@ -45,8 +45,8 @@ pub const ALL_SOURCES: [(&str, &str); 6] = [
 pub struct ModuleSpec {
     /// Cache and log name (e.g. `core`, `gemm_tc-nvfp4`).
     pub name: String,
-    /// The sources, concatenated in order.
-    pub sources: Vec<&'static str>,
+    /// The sources, concatenated in order (generated text, e.g. a family's instantiations, too).
+    pub sources: Vec<std::borrow::Cow<'static, str>>,
     /// `NAME=VALUE` definitions passed as `-D`.
     pub defines: Vec<String>,
 }

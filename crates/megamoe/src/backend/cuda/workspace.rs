@@ -122,10 +122,18 @@ impl WorkspaceDims {
     }
 }
 
-/// Scratch buffers of one forward (S = T*k slots; rows = slots planned on the layer's experts).
+/// Scratch buffers of one forward (S = T*k slots; rows = slots planned on the layer's experts),
+/// and the side stream on which the shared expert runs concurrently with the routed experts
+/// (forked from and joined back into the caller's stream by events, so graphs capture it).
 pub struct Workspace {
     device: Arc<CudaDevice>,
     dims: WorkspaceDims,
+    /// The shared expert's stream and the fork / join events around it.
+    pub(crate) side: Arc<cudarc::driver::CudaStream>,
+    pub(crate) fork: cudarc::driver::CudaEvent,
+    pub(crate) join: cudarc::driver::CudaEvent,
+    /// Whether the shared expert overlaps the routed experts (`MEGAMOE_OVERLAP=0` turns it off).
+    pub(crate) overlap_shared: bool,
     /// Router logits, then scores `[T, E]` f32.
     pub(crate) scores: DevBuf,
     /// Chosen experts `[T, k]` i32 (when the caller's io has none).
@@ -199,6 +207,10 @@ impl Workspace {
         Ok(Workspace {
             device: device.clone(),
             dims,
+            side: device.new_stream()?,
+            fork: device.new_event(false)?,
+            join: device.new_event(false)?,
+            overlap_shared: std::env::var("MEGAMOE_OVERLAP").map_or(true, |v| v != "0"),
             scores: z(&[mt, e, 4], "scores")?,
             topk_ids: z(&[s, 4], "topk_ids")?,
             topk_w: z(&[s, 4], "topk_w")?,

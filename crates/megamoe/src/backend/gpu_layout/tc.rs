@@ -470,13 +470,37 @@ pub fn pack_dense_l2(w: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Pipeline depth of the kernels (`-DTC_STAGES` when the family compiles them).
-pub const STAGES: usize = 4;
+/// The deepest pipeline of any instantiation.
+pub const MAX_STAGES: usize = 8;
 
-/// Dynamic shared memory of instantiation `(nt, spc)` for `format`: [`STAGES`] stages of the 8
-/// weight blocks plus the token tile (`nt` rows x `64 * 8/spc` bf16).
+/// Bytes of one pipeline stage of instantiation `(nt, spc)`: the 8 weight blocks plus the token
+/// tile (`nt` rows x `64 * 8/spc` bf16).
+pub fn stage_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
+    GROUP_SLABS * block_bytes(format) + nt * (GROUP_SLABS / spc) * 128
+}
+
+/// Pipeline depth of instantiation `(nt, spc)`: as deep as a shared-memory budget allows (up to
+/// [`MAX_STAGES`]; decode tiles keep to ~110 KB so two CTAs share an SM, prefill tiles take up to
+/// 200 KB): decode is bound by the weight bytes in flight, which only the ring's depth buys
+/// without spending registers.
+pub fn stages(format: WeightFormat, nt: usize, spc: usize) -> usize {
+    let budget = if nt <= 32 { 110 * 1024 } else { 200 * 1024 };
+    (budget / stage_bytes(format, nt, spc)).clamp(2, MAX_STAGES)
+}
+
+/// CTAs per SM the registers of token tile `nt` must allow (`__launch_bounds__`' second
+/// argument): 2 up to 64 tokens (<= 128 registers), 1 for 128 (64 accumulators per lane).
+pub fn min_ctas_per_sm(nt: usize) -> usize {
+    if nt >= 128 {
+        1
+    } else {
+        2
+    }
+}
+
+/// Dynamic shared memory of instantiation `(nt, spc)` for `format`.
 pub fn smem_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
-    STAGES * (GROUP_SLABS * block_bytes(format) + nt * (GROUP_SLABS / spc) * 128)
+    stages(format, nt, spc) * stage_bytes(format, nt, spc)
 }
 
 /// Token-tile heights (N of the MMA tile, tokens per plan tile) the kernels are built for.
@@ -503,14 +527,14 @@ pub fn choose_token_tile(expected: f64) -> usize {
 }
 
 /// Slabs per CTA for a launch whose work is `rows_total` packed rows (over all expected tiles):
-/// the largest (fewest re-reads of the token tile) that still gives every SM two CTAs, else
+/// the largest (fewest re-reads of the token tile) that still gives every SM three CTAs, else
 /// the smallest allowed (most CTAs).
 pub fn choose_slabs_per_cta(nt: usize, rows_total: usize, sm_count: usize) -> usize {
     let min = min_slabs_per_cta(nt);
     [8usize, 4, 2, 1]
         .into_iter()
         .filter(|&s| s >= min)
-        .find(|&s| rows_total / (SLAB_ROWS * s) >= 2 * sm_count)
+        .find(|&s| rows_total / (SLAB_ROWS * s) >= 3 * sm_count)
         .unwrap_or(min)
 }
 
@@ -600,9 +624,17 @@ mod tests {
         let all: Vec<_> = configs().collect();
         assert_eq!(all.len(), 11);
         assert!(all.contains(&(8, 1)) && all.contains(&(128, 8)) && !all.contains(&(16, 1)));
-        // One expert at T=1 (6144 L1 rows): the most CTAs; many experts: 8 slabs per CTA.
+        // One expert at T=1 (6144 L1 rows): the most CTAs; many experts: fewer, larger CTAs.
         assert_eq!(choose_slabs_per_cta(8, 6144, 132), 1);
-        assert_eq!(choose_slabs_per_cta(8, 6 * 6144, 132), 8);
+        assert_eq!(choose_slabs_per_cta(8, 6 * 6144, 132), 4);
+        assert_eq!(choose_slabs_per_cta(8, 48 * 6144, 132), 8);
         assert_eq!(choose_slabs_per_cta(64, 6144, 132), 8);
+        for f in WeightFormat::ALL {
+            for (nt, s) in configs() {
+                let smem = smem_bytes(f, nt, s);
+                assert!(smem <= 227 * 1024 && stages(f, nt, s) >= 2, "{f} {nt} {s}: {smem}");
+            }
+        }
+        assert_eq!(stages(WeightFormat::Nvfp4, 8, 8), 8);
     }
 }

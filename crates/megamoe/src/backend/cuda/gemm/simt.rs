@@ -66,7 +66,11 @@ fn module_spec(f: SimtFormat) -> ModuleSpec {
             defines.push(format!("GV_U={u}"));
         }
     }
-    ModuleSpec { name: format!("gemm_simt-{f:?}").to_lowercase(), sources: vec![runtime::GEMM_SIMT], defines }
+    ModuleSpec {
+        name: format!("gemm_simt-{f:?}").to_lowercase(),
+        sources: vec![runtime::GEMM_SIMT.into()],
+        defines,
+    }
 }
 
 /// Every module of the family with its entry points (for the compile test).

@@ -34,9 +34,6 @@
 #error "gemm_tc.cu is compiled once per weight format: -DMM_WF=WF_NVFP4, WF_MXFP4 or WF_BF16"
 #endif
 
-#ifndef TC_STAGES
-#error "gemm_tc.cu needs -DTC_STAGES (gpu_layout::tc::STAGES)"
-#endif
 #define TC_THREADS 256
 
 template <int WF> struct TcFmt;
@@ -44,7 +41,7 @@ template <> struct TcFmt<WF_NVFP4> { static constexpr int BLK = 576; };
 template <> struct TcFmt<WF_MXFP4> { static constexpr int BLK = 544; };
 template <> struct TcFmt<WF_BF16> { static constexpr int BLK = 2048; };
 
-template <int NT, int SPC>
+template <int NT, int SPC, int ST>
 struct TcShape {
     static constexpr int KS = 8 / SPC;                 // K parts per CTA
     static constexpr int BLK = TcFmt<MM_WF>::BLK;
@@ -52,7 +49,7 @@ struct TcShape {
     static constexpr int T_PITCH = KS * 128;           // bytes per token row of a stage
     static constexpr int T_STAGE = NT * T_PITCH;       // token bytes per stage
     static constexpr int STAGE = W_STAGE + T_STAGE;
-    static constexpr int SMEM = TC_STAGES * STAGE;
+    static constexpr int SMEM = ST * STAGE;          // = gpu_layout::tc::smem_bytes
 };
 
 // One lane's slice of a (slab, chunk) block, loaded from shared memory once per stage: FP4 codes
@@ -133,11 +130,11 @@ __device__ __forceinline__ bool tc_tile(const GemmOperands& g, int& grp, int& m0
 
 // The accumulators of this warp's slab over all of K (valid in the part-0 warps after the
 // reduction). Returns false for CTAs without a tile (uniform over the CTA).
-template <int NT, int SPC, bool L1>
+template <int NT, int SPC, int TC_STAGES, bool L1>
 __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[NT / 8][4], int& grp, int& m0,
                                             int& mc, int& gslab)
 {
-    using S = TcShape<NT, SPC>;
+    using S = TcShape<NT, SPC, TC_STAGES>;
     constexpr int KS = S::KS, BLK = S::BLK;
     extern __shared__ __align__(128) unsigned char smem[];
     int mend;
@@ -287,13 +284,13 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
 }
 
 // L1: gate/up of column 8*gslab + g for the tile's tokens, fused clamped SwiGLU x routing weight.
-template <int NT, int SPC, bool TRACE>
+template <int NT, int SPC, int ST, bool TRACE>
 __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
 {
     const GemmOperands& g = p.g;
     float acc[NT / 8][4];
     int grp, m0, mc, gslab;
-    if (!tc_mainloop<NT, SPC, true>(g, acc, grp, m0, mc, gslab)) return;
+    if (!tc_mainloop<NT, SPC, ST, true>(g, acc, grp, m0, mc, gslab)) return;
     const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
     const int I = g.inter;
     const int col = gslab * 8 + gi;
@@ -318,13 +315,13 @@ __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, flo
 }
 
 // L2: output rows 16*gslab + g and + 8 for the tile's tokens, f32.
-template <int NT, int SPC>
+template <int NT, int SPC, int ST>
 __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 {
     const GemmOperands& g = p.g;
     float acc[NT / 8][4];
     int grp, m0, mc, gslab;
-    if (!tc_mainloop<NT, SPC, false>(g, acc, grp, m0, mc, gslab)) return;
+    if (!tc_mainloop<NT, SPC, ST, false>(g, acc, grp, m0, mc, gslab)) return;
     const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
     const int H = g.h;
     const int h0 = gslab * 16 + gi;
@@ -343,29 +340,25 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
     }
 }
 
-#define TC_KERNELS(NT, SPC)                                                                               \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) moe_tc_l1_n##NT##_s##SPC(                    \
+// Entry points of one configuration: NT tokens per tile, SPC slabs per CTA, ST pipeline stages,
+// MINB CTAs per SM the registers must allow (2 for the register-light decode tiles keeps ptxas
+// from spilling at 64; 1 for 128-token tiles, whose 64 accumulators need more than 128).
+// The host (gemm/tc.rs) appends one line per configuration of gpu_layout::tc::configs().
+#define TC_KERNELS(NT, SPC, ST, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB) moe_tc_l1_n##NT##_s##SPC(                    \
         const __grid_constant__ GemmL1Params p)                                                           \
     {                                                                                                     \
-        tc_l1<NT, SPC, false>(p, nullptr, nullptr);                                                       \
+        tc_l1<NT, SPC, ST, false>(p, nullptr, nullptr);                                                   \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) moe_tc_l2_n##NT##_s##SPC(                    \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB) moe_tc_l2_n##NT##_s##SPC(                    \
         const __grid_constant__ GemmL2Params p)                                                           \
     {                                                                                                     \
-        tc_l2<NT, SPC>(p);                                                                                \
+        tc_l2<NT, SPC, ST>(p);                                                                            \
     }
 // The trace variant (gate/up pre-activations kept) of each token tile, at 8 slabs per CTA.
-#define TC_TRACE_KERNEL(NT)                                                                               \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) moe_tc_l1_trace_n##NT(                       \
+#define TC_TRACE_KERNEL(NT, ST, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB) moe_tc_l1_trace_n##NT(                       \
         const __grid_constant__ GemmL1TraceParams p)                                                      \
     {                                                                                                     \
-        tc_l1<NT, 8, true>(p.l1, p.gate_tr, p.up_tr);                                                     \
+        tc_l1<NT, 8, ST, true>(p.l1, p.gate_tr, p.up_tr);                                                 \
     }
-
-// Every (NT, SPC) of gpu_layout::tc::configs().
-TC_KERNELS(8, 1) TC_KERNELS(8, 2) TC_KERNELS(8, 4) TC_KERNELS(8, 8)
-TC_KERNELS(16, 2) TC_KERNELS(16, 4) TC_KERNELS(16, 8)
-TC_KERNELS(32, 4) TC_KERNELS(32, 8)
-TC_KERNELS(64, 8)
-TC_KERNELS(128, 8)
-TC_TRACE_KERNEL(8) TC_TRACE_KERNEL(16) TC_TRACE_KERNEL(32) TC_TRACE_KERNEL(64) TC_TRACE_KERNEL(128)
