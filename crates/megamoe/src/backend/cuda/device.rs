@@ -23,6 +23,8 @@ pub(crate) struct CoreKernels {
     pub plan_count: Kernel<PlanParams>,
     pub plan_offsets: Kernel<PlanParams>,
     pub plan_scatter: Kernel<PlanParams>,
+    /// The three plan steps in one CTA (decode-sized batches).
+    pub plan_small: Kernel<PlanParams>,
     pub quant_rows: Kernel<QuantRowsParams>,
     pub combine: Kernel<CombineParams>,
     pub residual_norm: Kernel<ResidualNormParams>,
@@ -117,6 +119,7 @@ impl CudaDevice {
             plan_count: Kernel::load(&module, "moe_plan_count", t, 0)?,
             plan_offsets: Kernel::load(&module, "moe_plan_offsets", t, 0)?,
             plan_scatter: Kernel::load(&module, "moe_plan_scatter", t, 0)?,
+            plan_small: Kernel::load(&module, "moe_plan_small", 1024, 0)?,
             quant_rows: Kernel::load(&module, "moe_quant_rows", t, 0)?,
             combine: Kernel::load(&module, "moe_combine", t, 0)?,
             residual_norm: Kernel::load(&module, "moe_residual_norm", t, 0)?,

@@ -30,6 +30,10 @@ use crate::forward::Mode;
 /// Experts per CTA of `moe_router_logits` (`RT_EPC` in `kernels/router.cu`).
 const ROUTER_EXPERTS_PER_CTA: u32 = 2;
 
+/// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
+/// three (count, offsets, scatter over many CTAs).
+const PLAN_SMALL_SLOTS: usize = 8192;
+
 /// A plan enqueued on a workspace: what the expert and combine stages need to know about it.
 #[derive(Clone, Copy, Debug)]
 pub struct Plan {
@@ -283,9 +287,13 @@ impl LayerWeights {
         let groups = (el as u32).div_ceil(CORE_THREADS / 32);
         // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] for these sizes.
         unsafe {
-            core.plan_count.launch(s, &LaunchCfg::grid((groups, 1, 1), 0), &p)?;
-            core.plan_offsets.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
-            core.plan_scatter.launch(s, &LaunchCfg::grid((groups, 1, 1), 0), &p)?;
+            if slots <= PLAN_SMALL_SLOTS {
+                core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
+            } else {
+                core.plan_count.launch(s, &LaunchCfg::grid((groups, 1, 1), 0), &p)?;
+                core.plan_offsets.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
+                core.plan_scatter.launch(s, &LaunchCfg::grid((groups, 1, 1), 0), &p)?;
+            }
         }
         Ok(Plan { tokens: t, topk_ids, launch })
     }

@@ -15,6 +15,8 @@
 // moe_plan_offsets is one CTA: a serial prefix over experts (a few hundred), then one thread per
 // expert writes its tiles, and all threads mark the slots not planned here. Experts with no slots
 // get no tiles, so the grouped GEMMs spend nothing on them.
+// moe_plan_small: the three steps in one CTA of 1024 threads (32 warps over the experts), for
+// decode-sized batches (the host uses it up to PLAN_SMALL_SLOTS slots): one launch instead of three.
 
 // The local expert of slot s's id, or -1.
 __device__ __forceinline__ int plan_local(const PlanParams& p, int id) {
@@ -22,11 +24,9 @@ __device__ __forceinline__ int plan_local(const PlanParams& p, int id) {
     return (l >= 0 && l < p.experts) ? l : -1;
 }
 
-extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
+// Slots of local expert e, counted by one warp.
+__device__ __forceinline__ void plan_count_expert(const PlanParams& p, int e, int lane)
 {
-    const int lane = threadIdx.x & 31;
-    const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (e >= p.experts) return;
     unsigned c = 0;
     for (int base = 0; base < p.slots; base += 32) {
         const int s = base + lane;
@@ -36,7 +36,8 @@ extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
     if (lane == 0) p.counts[e] = c;
 }
 
-extern "C" __global__ void moe_plan_offsets(const __grid_constant__ PlanParams p)
+// Offsets, tile table and the rows of slots not planned here, by one whole CTA.
+__device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
 {
     const int E = p.experts, BM = p.bm;
     if (threadIdx.x == 0) {
@@ -70,11 +71,9 @@ extern "C" __global__ void moe_plan_offsets(const __grid_constant__ PlanParams p
     }
 }
 
-extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p)
+// The stable scatter of local expert e's slots into its plan rows, by one warp.
+__device__ __forceinline__ void plan_scatter_expert(const PlanParams& p, int e, int lane)
 {
-    const int lane = threadIdx.x & 31;
-    const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (e >= p.experts) return;
     unsigned cursor = p.offsets[e];
     const unsigned lt = (1u << lane) - 1u;
     for (int base = 0; base < p.slots; base += 32) {
@@ -88,4 +87,31 @@ extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p
         }
         cursor += __popc(b);
     }
+}
+
+extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
+{
+    const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (e < p.experts) plan_count_expert(p, e, threadIdx.x & 31);
+}
+
+extern "C" __global__ void moe_plan_offsets(const __grid_constant__ PlanParams p)
+{
+    plan_offsets_cta(p);
+}
+
+extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p)
+{
+    const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (e < p.experts) plan_scatter_expert(p, e, threadIdx.x & 31);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_constant__ PlanParams p)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int e = warp; e < p.experts; e += nw) plan_count_expert(p, e, lane);
+    __syncthreads();
+    plan_offsets_cta(p);
+    __syncthreads();
+    for (int e = warp; e < p.experts; e += nw) plan_scatter_expert(p, e, lane);
 }
