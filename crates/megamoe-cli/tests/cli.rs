@@ -773,3 +773,38 @@ fn verify_without_a_gpu_is_a_clear_error() {
     let sweep = run(&["verify", "--quick"]);
     sweep.expect_error(&["cuda"]);
 }
+
+// ---------------------------------------------------------------- bench
+
+#[test]
+fn bench_forward_cpu_keeps_its_behaviour_and_refuses_cuda_only_flags() {
+    run(&["bench", "forward", "--shape", "tiny", "--tokens", "1,3", "--runs", "1"])
+        .expect_code(0)
+        .expect_output(&["T=1: median", "T=3: median", "on cpu"]);
+    for flags in [
+        &["--simulate-ep", "4"][..],
+        &["--family", "tc"][..],
+        &["--json", "out.json"][..],
+        &["--whole-layer"][..],
+    ] {
+        let mut args = vec!["bench", "forward", "--shape", "tiny", "--runs", "1"];
+        args.extend_from_slice(flags);
+        run(&args).expect_error(&[flags[0], "CUDA"]);
+    }
+    // Bad expert-parallel layouts are refused before any work, naming the flags.
+    run(&["bench", "forward", "--shape", "tiny", "--simulate-ep", "4", "--rank", "4"])
+        .expect_error(&["--simulate-ep 4 --rank 4"]);
+    run(&["bench", "forward", "--shape", "tiny", "--simulate-ep", "32"]).expect_error(&["16 experts"]);
+    run(&["bench", "forward", "--shape", "tiny", "--rank", "1"])
+        .expect_error(&["--rank needs --simulate-ep"]);
+}
+
+#[test]
+fn bench_forward_cuda_without_a_gpu_is_a_clear_error() {
+    let r =
+        run(&["bench", "forward", "--backend", "cuda", "--shape", "tiny", "--tokens", "1", "--iters", "2"]);
+    if r.code == 0 {
+        return; // a GPU is present
+    }
+    r.expect_error(&["cuda"]);
+}
