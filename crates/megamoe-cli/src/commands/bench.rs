@@ -109,6 +109,7 @@ pub enum GemmFamily {
 
 impl GemmFamily {
     /// The runtime's name of the family.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn name(self) -> &'static str {
         match self {
             GemmFamily::Tc => "tc",
@@ -197,6 +198,7 @@ impl ForwardFormat {
 }
 
 /// Token counts of CUDA runs without `--tokens` (DESIGN.md's shapes).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub const CUDA_TOKENS: [usize; 6] = [1, 8, 64, 512, 4096, 16384];
 
 /// Seed of the benched layers (the rank's experts are the whole layer's, generated alone).
@@ -307,265 +309,272 @@ fn run_forward_cpu(a: &ForwardBench, cfg: &MoeConfig) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// The routing one expert-parallel rank sees in the bench, drawn as the peers draw it
-/// (`torch_baselines.py`): per token `k` distinct experts uniformly over all `experts`, and random
-/// positive weights. Returns `[T, k]` global ids and weights.
-pub(crate) fn draw_routing(tokens: usize, experts: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f32>) {
-    assert!(k <= experts, "top-{k} of {experts} experts");
-    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut pool: Vec<i32> = (0..experts as i32).collect();
-    let mut ids = Vec::with_capacity(tokens * k);
-    let mut wts = Vec::with_capacity(tokens * k);
-    for _ in 0..tokens {
-        // A partial Fisher-Yates shuffle: k distinct, uniformly drawn experts.
-        for j in 0..k {
-            let s = r.gen_range(j..experts);
-            pool.swap(j, s);
-        }
-        ids.extend_from_slice(&pool[..k]);
-        wts.extend((0..k).map(|_| r.gen_range(0.05f32..1.0)));
-    }
-    (ids, wts)
-}
+/// Routing, costs, floors and rows of the CUDA bench (pure host code, tested without a GPU).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod ep {
+    use super::*;
 
-/// The slots of `ids` that land on the experts `range` (pairs) and the distinct experts among them
-/// (active local experts).
-pub(crate) fn rank_load(ids: &[i32], range: &std::ops::Range<usize>) -> (usize, usize) {
-    let mut used = vec![false; range.len()];
-    let mut pairs = 0;
-    for &id in ids {
-        if let Ok(g) = usize::try_from(id) {
-            if range.contains(&g) {
-                pairs += 1;
-                used[g - range.start] = true;
+    /// The routing one expert-parallel rank sees in the bench, drawn as the peers draw it
+    /// (`torch_baselines.py`): per token `k` distinct experts uniformly over all `experts`, and random
+    /// positive weights. Returns `[T, k]` global ids and weights.
+    pub(crate) fn draw_routing(tokens: usize, experts: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f32>) {
+        assert!(k <= experts, "top-{k} of {experts} experts");
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut pool: Vec<i32> = (0..experts as i32).collect();
+        let mut ids = Vec::with_capacity(tokens * k);
+        let mut wts = Vec::with_capacity(tokens * k);
+        for _ in 0..tokens {
+            // A partial Fisher-Yates shuffle: k distinct, uniformly drawn experts.
+            for j in 0..k {
+                let s = r.gen_range(j..experts);
+                pool.swap(j, s);
+            }
+            ids.extend_from_slice(&pool[..k]);
+            wts.extend((0..k).map(|_| r.gen_range(0.05f32..1.0)));
+        }
+        (ids, wts)
+    }
+
+    /// The slots of `ids` that land on the experts `range` (pairs) and the distinct experts among them
+    /// (active local experts).
+    pub(crate) fn rank_load(ids: &[i32], range: &std::ops::Range<usize>) -> (usize, usize) {
+        let mut used = vec![false; range.len()];
+        let mut pairs = 0;
+        for &id in ids {
+            if let Ok(g) = usize::try_from(id) {
+                if range.contains(&g) {
+                    pairs += 1;
+                    used[g - range.start] = true;
+                }
             }
         }
-    }
-    (pairs, used.iter().filter(|&&u| u).count())
-}
-
-/// What one timed row must move and compute (DESIGN.md, "How to measure").
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Cost {
-    /// Bytes that must move: the weights of the experts that received tokens (3 matrices each),
-    /// x read (bf16), y written (f32), and the shared expert's / router's weights when the row
-    /// runs them.
-    pub bytes: f64,
-    /// Useful FLOPs: `2 * pairs * 3 * H * I`, plus `2 * T * 3 * H * I_s` with the shared expert
-    /// and `2 * T * H * E` with the router.
-    pub flops: f64,
-}
-
-/// The [`Cost`] of a row of `tokens` tokens of which `pairs` slots land on `active` experts in
-/// `format`; `shared_inter` is the shared expert's I_s when the row runs it, `router` whether it
-/// runs the layer's own router (f32 gate `[E, H]`).
-pub(crate) fn row_cost(
-    cfg: &MoeConfig,
-    format: WeightFormat,
-    tokens: usize,
-    pairs: usize,
-    active: usize,
-    shared_inter: Option<usize>,
-    router: bool,
-) -> Cost {
-    let (h, i, e) = (cfg.hidden_size as f64, cfg.moe_intermediate_size, cfg.n_routed_experts as f64);
-    let t = tokens as f64;
-    let mut bytes =
-        active as f64 * 3.0 * format.matrix_bytes(i, cfg.hidden_size) as f64 + t * h * (2.0 + 4.0);
-    let mut flops = 2.0 * pairs as f64 * 3.0 * h * i as f64;
-    if let Some(is) = shared_inter {
-        bytes += 3.0 * WeightFormat::Bf16.matrix_bytes(is, cfg.hidden_size) as f64;
-        flops += 2.0 * t * 3.0 * h * is as f64;
-    }
-    if router {
-        bytes += e * h * 4.0;
-        flops += 2.0 * t * h * e;
-    }
-    Cost { bytes, flops }
-}
-
-/// The two ceilings of the floors: measured copy bandwidth and the bf16 matmul rate.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Ceilings {
-    /// Device-to-device copy, TB/s (bytes read + written).
-    pub copy_tbs: f64,
-    /// bf16 matmul, TFLOP/s.
-    pub bf16_tflops: f64,
-}
-
-impl Ceilings {
-    /// `max(bytes / copy, flops / bf16)` in milliseconds.
-    pub fn floor_ms(&self, c: &Cost) -> f64 {
-        (c.bytes / (self.copy_tbs * 1e12)).max(c.flops / (self.bf16_tflops * 1e12)) * 1e3
-    }
-}
-
-/// One timed row of `bench forward` on CUDA.
-#[derive(Clone, Debug)]
-pub(crate) struct Row {
-    /// Shape name (`v4-pro`, ...).
-    pub shape: String,
-    /// The layer's sizes `(H, I, E, k)`.
-    pub dims: (usize, usize, usize, usize),
-    /// Rank and world (0 / 1 for the whole layer).
-    pub rank: usize,
-    pub world: usize,
-    /// Routed experts held by the timed layer.
-    pub local_experts: usize,
-    /// GEMM family of the routed experts (`/shared` family appended when it differs).
-    pub family: String,
-    pub mode: Mode,
-    pub format: WeightFormat,
-    /// `rank`, `rank+shared` or `whole-layer`.
-    pub kind: &'static str,
-    pub tokens: usize,
-    /// Slots landing on the timed layer's experts.
-    pub pairs: usize,
-    /// Local experts that received at least one slot.
-    pub active: usize,
-    pub median_ms: f64,
-    pub min_ms: f64,
-    pub cost: Cost,
-    pub floor_ms: f64,
-    /// Whether y was finite.
-    pub finite: bool,
-}
-
-impl Row {
-    /// median / floor.
-    pub fn ratio(&self) -> f64 {
-        self.median_ms / self.floor_ms
-    }
-    /// Bytes moved per second at the median, TB/s.
-    pub fn tbs(&self) -> f64 {
-        self.cost.bytes / (self.median_ms * 1e-3) / 1e12
-    }
-    /// Useful FLOPs per second at the median, TFLOP/s.
-    pub fn tflops(&self) -> f64 {
-        self.cost.flops / (self.median_ms * 1e-3) / 1e12
+        (pairs, used.iter().filter(|&&u| u).count())
     }
 
-    /// The table's header line.
-    pub fn header() -> String {
-        format!(
-            "{:<9} {:>7} {:<9} {:<5} {:<5} {:<11} {:>6} {:>6} {:>6} {:>10} {:>10} {:>10} {:>10} {:>9} {:>7} {:>6} {:>8}",
-            "shape",
-            "rank",
-            "family",
-            "mode",
-            "fmt",
-            "kind",
-            "T",
-            "pairs",
-            "active",
-            "median_ms",
-            "min_ms",
-            "MB",
-            "GFLOP",
-            "floor_ms",
-            "ratio",
-            "TB/s",
-            "TFLOP/s"
-        )
+    /// What one timed row must move and compute (DESIGN.md, "How to measure").
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    pub(crate) struct Cost {
+        /// Bytes that must move: the weights of the experts that received tokens (3 matrices each),
+        /// x read (bf16), y written (f32), and the shared expert's / router's weights when the row
+        /// runs them.
+        pub bytes: f64,
+        /// Useful FLOPs: `2 * pairs * 3 * H * I`, plus `2 * T * 3 * H * I_s` with the shared expert
+        /// and `2 * T * H * E` with the router.
+        pub flops: f64,
     }
 
-    /// The row as a table line.
-    pub fn line(&self) -> String {
-        format!(
-            "{:<9} {:>7} {:<9} {:<5} {:<5} {:<11} {:>6} {:>6} {:>6} {:>10.4} {:>10.4} {:>10.1} {:>10.2} {:>9.4} {:>7.2} {:>6.2} {:>8.1}{}",
-            self.shape,
-            format!("{}/{}", self.rank, self.world),
-            self.family,
-            self.mode.name(),
-            self.format.name(),
-            self.kind,
-            self.tokens,
-            self.pairs,
-            format!("{}/{}", self.active, self.local_experts),
-            self.median_ms,
-            self.min_ms,
-            self.cost.bytes / 1e6,
-            self.cost.flops / 1e9,
-            self.floor_ms,
-            self.ratio(),
-            self.tbs(),
-            self.tflops(),
-            if self.finite { "" } else { "  NON-FINITE y" }
-        )
+    /// The [`Cost`] of a row of `tokens` tokens of which `pairs` slots land on `active` experts in
+    /// `format`; `shared_inter` is the shared expert's I_s when the row runs it, `router` whether it
+    /// runs the layer's own router (f32 gate `[E, H]`).
+    pub(crate) fn row_cost(
+        cfg: &MoeConfig,
+        format: WeightFormat,
+        tokens: usize,
+        pairs: usize,
+        active: usize,
+        shared_inter: Option<usize>,
+        router: bool,
+    ) -> Cost {
+        let (h, i, e) = (cfg.hidden_size as f64, cfg.moe_intermediate_size, cfg.n_routed_experts as f64);
+        let t = tokens as f64;
+        let mut bytes =
+            active as f64 * 3.0 * format.matrix_bytes(i, cfg.hidden_size) as f64 + t * h * (2.0 + 4.0);
+        let mut flops = 2.0 * pairs as f64 * 3.0 * h * i as f64;
+        if let Some(is) = shared_inter {
+            bytes += 3.0 * WeightFormat::Bf16.matrix_bytes(is, cfg.hidden_size) as f64;
+            flops += 2.0 * t * 3.0 * h * is as f64;
+        }
+        if router {
+            bytes += e * h * 4.0;
+            flops += 2.0 * t * h * e;
+        }
+        Cost { bytes, flops }
     }
 
-    /// The row as JSON (`scripts/plot_roofline.py` reads `bytes`, `flops`, `median_ms`, `T`,
-    /// `family`, `kind`).
-    pub fn json(&self) -> serde_json::Value {
-        let (h, i, e, k) = self.dims;
+    /// The two ceilings of the floors: measured copy bandwidth and the bf16 matmul rate.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    pub(crate) struct Ceilings {
+        /// Device-to-device copy, TB/s (bytes read + written).
+        pub copy_tbs: f64,
+        /// bf16 matmul, TFLOP/s.
+        pub bf16_tflops: f64,
+    }
+
+    impl Ceilings {
+        /// `max(bytes / copy, flops / bf16)` in milliseconds.
+        pub fn floor_ms(&self, c: &Cost) -> f64 {
+            (c.bytes / (self.copy_tbs * 1e12)).max(c.flops / (self.bf16_tflops * 1e12)) * 1e3
+        }
+    }
+
+    /// One timed row of `bench forward` on CUDA.
+    #[derive(Clone, Debug)]
+    pub(crate) struct Row {
+        /// Shape name (`v4-pro`, ...).
+        pub shape: String,
+        /// The layer's sizes `(H, I, E, k)`.
+        pub dims: (usize, usize, usize, usize),
+        /// Rank and world (0 / 1 for the whole layer).
+        pub rank: usize,
+        pub world: usize,
+        /// Routed experts held by the timed layer.
+        pub local_experts: usize,
+        /// GEMM family of the routed experts (`/shared` family appended when it differs).
+        pub family: String,
+        pub mode: Mode,
+        pub format: WeightFormat,
+        /// `rank`, `rank+shared` or `whole-layer`.
+        pub kind: &'static str,
+        pub tokens: usize,
+        /// Slots landing on the timed layer's experts.
+        pub pairs: usize,
+        /// Local experts that received at least one slot.
+        pub active: usize,
+        pub median_ms: f64,
+        pub min_ms: f64,
+        pub cost: Cost,
+        pub floor_ms: f64,
+        /// Whether y was finite.
+        pub finite: bool,
+    }
+
+    impl Row {
+        /// median / floor.
+        pub fn ratio(&self) -> f64 {
+            self.median_ms / self.floor_ms
+        }
+        /// Bytes moved per second at the median, TB/s.
+        pub fn tbs(&self) -> f64 {
+            self.cost.bytes / (self.median_ms * 1e-3) / 1e12
+        }
+        /// Useful FLOPs per second at the median, TFLOP/s.
+        pub fn tflops(&self) -> f64 {
+            self.cost.flops / (self.median_ms * 1e-3) / 1e12
+        }
+
+        /// The table's header line.
+        pub fn header() -> String {
+            format!(
+                "{:<9} {:>7} {:<9} {:<5} {:<5} {:<11} {:>6} {:>6} {:>6} {:>10} {:>10} {:>10} {:>10} {:>9} {:>7} {:>6} {:>8}",
+                "shape",
+                "rank",
+                "family",
+                "mode",
+                "fmt",
+                "kind",
+                "T",
+                "pairs",
+                "active",
+                "median_ms",
+                "min_ms",
+                "MB",
+                "GFLOP",
+                "floor_ms",
+                "ratio",
+                "TB/s",
+                "TFLOP/s"
+            )
+        }
+
+        /// The row as a table line.
+        pub fn line(&self) -> String {
+            format!(
+                "{:<9} {:>7} {:<9} {:<5} {:<5} {:<11} {:>6} {:>6} {:>6} {:>10.4} {:>10.4} {:>10.1} {:>10.2} {:>9.4} {:>7.2} {:>6.2} {:>8.1}{}",
+                self.shape,
+                format!("{}/{}", self.rank, self.world),
+                self.family,
+                self.mode.name(),
+                self.format.name(),
+                self.kind,
+                self.tokens,
+                self.pairs,
+                format!("{}/{}", self.active, self.local_experts),
+                self.median_ms,
+                self.min_ms,
+                self.cost.bytes / 1e6,
+                self.cost.flops / 1e9,
+                self.floor_ms,
+                self.ratio(),
+                self.tbs(),
+                self.tflops(),
+                if self.finite { "" } else { "  NON-FINITE y" }
+            )
+        }
+
+        /// The row as JSON (`scripts/plot_roofline.py` reads `bytes`, `flops`, `median_ms`, `T`,
+        /// `family`, `kind`).
+        pub fn json(&self) -> serde_json::Value {
+            let (h, i, e, k) = self.dims;
+            serde_json::json!({
+                "shape": self.shape,
+                "hidden": h,
+                "inter": i,
+                "experts": e,
+                "top_k": k,
+                "rank": self.rank,
+                "world": self.world,
+                "local_experts": self.local_experts,
+                "family": self.family,
+                "mode": self.mode.name(),
+                "format": self.format.name(),
+                "kind": self.kind,
+                "T": self.tokens,
+                "pairs": self.pairs,
+                "active_experts": self.active,
+                "median_ms": self.median_ms,
+                "min_ms": self.min_ms,
+                "bytes": self.cost.bytes,
+                "flops": self.cost.flops,
+                "floor_ms": self.floor_ms,
+                "ratio": self.ratio(),
+                "tbs": self.tbs(),
+                "tflops": self.tflops(),
+                "y_finite": self.finite,
+            })
+        }
+    }
+
+    /// The JSON document of a CUDA `bench forward` run.
+    pub(crate) fn report_json(
+        device: &str,
+        arch: &str,
+        ceil: &Ceilings,
+        command: &str,
+        rows: &[Row],
+    ) -> serde_json::Value {
         serde_json::json!({
-            "shape": self.shape,
-            "hidden": h,
-            "inter": i,
-            "experts": e,
-            "top_k": k,
-            "rank": self.rank,
-            "world": self.world,
-            "local_experts": self.local_experts,
-            "family": self.family,
-            "mode": self.mode.name(),
-            "format": self.format.name(),
-            "kind": self.kind,
-            "T": self.tokens,
-            "pairs": self.pairs,
-            "active_experts": self.active,
-            "median_ms": self.median_ms,
-            "min_ms": self.min_ms,
-            "bytes": self.cost.bytes,
-            "flops": self.cost.flops,
-            "floor_ms": self.floor_ms,
-            "ratio": self.ratio(),
-            "tbs": self.tbs(),
-            "tflops": self.tflops(),
-            "y_finite": self.finite,
+            "tool": "megamoe bench forward",
+            "device": device,
+            "arch": arch,
+            "copy_tbs": ceil.copy_tbs,
+            "bf16_tflops": ceil.bf16_tflops,
+            "command": command,
+            "rows": rows.iter().map(Row::json).collect::<Vec<_>>(),
         })
     }
-}
 
-/// The JSON document of a CUDA `bench forward` run.
-pub(crate) fn report_json(
-    device: &str,
-    arch: &str,
-    ceil: &Ceilings,
-    command: &str,
-    rows: &[Row],
-) -> serde_json::Value {
-    serde_json::json!({
-        "tool": "megamoe bench forward",
-        "device": device,
-        "arch": arch,
-        "copy_tbs": ceil.copy_tbs,
-        "bf16_tflops": ceil.bf16_tflops,
-        "command": command,
-        "rows": rows.iter().map(Row::json).collect::<Vec<_>>(),
-    })
-}
-
-/// Writes `doc` to `path` (through a temporary file, so a partial run leaves a whole document).
-pub(crate) fn write_json(path: &std::path::Path, doc: &serde_json::Value) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(doc)? + "\n")
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
-}
-
-/// A progress bar over `n` rows on stderr (hidden when stderr is not a terminal).
-pub(crate) fn row_progress(n: usize, what: &str) -> indicatif::ProgressBar {
-    let pb = indicatif::ProgressBar::new(n as u64);
-    if let Ok(style) =
-        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
-    {
-        pb.set_style(style.progress_chars("=> "));
+    /// Writes `doc` to `path` (through a temporary file, so a partial run leaves a whole document).
+    pub(crate) fn write_json(path: &std::path::Path, doc: &serde_json::Value) -> anyhow::Result<()> {
+        use anyhow::Context;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(doc)? + "\n")
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
     }
-    pb.set_prefix(what.to_string());
-    pb
+
+    /// A progress bar over `n` rows on stderr (hidden when stderr is not a terminal).
+    pub(crate) fn row_progress(n: usize, what: &str) -> indicatif::ProgressBar {
+        let pb = indicatif::ProgressBar::new(n as u64);
+        if let Ok(style) =
+            indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
+        {
+            pb.set_style(style.progress_chars("=> "));
+        }
+        pb.set_prefix(what.to_string());
+        pb
+    }
 }
+pub(crate) use ep::*;
 
 #[cfg(feature = "cuda")]
 mod cuda_bench {
@@ -964,6 +973,50 @@ mod cuda_bench {
     }
 }
 
+fn run_quantize(a: QuantizeBench) -> anyhow::Result<i32> {
+    anyhow::ensure!(a.rows > 0 && a.cols > 0 && a.runs > 0, "--rows, --cols and --runs must be positive");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
+    let n = a.rows.checked_mul(a.cols).ok_or_else(|| anyhow::anyhow!("matrix too large"))?;
+    let scale = 0.5 / (a.cols as f32).sqrt();
+    let w: Vec<bf16> = (0..n)
+        .map(|_| {
+            // Uniform is enough here: the quantizer's cost does not depend on the distribution.
+            let x: f32 = rng.gen_range(-1.7..1.7);
+            bf16::from_f32(x * scale)
+        })
+        .collect();
+    let quantize = || -> anyhow::Result<()> {
+        match a.format {
+            BenchFormat::Nvfp4 => drop(nvfp4::quantize_bf16(&w, a.rows, a.cols)?),
+            BenchFormat::Mxfp4 => drop(mxfp4::quantize_bf16(&w, a.rows, a.cols)?),
+        }
+        Ok(())
+    };
+    quantize()?; // warm-up: page faults, thread pool start
+    let mut times = Vec::with_capacity(a.runs);
+    for _ in 0..a.runs {
+        let t = Instant::now();
+        quantize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(|x, y| x.total_cmp(y));
+    let median = times[times.len() / 2];
+    let gbs = (n * 2) as f64 / median / 1e9;
+    println!(
+        "quantize {:?} {}x{} bf16: median {:.1} ms over {} runs (min {:.1}, max {:.1}), {:.2} GB/s of bf16 input, {} threads",
+        a.format,
+        a.rows,
+        a.cols,
+        median * 1e3,
+        a.runs,
+        times[0] * 1e3,
+        times[times.len() - 1] * 1e3,
+        gbs,
+        rayon::current_num_threads()
+    );
+    Ok(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1042,7 +1095,8 @@ mod tests {
         let line = row.line();
         assert!(line.contains("1/8") && line.contains("40/48") && line.contains("rank"), "{line}");
         assert_eq!(Row::header().split_whitespace().count(), line.split_whitespace().count());
-        let doc = report_json("NVIDIA H200", "sm_90a", &ceil, "megamoe bench forward", &[row.clone()]);
+        let doc =
+            report_json("NVIDIA H200", "sm_90a", &ceil, "megamoe bench forward", std::slice::from_ref(&row));
         let r = &doc["rows"][0];
         assert_eq!(doc["copy_tbs"], 4.28);
         assert_eq!(r["T"], 64);
@@ -1061,48 +1115,4 @@ mod tests {
         assert!((back["rows"][0]["ratio"].as_f64().unwrap() - row.ratio()).abs() < 1e-12);
         assert_eq!(back["device"], "NVIDIA H200");
     }
-}
-
-fn run_quantize(a: QuantizeBench) -> anyhow::Result<i32> {
-    anyhow::ensure!(a.rows > 0 && a.cols > 0 && a.runs > 0, "--rows, --cols and --runs must be positive");
-    let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
-    let n = a.rows.checked_mul(a.cols).ok_or_else(|| anyhow::anyhow!("matrix too large"))?;
-    let scale = 0.5 / (a.cols as f32).sqrt();
-    let w: Vec<bf16> = (0..n)
-        .map(|_| {
-            // Uniform is enough here: the quantizer's cost does not depend on the distribution.
-            let x: f32 = rng.gen_range(-1.7..1.7);
-            bf16::from_f32(x * scale)
-        })
-        .collect();
-    let quantize = || -> anyhow::Result<()> {
-        match a.format {
-            BenchFormat::Nvfp4 => drop(nvfp4::quantize_bf16(&w, a.rows, a.cols)?),
-            BenchFormat::Mxfp4 => drop(mxfp4::quantize_bf16(&w, a.rows, a.cols)?),
-        }
-        Ok(())
-    };
-    quantize()?; // warm-up: page faults, thread pool start
-    let mut times = Vec::with_capacity(a.runs);
-    for _ in 0..a.runs {
-        let t = Instant::now();
-        quantize()?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    times.sort_by(|x, y| x.total_cmp(y));
-    let median = times[times.len() / 2];
-    let gbs = (n * 2) as f64 / median / 1e9;
-    println!(
-        "quantize {:?} {}x{} bf16: median {:.1} ms over {} runs (min {:.1}, max {:.1}), {:.2} GB/s of bf16 input, {} threads",
-        a.format,
-        a.rows,
-        a.cols,
-        median * 1e3,
-        a.runs,
-        times[0] * 1e3,
-        times[times.len() - 1] * 1e3,
-        gbs,
-        rayon::current_num_threads()
-    );
-    Ok(0)
 }
