@@ -9,6 +9,7 @@ pub mod forward;
 pub mod gpu;
 pub mod inspect;
 pub mod quantize;
+pub mod run_model;
 pub mod trace;
 pub mod verify;
 
@@ -36,6 +37,7 @@ pub fn init_logging() {
 }
 
 /// `(median, min)` of `v` (e.g. milliseconds); `(NaN, NaN)` when empty.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn median_min(v: &[f64]) -> (f64, f64) {
     if v.is_empty() {
         return (f64::NAN, f64::NAN);
