@@ -26,8 +26,11 @@ while read -r name exe; do [ -n "$name" ] && cp "$exe" "$carry/bin/$name"; done 
 strip --strip-debug "$carry"/bin/* 2>/dev/null || true
 cp scripts/device/run.sh "$carry/run.sh"
 cp -r crates/megamoe/tests/data/* "$carry/data/"
-du -sh "$carry"
+# The peers (torch baselines, triton_kernels' MXFP4 MoE) travel beside the binaries when present.
+if [ -d ../shared/peers ]; then rm -rf .peers && cp -r ../shared/peers .peers; fi
+du -sh "$carry" .peers 2>/dev/null
 cat <<MSG
 Staged in $carry. Now call the device tool:
-  run(command="bash .device-carry/run.sh", carry=[".device-carry"], timeout_s=600)
+  run(command="bash .device-carry/run.sh", carry=[".device-carry", ".peers"], timeout_s=600)
+(env: BENCH=1 for the EP-rank bench, PEERS=1 for the peers, SKIP_VERIFY=1, SANITIZE=0, NCU=0)
 MSG

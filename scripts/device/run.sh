@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs THERE (on the GPU machine, from the repository root, with .device-carry carried): the CUDA
-# tests, the fixture tests, `megamoe verify`, compute-sanitizer memcheck/racecheck on a small
-# forward, and timings; logs go to $OUT; a summary table is printed last.
-# Env: VERIFY_ARGS (default: the full sweep), SKIP_VERIFY=1, TIMINGS=0 to skip timings.
+# tests (both GEMM families), the fixture tests, `megamoe verify`, the GPU demo, traces,
+# compute-sanitizer memcheck/racecheck, timings per GEMM family and an ncu summary of the decode
+# kernels; logs go to $OUT; a summary table is printed last.
+# Env: VERIFY_ARGS (default: the full sweep), SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
+# SANITIZE=0, BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
@@ -11,43 +13,65 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 export MEGAMOE_CACHE="/tmp/megamoe-kernels" MEGAMOE_TEST_DATA="$here/data" MEGAMOE_REQUIRE_GPU=1
 export MEGAMOE_LOG="${MEGAMOE_LOG:-megamoe=info}"
 declare -A status
+order=()
 step() { # name, command...
   local name="$1"; shift
   local t0=$(date +%s)
+  order+=("$name")
   echo "=== $name: $*" | tee -a "$OUT/log.txt"
   "$@" >"$LOGS/$name.log" 2>&1; local rc=$?
   tail -n 25 "$LOGS/$name.log"
   status[$name]="rc=$rc $(( $(date +%s) - t0 ))s"
   echo "=== $name: rc=$rc" | tee -a "$OUT/log.txt"
 }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 chmod +x "$here"/bin/*
+bin="$here/bin/megamoe"
 [ -x "$here/bin/cuda_engine" ] && step tests "$here/bin/cuda_engine" --test-threads 1 --nocapture
 [ -x "$here/bin/cuda_fixtures" ] && step fixtures "$here/bin/cuda_fixtures" --test-threads 1 --nocapture
 if [ "${SKIP_VERIFY:-0}" != 1 ]; then
-  step verify timeout "${VERIFY_TIMEOUT:-300}" "$here/bin/megamoe" verify --backend cuda ${VERIFY_ARGS:-}
+  step verify timeout "${VERIFY_TIMEOUT:-300}" "$bin" verify --backend cuda ${VERIFY_ARGS:-}
 fi
 # The main job on the GPU: the full V4-Pro layer (384 experts) against the CPU reference.
-[ "${SKIP_DEMO:-0}" != 1 ] && step demo timeout 240 "$here/bin/megamoe" demo --backend cuda
-# Diagnostics on the GPU: a clean trace, then a deliberately wrong weight transform (scales in
-# the wrong layout) that trace must pin on the first expert GEMM.
+[ "${SKIP_DEMO:-0}" != 1 ] && step demo timeout 240 "$bin" demo --backend cuda
 act="$here/data/activations"
-step trace_clean "$here/bin/megamoe" trace --backend cuda --checkpoint "$here/data/nvfp4-tiny" --layer 1 \
+step trace_clean "$bin" trace --backend cuda --checkpoint "$here/data/nvfp4-tiny" --layer 1 \
   --input "$act/nvfp4-L1-in.safetensors" --expect "$act/nvfp4-L1-expect.safetensors"
-step trace_fault env MEGAMOE_FAULT=scale_layout "$here/bin/megamoe" trace --backend cuda \
+step trace_fault env MEGAMOE_FAULT=scale_layout "$bin" trace --backend cuda \
   --checkpoint "$here/data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
-step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 trace_records nan_rows repeat_runs
-step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 trace_records
+if [ "${SANITIZE:-1}" != 0 ]; then
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
+    trace_records nan_and_inf repeat_runs external_routing
+  step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
+    trace_records external_routing
+fi
 if [ "${TIMINGS:-1}" != 0 ]; then
-  step timings "$here/bin/megamoe" verify --backend cuda --timings-only
+  step timings_tc env MEGAMOE_GEMM=tc "$bin" verify --backend cuda --timings-only
+  step timings_simt env MEGAMOE_GEMM=simt "$bin" verify --backend cuda --timings-only
+fi
+if [ "${BENCH:-0}" != 0 ]; then
+  step bench timeout 400 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
+    --tokens "${BENCH_TOKENS:-1,8,64,512,4096,16384}" --json "$OUT/bench.json" ${BENCH_ARGS:-}
+fi
+if [ "${PEERS:-0}" != 0 ] && [ -d .peers ]; then
+  step peers_torch timeout 300 env PYTHONUNBUFFERED=1 python3 .peers/torch_baselines.py --json "$OUT/peers_torch.json"
+  step peers_triton timeout 400 env PYTHONUNBUFFERED=1 PYTHONPATH=.peers/triton_kernels_pkg \
+    python3 .peers/triton_kernels_moe.py --json "$OUT/peers_triton.json"
+fi
+if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
+  # The first tensor-core launches of the timings run: the T=1 decode L1 / L2 and the shared expert.
+  step ncu timeout 240 env MEGAMOE_GEMM=tc ncu --clock-control none -k regex:moe_tc --launch-count 6 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread \
+    "$bin" verify --backend cuda --timings-only
 fi
 echo; echo "================ SUMMARY ================"
-for k in tests fixtures verify demo trace_clean trace_fault memcheck racecheck timings; do
-  [ -n "${status[$k]:-}" ] && printf "%-10s %s\n" "$k" "${status[$k]}"
-done
+for k in "${order[@]}"; do printf "%-13s %s\n" "$k" "${status[$k]}"; done
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS"/memcheck.log "$LOGS"/racecheck.log 2>/dev/null
 grep -hE "^test result" "$LOGS"/tests.log "$LOGS"/fixtures.log 2>/dev/null
-[ -f "$LOGS/verify.log" ] && grep -E "PASS|FAIL|passed|failed" "$LOGS/verify.log" | tail -n 3
+grep -hE "panicked|FAILED" "$LOGS"/tests.log 2>/dev/null | head -20
+[ -f "$LOGS/verify.log" ] && grep -E "backend under test|FAIL|all rows" "$LOGS/verify.log" | head -12
 grep -h "first divergence:" "$LOGS"/trace_*.log 2>/dev/null
+for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|generated" "$LOGS/$f.log" | tail -n 9; }; done
+[ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0

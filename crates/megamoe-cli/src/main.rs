@@ -35,6 +35,8 @@ enum Command {
     Doctor(commands::doctor::Args),
     /// Run a backend and the reference stage by stage and show where they diverge.
     Trace(commands::trace::Args),
+    /// Compile every CUDA kernel for an architecture (no GPU needed): resources and CUBINs.
+    Kernels(commands::kernels::Args),
 }
 
 fn main() {
@@ -51,6 +53,7 @@ fn main() {
         Command::RunModel(a) => commands::run_model::run(a),
         Command::Doctor(a) => commands::doctor::run(a),
         Command::Trace(a) => commands::trace::run(a),
+        Command::Kernels(a) => commands::kernels::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

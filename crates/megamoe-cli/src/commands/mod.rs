@@ -8,6 +8,7 @@ pub mod forward;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod inspect;
+pub mod kernels;
 pub mod quantize;
 pub mod run_model;
 pub mod trace;

@@ -233,6 +233,9 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
             let max_t = *case.tokens.iter().max().unwrap();
             let mut dut = create_engine(kind, layer.clone(), max_t)?;
             let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
+            if row == 1 {
+                println!("backend under test: {}", dut.describe());
+            }
             for &t in &case.tokens {
                 let x = synthetic::random_hidden(t, case.cfg.hidden_size, seed + t as u64);
                 let ids = synthetic::random_input_ids(t, case.cfg.vocab_size, seed + 1 + t as u64);
@@ -332,6 +335,7 @@ fn timings(seed: u64) -> anyhow::Result<()> {
     let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 5, false, seed));
     eprintln!("(layer generated in {:.1} s)", t0.elapsed().as_secs_f64());
     let mut eng = CudaEngine::new(layer.clone(), 512)?;
+    println!("engine: {}", megamoe::backend::MoeEngine::describe(&eng));
     let (h, i, e, k) =
         (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok);
     for t in [1usize, 64, 512] {

@@ -55,6 +55,7 @@ impl CudaEngine {
     /// [`LayerWeights::upload_with`]).
     pub fn with_family(layer: Arc<MoeLayer>, max_tokens: usize, family: Option<&str>) -> Result<Self> {
         layer.validate()?;
+        WorkspaceDims::of_layer(&layer, max_tokens).check()?;
         let ordinal = std::env::var("MEGAMOE_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         let device = CudaDevice::open(ordinal)?;
         Self::on_device(&device, &layer, max_tokens, family)

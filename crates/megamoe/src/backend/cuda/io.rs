@@ -70,7 +70,7 @@ impl DeviceTensor {
         if self.ptr == 0 && rows * cols > 0 {
             return Err(MegaError::Input(format!("{name}: null device pointer")));
         }
-        if self.ptr % align != 0 {
+        if !self.ptr.is_multiple_of(align) {
             return Err(MegaError::Input(format!(
                 "{name}: device address 0x{:x} is not {align}-byte aligned (the kernels use {align}-byte loads)",
                 self.ptr

@@ -47,6 +47,43 @@ impl WorkspaceDims {
         }
     }
 
+    /// The sizes of forwards of up to `max_tokens` tokens through `layer` (no device needed).
+    pub fn of_layer(layer: &crate::checkpoint::MoeLayer, max_tokens: usize) -> Self {
+        let c = &layer.config;
+        WorkspaceDims {
+            max_tokens,
+            hidden: c.hidden_size,
+            inter: c.moe_intermediate_size,
+            experts: c.n_routed_experts,
+            local_experts: layer.local_experts(),
+            top_k: c.num_experts_per_tok,
+            shared_inter: layer.shared.as_ref().map_or(0, |s| s.w1.rows),
+        }
+    }
+
+    /// Checks that every slot index and grid size fits the kernels' `int` / `u32`:
+    /// `max_tokens * k` slots must not exceed `i32::MAX` (and so neither may the tile counts).
+    pub fn check(&self) -> Result<()> {
+        let d = self;
+        if d.max_tokens == 0 {
+            return Err(MegaError::Input("max_tokens must be at least 1".into()));
+        }
+        let s = d.max_tokens.checked_mul(d.top_k).filter(|&s| s <= i32::MAX as usize).ok_or_else(|| {
+            MegaError::Input(format!(
+                "max_tokens={} with k={} gives more than i32::MAX slots, the kernels' index range",
+                d.max_tokens, d.top_k
+            ))
+        })?;
+        let tiles = max_tiles(s, d.local_experts, MIN_BLOCK_M);
+        if tiles > u32::MAX as usize / 2 {
+            return Err(MegaError::Input(format!(
+                "max_tokens={}: {tiles} GEMM tiles exceed a grid",
+                d.max_tokens
+            )));
+        }
+        Self::base_bytes(d).map(|_| ())
+    }
+
     /// The element-wise maximum (a workspace serving both).
     pub fn max(self, o: Self) -> Self {
         WorkspaceDims {
@@ -58,6 +95,25 @@ impl WorkspaceDims {
             top_k: self.top_k.max(o.top_k),
             shared_inter: self.shared_inter.max(o.shared_inter),
         }
+    }
+
+    /// Bytes of the buffers every forward needs.
+    fn base_bytes(d: &WorkspaceDims) -> Result<usize> {
+        let s = d.slots();
+        let (h, i, e, el, mt) = (d.hidden, d.inter, d.experts, d.local_experts, d.max_tokens);
+        let parts = [
+            bytes(&[mt, e, 4], "scores")?,
+            bytes(&[s, 4 * 4], "slots")?,
+            bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8], "tiles")?,
+            bytes(&[s, i, 2], "activations")?,
+            bytes(&[s, h, 4], "l2 rows")?,
+            bytes(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
+            bytes(&[mt, h, 4], "shared out")?,
+        ];
+        parts
+            .iter()
+            .try_fold(0usize, |a, &b| a.checked_add(b))
+            .ok_or_else(|| MegaError::Input("workspace too large".into()))
     }
 
     /// Routing slots `max_tokens * k`.
@@ -124,24 +180,11 @@ impl Workspace {
     /// large `max_tokens` is refused with the sizes instead of failing half-way.
     pub fn new(device: &Arc<CudaDevice>, dims: WorkspaceDims) -> Result<Workspace> {
         let d = dims;
-        if d.max_tokens == 0 {
-            return Err(MegaError::Input("max_tokens must be at least 1".into()));
-        }
-        let s = d.max_tokens.checked_mul(d.top_k).filter(|&s| s <= i32::MAX as usize).ok_or_else(|| {
-            MegaError::Input(format!(
-                "max_tokens={} with k={} gives more than i32::MAX slots, the kernels' index range",
-                d.max_tokens, d.top_k
-            ))
-        })?;
+        d.check()?;
+        let s = d.slots();
         let tiles = max_tiles(s, d.local_experts, MIN_BLOCK_M);
-        if tiles > u32::MAX as usize / 2 {
-            return Err(MegaError::Input(format!(
-                "max_tokens={}: {tiles} GEMM tiles exceed a grid",
-                d.max_tokens
-            )));
-        }
         let (h, i, e, el, mt) = (d.hidden, d.inter, d.experts, d.local_experts, d.max_tokens);
-        let need = Self::base_bytes(&d)?;
+        let need = WorkspaceDims::base_bytes(&d)?;
         let (free, total) = device.memory_info()?;
         if need > free {
             return Err(MegaError::Input(format!(
@@ -185,25 +228,6 @@ impl Workspace {
         let dims =
             layers.iter().map(|w| WorkspaceDims::of(w, max_tokens)).reduce(WorkspaceDims::max).expect("one");
         Workspace::new(first.device(), dims)
-    }
-
-    /// Bytes of the buffers every forward needs.
-    fn base_bytes(d: &WorkspaceDims) -> Result<usize> {
-        let s = d.slots();
-        let (h, i, e, el, mt) = (d.hidden, d.inter, d.experts, d.local_experts, d.max_tokens);
-        let parts = [
-            bytes(&[mt, e, 4], "scores")?,
-            bytes(&[s, 4 * 4], "slots")?,
-            bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8], "tiles")?,
-            bytes(&[s, i, 2], "activations")?,
-            bytes(&[s, h, 4], "l2 rows")?,
-            bytes(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
-            bytes(&[mt, h, 4], "shared out")?,
-        ];
-        parts
-            .iter()
-            .try_fold(0usize, |a, &b| a.checked_add(b))
-            .ok_or_else(|| MegaError::Input("workspace too large".into()))
     }
 
     /// The sizes this workspace holds.

@@ -223,7 +223,7 @@ fn pack_block(
                     return 0u8;
                 }
                 let b = packed[(rr * cols + k) / 2];
-                if k % 2 == 0 {
+                if k.is_multiple_of(2) {
                     b & 15
                 } else {
                     b >> 4
@@ -474,9 +474,9 @@ pub fn pack_dense_l2(w: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
 pub const STAGES: usize = 4;
 
 /// Dynamic shared memory of instantiation `(nt, spc)` for `format`: [`STAGES`] stages of the 8
-/// weight blocks plus the token tile (`nt` rows x `64 * 8/spc` bf16), then `nt` row indices.
+/// weight blocks plus the token tile (`nt` rows x `64 * 8/spc` bf16).
 pub fn smem_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
-    STAGES * (GROUP_SLABS * block_bytes(format) + nt * (GROUP_SLABS / spc) * 128) + nt * 4
+    STAGES * (GROUP_SLABS * block_bytes(format) + nt * (GROUP_SLABS / spc) * 128)
 }
 
 /// Token-tile heights (N of the MMA tile, tokens per plan tile) the kernels are built for.
@@ -536,11 +536,11 @@ mod tests {
                 codes[pos / 2][pos % 2] = code;
                 let regs = decode_fp4_word(fp4_word(codes));
                 for (r, &reg) in regs.iter().enumerate() {
-                    for h in 0..2 {
+                    for (h, &code) in codes[r].iter().enumerate() {
                         let bits = (reg >> (16 * h)) as u16;
-                        let want = e2m1::VALUES[codes[r][h] as usize] as f64;
+                        let want = e2m1::VALUES[code as usize] as f64;
                         let got = bf16_value(bits) * 2f64.powi(126);
-                        assert_eq!(got.to_bits(), want.to_bits(), "reg {r} half {h} code {}", codes[r][h]);
+                        assert_eq!(got.to_bits(), want.to_bits(), "reg {r} half {h} code {code}");
                     }
                 }
             }

@@ -172,7 +172,10 @@ impl GemmFamily for TcFamily {
         if let Some(why) = arch_ok(dev) {
             return Some(why);
         }
-        if s.w1.cols % layout::CHUNK_K != 0 || s.w2.cols % layout::CHUNK_K != 0 || s.w1.rows % 8 != 0 {
+        if !s.w1.cols.is_multiple_of(layout::CHUNK_K)
+            || !s.w2.cols.is_multiple_of(layout::CHUNK_K)
+            || !s.w1.rows.is_multiple_of(8)
+        {
             return Some("shared expert sizes are not multiples of the tensor-core chunk".into());
         }
         [&s.w1, &s.w2, &s.w3]

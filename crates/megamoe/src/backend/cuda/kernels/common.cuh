@@ -118,9 +118,10 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return r;
 }
 
-// 16-byte global -> shared copy, bypassing L1 (cp.async.cg); completes at cp_async_wait.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_u32(dst)), "l"(src) : "memory");
+// 16-byte global -> shared copy to shared address `dst`, bypassing L1 (cp.async.cg); completes
+// at cp_async_wait.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>

@@ -52,18 +52,37 @@ struct TcShape {
     static constexpr int T_PITCH = KS * 128;           // bytes per token row of a stage
     static constexpr int T_STAGE = NT * T_PITCH;       // token bytes per stage
     static constexpr int STAGE = W_STAGE + T_STAGE;
-    static constexpr int SMEM = TC_STAGES * STAGE + NT * 4;
+    static constexpr int SMEM = TC_STAGES * STAGE;
 };
 
-// The A registers of k16 step Q from one lane's block slice `wl` (codes) and its scales `sc`.
+// One lane's slice of a (slab, chunk) block, loaded from shared memory once per stage: FP4 codes
+// (word q = step q) and the scale bytes of its rows g, g+8; bf16 values (words 4q + r).
+struct TcLane {
+    uint4 w[MM_WF == WF_BF16 ? 4 : 1];
+    uint2 sc;
+};
+
+__device__ __forceinline__ TcLane tc_load_lane(const unsigned char* wl, const unsigned char* scl)
+{
+    TcLane l;
+    #pragma unroll
+    for (int i = 0; i < (MM_WF == WF_BF16 ? 4 : 1); ++i) l.w[i] = *(const uint4*)(wl + 16 * i);
+    if constexpr (MM_WF == WF_NVFP4) l.sc = *(const uint2*)scl;
+    else if constexpr (MM_WF == WF_MXFP4) l.sc = make_uint2(*(const unsigned*)scl, 0u);
+    else l.sc = make_uint2(0u, 0u);
+    return l;
+}
+
+// The A registers of k16 step Q: bf16 as stored; FP4 decoded to e2m1 * 2^-126 (9 integer ops) and
+// multiplied by the rows' block scales in bf16 (scale * 2^K2, exact; the alpha undoes 2^(K2-126)).
 template <int Q>
-__device__ __forceinline__ void tc_decode(unsigned (&a)[4], const unsigned char* wl, const unsigned char* scl)
+__device__ __forceinline__ void tc_decode(unsigned (&a)[4], const TcLane& l)
 {
     if constexpr (MM_WF == WF_BF16) {
-        const uint4 v = *(const uint4*)(wl + 16 * Q);
+        const uint4 v = l.w[Q];
         a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
     } else {
-        const unsigned w = ((const unsigned*)wl)[Q];
+        const unsigned w = (Q == 0) ? l.w[0].x : (Q == 1) ? l.w[0].y : (Q == 2) ? l.w[0].z : l.w[0].w;
         const unsigned M = 0x81C081C0u;
         a[0] = w & M;
         a[1] = __funnelshift_l(w, w, 4) & M;
@@ -73,7 +92,8 @@ __device__ __forceinline__ void tc_decode(unsigned (&a)[4], const unsigned char*
         if constexpr (MM_WF == WF_NVFP4) {
             // e4m3 pair (row g, row g+8) -> f16x2 (exact) -> bf16x2 of scale * 2^100 (bit ops; every
             // nonzero e4m3 is a normal f16, zero scales were rewritten to 1.0 at upload).
-            const unsigned short pr = ((const unsigned short*)scl)[Q];
+            const unsigned word = (Q < 2) ? l.sc.x : l.sc.y;
+            const unsigned short pr = (unsigned short)((Q & 1) ? (word >> 16) : word);
             unsigned h2;
             asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pr));
             const unsigned s2 = (((h2 >> 3) & 0x0FFF0FFFu) + 0x6A006A00u) | (h2 & 0x80008000u);
@@ -81,10 +101,9 @@ __device__ __forceinline__ void tc_decode(unsigned (&a)[4], const unsigned char*
             s_hi = __byte_perm(s2, 0u, 0x3232);
         } else {
             // (e8m0 + K2) bytes of 32-block Q/2: the bf16 scale is byte << 7.
-            const unsigned sw = *(const unsigned*)scl;
             constexpr unsigned SEL_LO = (Q < 2) ? 0x4040u : 0x4242u, SEL_HI = (Q < 2) ? 0x4141u : 0x4343u;
-            s_lo = __byte_perm(sw, 0u, SEL_LO) << 7;
-            s_hi = __byte_perm(sw, 0u, SEL_HI) << 7;
+            s_lo = __byte_perm(l.sc.x, 0u, SEL_LO) << 7;
+            s_hi = __byte_perm(l.sc.x, 0u, SEL_HI) << 7;
         }
         a[0] = bf16x2_mul(a[0], s_lo);
         a[2] = bf16x2_mul(a[2], s_lo);
@@ -136,29 +155,46 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
     const int ws = warp % SPC, wp = warp / SPC;
     gslab = row0 / 16 + ws;
 
-    // The A row of each token of the tile (gathered through the plan's permutation).
-    unsigned* arow = (unsigned*)(smem + TC_STAGES * S::STAGE);
-    for (int r = threadIdx.x; r < NT; r += TC_THREADS)
-        arow[r] = (r < mc) ? (g.a_rows ? g.a_rows[m0 + r] / (unsigned)g.a_div : (unsigned)(m0 + r)) : 0u;
-    __syncthreads();
-
+    // Loader roles, fixed for the whole K loop (per stage only a stride is added):
+    // - weights: warp w copies its own (part, slab) block w = wp * SPC + ws, BLK / 16 units of 16 B,
+    //   lane l units l, l + 32, ...; the block of stage j is `j * KS * 8 * BLK` bytes further on;
+    // - tokens: unit u = tid + 256 i of the [NT][KS * 8] 16-byte chunks of the stage's token tile:
+    //   row r = u / (KS * 8), chunk cc = u % (KS * 8) (powers of two), from A row a_rows[m0 + r] /
+    //   a_div (gathered once here); the tile of stage j is `j * KS * 128` bytes further along K.
+    constexpr int WU = BLK / 16;                       // 16-byte units per weight block
+    constexpr int WPL = (WU + 31) / 32;                // per lane
+    constexpr int TU = NT * KS * 8;                    // 16-byte units per token tile
+    constexpr int TPT = (TU + TC_THREADS - 1) / TC_THREADS;
+    const unsigned char* wsrc = wgrp + ((size_t)wp * 8 + s0 + ws) * BLK + lane * 16;
+    const size_t wstride = (size_t)KS * 8 * BLK;
+    const unsigned wdst = (unsigned)(warp * BLK + lane * 16);
+    const unsigned char* tsrc[TPT];
+    unsigned tdst[TPT];
+    int tpart[TPT];
+    #pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+        const int u = threadIdx.x + i * TC_THREADS;
+        const int r = u / (KS * 8), cc = u % (KS * 8);
+        const bool live = u < TU && r < mc;
+        const unsigned arow = live ? (g.a_rows ? g.a_rows[m0 + r] / (unsigned)g.a_div : (unsigned)(m0 + r)) : 0u;
+        tsrc[i] = (const unsigned char*)g.a + ((size_t)arow * K + (cc >> 3) * 64 + (cc & 7) * 8) * 2;
+        tdst[i] = (unsigned)(S::W_STAGE + r * S::T_PITCH + ((cc ^ (r & 7)) << 4));
+        tpart[i] = live ? (cc >> 3) : (1 << 30);       // chunk of stage j: j * KS + part (< nch to load)
+    }
     const int nstages = (nch + KS - 1) / KS;
+    // Shared-space addresses are formed once from the base (no per-access address conversion).
+    const unsigned sbase = smem_u32(smem);
     auto load_stage = [&](int j, int slot) {
-        unsigned char* st = smem + slot * S::STAGE;
-        for (int u = threadIdx.x; u < S::W_STAGE / 16; u += TC_THREADS) {
-            const int b = u / (BLK / 16), o = (u % (BLK / 16)) * 16;
-            const int c = j * KS + b / SPC;
-            if (c < nch) cp_async16(st + b * BLK + o, wgrp + ((size_t)c * 8 + s0 + b % SPC) * BLK + o);
+        const unsigned st = sbase + slot * S::STAGE;
+        if (j * KS + wp < nch) {
+            const unsigned char* src = wsrc + (size_t)j * wstride;
+            #pragma unroll
+            for (int i = 0; i < WPL; ++i)
+                if (i * 32 + lane < WU) cp_async16(st + wdst + i * 512, src + i * 512);
         }
-        unsigned char* tk = st + S::W_STAGE;
-        for (int u = threadIdx.x; u < NT * KS * 8; u += TC_THREADS) {
-            const int r = u / (KS * 8), cc = u % (KS * 8);
-            const int c = j * KS + (cc >> 3);
-            if (r < mc && c < nch) {
-                const bf16_t* src = (const bf16_t*)g.a + (size_t)arow[r] * K + (size_t)c * 64 + (cc & 7) * 8;
-                cp_async16(tk + r * S::T_PITCH + ((cc ^ (r & 7)) << 4), src);
-            }
-        }
+        #pragma unroll
+        for (int i = 0; i < TPT; ++i)
+            if (j * KS + tpart[i] < nch) cp_async16(st + tdst[i], tsrc[i] + (size_t)j * KS * 128);
     };
 
     #pragma unroll
@@ -166,52 +202,61 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
         #pragma unroll
         for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
 
+    // This lane's fixed offsets inside a stage: its weight block slice and scales, and the
+    // ldmatrix row address of (matrix mi = lane / 8, row li = lane % 8) before the k-step XOR.
+    const int mi = lane >> 3, li = lane & 7;
+    const int wl_off = warp * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
+    const int sc_off = warp * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
+    const int trow = (NT == 8) ? li : ((mi >> 1) * 8 + li);
+    const unsigned tk_lane = (unsigned)(S::W_STAGE + trow * S::T_PITCH);
+
     #pragma unroll
     for (int s = 0; s < TC_STAGES - 1; ++s) {
-        if (s < nstages) load_stage(s, s);
+        load_stage(s, s);
         cp_async_commit();
     }
-    for (int j = 0; j < nstages; ++j) {
-        cp_async_wait<TC_STAGES - 2>();
-        __syncthreads();
-        if (j + TC_STAGES - 1 < nstages) load_stage(j + TC_STAGES - 1, (j + TC_STAGES - 1) % TC_STAGES);
-        cp_async_commit();
-        const int c = j * KS + wp;
-        if (c >= nch) continue;                 // uniform over the warp
-        const unsigned char* st = smem + (j % TC_STAGES) * S::STAGE;
-        const unsigned char* wb = st + (wp * SPC + ws) * BLK;
-        const unsigned char* wl = wb + lane * (MM_WF == WF_BF16 ? 64 : 16);
-        const unsigned char* scl = wb + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
-        const unsigned tk = smem_u32(st + S::W_STAGE);
-        // ldmatrix lane roles: matrix mi = lane / 8, row i = lane % 8.
-        const int mi = lane >> 3, li = lane & 7;
-        unsigned a[4][4];
-        tc_decode<0>(a[0], wl, scl);
-        tc_decode<1>(a[1], wl, scl);
-        tc_decode<2>(a[2], wl, scl);
-        tc_decode<3>(a[3], wl, scl);
-        if constexpr (NT == 8) {
-            // One n8 tile: each x4 brings the B fragments of two k16 steps.
-            #pragma unroll
-            for (int q = 0; q < 4; q += 2) {
-                const int r = li;
-                const int cc = wp * 8 + 2 * q + mi;   // matrices: (q lo, q hi, q+1 lo, q+1 hi)
-                unsigned b0, b1, b2, b3;
-                ldmatrix_x4(b0, b1, b2, b3, tk + r * S::T_PITCH + ((cc ^ (r & 7)) << 4));
-                mma_bf16_16816(acc[0], a[q], b0, b1);
-                mma_bf16_16816(acc[0], a[q + 1], b2, b3);
-            }
-        } else {
-            #pragma unroll
-            for (int q = 0; q < 4; ++q) {
+    for (int j0 = 0; j0 < nstages; j0 += TC_STAGES) {
+        // Unrolled over the ring so every stage's shared-memory offsets are immediates.
+        #pragma unroll
+        for (int sl = 0; sl < TC_STAGES; ++sl) {
+            const int j = j0 + sl;
+            if (j >= nstages) break;            // uniform over the CTA
+            cp_async_wait<TC_STAGES - 2>();
+            __syncthreads();
+            load_stage(j + TC_STAGES - 1, (sl + TC_STAGES - 1) % TC_STAGES);
+            cp_async_commit();
+            if (j * KS + wp >= nch) continue;   // uniform over the warp
+            const unsigned char* st = smem + sl * S::STAGE;
+            const unsigned char* wl = st + wl_off;
+            const unsigned char* scl = st + sc_off;
+            const unsigned tk = sbase + sl * S::STAGE + tk_lane;
+            const TcLane ln = tc_load_lane(wl, scl);
+            unsigned a[4][4];
+            tc_decode<0>(a[0], ln);
+            tc_decode<1>(a[1], ln);
+            tc_decode<2>(a[2], ln);
+            tc_decode<3>(a[3], ln);
+            if constexpr (NT == 8) {
+                // One n8 tile: each x4 brings the B fragments of two k16 steps.
                 #pragma unroll
-                for (int jn = 0; jn < NT / 8; jn += 2) {
-                    const int r = (jn + (mi >> 1)) * 8 + li;
-                    const int cc = wp * 8 + 2 * q + (mi & 1);
+                for (int q = 0; q < 4; q += 2) {
+                    const int cc = wp * 8 + 2 * q + mi;   // matrices: (q lo, q hi, q+1 lo, q+1 hi)
                     unsigned b0, b1, b2, b3;
-                    ldmatrix_x4(b0, b1, b2, b3, tk + r * S::T_PITCH + ((cc ^ (r & 7)) << 4));
-                    mma_bf16_16816(acc[jn], a[q], b0, b1);
-                    mma_bf16_16816(acc[jn + 1], a[q], b2, b3);
+                    ldmatrix_x4(b0, b1, b2, b3, tk + ((cc ^ li) << 4));
+                    mma_bf16_16816(acc[0], a[q], b0, b1);
+                    mma_bf16_16816(acc[0], a[q + 1], b2, b3);
+                }
+            } else {
+                #pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int cc = wp * 8 + 2 * q + (mi & 1);
+                    #pragma unroll
+                    for (int jn = 0; jn < NT / 8; jn += 2) {
+                        unsigned b0, b1, b2, b3;
+                        ldmatrix_x4(b0, b1, b2, b3, tk + jn * 8 * S::T_PITCH + ((cc ^ li) << 4));
+                        mma_bf16_16816(acc[jn], a[q], b0, b1);
+                        mma_bf16_16816(acc[jn + 1], a[q], b2, b3);
+                    }
                 }
             }
         }
