@@ -83,7 +83,7 @@ pub struct ForwardBench {
     /// CUDA: timed CUDA-graph replays per row (median and min reported).
     #[arg(long, default_value_t = 20)]
     pub iters: usize,
-    /// CUDA: MB written before each timed replay (outside the timed region) so that the weights are
+    /// CUDA: MiB written before each timed replay (outside the timed region) so that the weights are
     /// not L2-resident (0: no flush).
     #[arg(long, default_value_t = 256)]
     pub flush_mb: usize,
@@ -712,7 +712,7 @@ mod cuda_bench {
         );
         println!(
             "layer {} (H {h}, I {}, {e} experts, top-{k}), {}, {}; rank {}/{world} owns experts {:?}; \
-             {} CUDA-graph replays per row, {} MB flushed before each",
+             {} CUDA-graph replays per row, {} MiB flushed before each",
             a.shape.name(),
             cfg.moe_intermediate_size,
             b.format,
