@@ -29,6 +29,8 @@ enum Command {
     Verify(commands::verify::Args),
     /// Time quantization and forwards.
     Bench(commands::bench::Args),
+    /// Run every MoE layer of a model in sequence on one device (residual stream between layers).
+    RunModel(commands::run_model::Args),
     /// Examine a checkpoint for broken scales, layouts and experts.
     Doctor(commands::doctor::Args),
     /// Run a backend and the reference stage by stage and show where they diverge.
@@ -48,6 +50,7 @@ fn main() {
         Command::Forward(a) => commands::forward::run(a),
         Command::Verify(a) => commands::verify::run(a),
         Command::Bench(a) => commands::bench::run(a),
+        Command::RunModel(a) => commands::run_model::run(a),
         Command::Doctor(a) => commands::doctor::run(a),
         Command::Trace(a) => commands::trace::run(a),
         Command::Kernels(a) => commands::kernels::run(a),

@@ -152,7 +152,18 @@ fn raw(st: &SafeTensors<'_>, name: &str) -> (Dtype, Vec<usize>, Vec<u8>) {
 fn help_of_every_subcommand() {
     let top = run(&["--help"]);
     top.expect_code(0);
-    let subs = ["demo", "quantize", "dequantize", "inspect", "forward", "verify", "bench", "doctor", "trace"];
+    let subs = [
+        "demo",
+        "quantize",
+        "dequantize",
+        "inspect",
+        "forward",
+        "verify",
+        "bench",
+        "run-model",
+        "doctor",
+        "trace",
+    ];
     for sub in subs {
         assert!(top.stdout.contains(sub), "top-level help lacks `{sub}`\n{}", top.stdout);
         let r = run(&[sub, "--help"]);
@@ -772,4 +783,145 @@ fn verify_without_a_gpu_is_a_clear_error() {
     // The default sweep checks CUDA: without it, one error line (exit 1) names the backend.
     let sweep = run(&["verify", "--quick"]);
     sweep.expect_error(&["cuda"]);
+}
+
+// ---------------------------------------------------------------- bench
+
+#[test]
+fn bench_forward_cpu_keeps_its_behaviour_and_refuses_cuda_only_flags() {
+    run(&["bench", "forward", "--shape", "tiny", "--tokens", "1,3", "--runs", "1"])
+        .expect_code(0)
+        .expect_output(&["T=1: median", "T=3: median", "on cpu"]);
+    for flags in [
+        &["--simulate-ep", "4"][..],
+        &["--family", "tc"][..],
+        &["--json", "out.json"][..],
+        &["--whole-layer"][..],
+    ] {
+        let mut args = vec!["bench", "forward", "--shape", "tiny", "--runs", "1"];
+        args.extend_from_slice(flags);
+        run(&args).expect_error(&[flags[0], "CUDA"]);
+    }
+    // Bad expert-parallel layouts are refused before any work, naming the flags.
+    run(&["bench", "forward", "--shape", "tiny", "--simulate-ep", "4", "--rank", "4"])
+        .expect_error(&["--simulate-ep 4 --rank 4"]);
+    run(&["bench", "forward", "--shape", "tiny", "--simulate-ep", "32"]).expect_error(&["16 experts"]);
+    run(&["bench", "forward", "--shape", "tiny", "--rank", "1"])
+        .expect_error(&["--rank needs --simulate-ep"]);
+}
+
+#[test]
+fn bench_forward_cuda_without_a_gpu_is_a_clear_error() {
+    let r =
+        run(&["bench", "forward", "--backend", "cuda", "--shape", "tiny", "--tokens", "1", "--iters", "2"]);
+    if r.code == 0 {
+        return; // a GPU is present
+    }
+    r.expect_error(&["cuda"]);
+}
+
+// ---------------------------------------------------------------- run-model
+
+/// The per-layer table of a `run-model` output: `(layer, routing)` of each row.
+fn run_model_layers(stdout: &str) -> Vec<(usize, String)> {
+    stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("layer  routing"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("total eager"))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(f.len(), 3, "per-layer row {l:?}");
+            assert!(f[2].parse::<f64>().is_ok_and(|ms| ms > 0.0), "time in {l:?}");
+            (f[0].parse().unwrap(), f[1].to_string())
+        })
+        .collect()
+}
+
+/// The drift lines of a `run-model` output: `(layer, drift)`.
+fn run_model_drifts(stdout: &str) -> Vec<(usize, f64)> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let rest = l.trim().strip_prefix("layer ")?;
+            let (layer, rest) = rest.split_once(' ')?;
+            let d = rest.split_once("drift ")?.1.split(',').next()?;
+            Some((layer.parse().ok()?, d.parse().ok()?))
+        })
+        .collect()
+}
+
+#[test]
+fn run_model_synthetic_tiny_on_the_cpu() {
+    let r = run(&["run-model", "--synthetic", "tiny", "--layers", "3", "--tokens", "4", "--backend", "cpu"]);
+    r.expect_code(0).expect_output(&["3 MoE layer(s) [0, 1, 2]", "T=4 tokens", "total eager", "PASS"]);
+    let layers = run_model_layers(&r.stdout);
+    // Tiny's config hash-routes layer 0 only.
+    assert_eq!(
+        layers,
+        vec![(0, "hash".to_string()), (1, "score".to_string()), (2, "score".to_string())],
+        "{}",
+        r.stdout
+    );
+    let drifts = run_model_drifts(&r.stdout);
+    assert_eq!(drifts.iter().map(|d| d.0).collect::<Vec<_>>(), vec![0, 2], "{}", r.stdout);
+    assert!(drifts.iter().all(|d| d.1 <= 2e-3), "{drifts:?}");
+    assert!(r.stdout.contains("0 of 4 tokens excluded"), "{}", r.stdout);
+}
+
+#[test]
+fn run_model_checkpoint_on_the_cpu() {
+    let ck = data().join("nvfp4-tiny");
+    let r = run(&["run-model", "--checkpoint", s(&ck), "--tokens", "3", "--backend", "cpu"]);
+    r.expect_code(0).expect_output(&["2 MoE layer(s) [0, 1]", "total eager", "PASS"]);
+    assert_eq!(run_model_layers(&r.stdout).len(), 2, "{}", r.stdout);
+    let drifts = run_model_drifts(&r.stdout);
+    assert_eq!(drifts.len(), 2, "{}", r.stdout);
+    assert!(drifts.iter().all(|d| d.1 <= 2e-3), "{drifts:?}");
+    // A quantized mode runs as well (W4A4 on the NVFP4 fixture's input scales).
+    run(&["run-model", "--checkpoint", s(&ck), "--tokens", "2", "--backend", "cpu", "--mode", "w4a4"])
+        .expect_code(0)
+        .expect_output(&["mode w4a4", "tolerance 2e-2", "PASS"]);
+}
+
+#[test]
+fn run_model_partial_checkpoint_runs_the_layers_it_holds() {
+    use megamoe::checkpoint::naming::Naming;
+    use megamoe::formats::WeightFormat;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = megamoe::synthetic::tiny_config();
+    cfg.num_hidden_layers = 5;
+    let layers: Vec<_> = [1usize, 3]
+        .iter()
+        .map(|&l| {
+            megamoe::synthetic::random_layer(&cfg, WeightFormat::Mxfp4, l, cfg.is_hash_layer(l), l as u64)
+        })
+        .collect();
+    megamoe::checkpoint::writer::write_layers(tmp.path(), &layers, Naming::DeepSeekV4, 2).unwrap();
+    let r = run(&["run-model", "--checkpoint", s(tmp.path()), "--tokens", "2", "--backend", "cpu"]);
+    r.expect_code(0).expect_output(&["2 MoE layer(s) [1, 3]", "PASS"]);
+    assert_eq!(run_model_layers(&r.stdout).iter().map(|l| l.0).collect::<Vec<_>>(), vec![1, 3]);
+    assert_eq!(run_model_drifts(&r.stdout).iter().map(|d| d.0).collect::<Vec<_>>(), vec![1, 3]);
+}
+
+#[test]
+fn run_model_bad_arguments_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-checkpoint");
+    run(&["run-model", "--checkpoint", s(&missing), "--backend", "cpu"]).expect_error(&[
+        "--checkpoint",
+        "no-such-checkpoint",
+        "not a directory",
+    ]);
+    // A directory without config.json.
+    run(&["run-model", "--checkpoint", s(tmp.path()), "--backend", "cpu"]).expect_error(&["config.json"]);
+    run(&["run-model", "--synthetic", "tiny", "--tokens", "0", "--backend", "cpu"])
+        .expect_error(&["--tokens"]);
+    run(&["run-model", "--synthetic", "tiny", "--layers", "0", "--backend", "cpu"])
+        .expect_error(&["--layers"]);
+    // Usage errors (clap, exit 2): neither or both sources, synthetic-only flags with a checkpoint.
+    assert_eq!(run(&["run-model"]).code, 2);
+    let ck = data().join("nvfp4-tiny");
+    assert_eq!(run(&["run-model", "--checkpoint", s(&ck), "--synthetic", "tiny"]).code, 2);
+    assert_eq!(run(&["run-model", "--checkpoint", s(&ck), "--layers", "2"]).code, 2);
 }

@@ -9,6 +9,7 @@ use half::bf16;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 use rayon::prelude::*;
+use std::ops::Range;
 
 type Rng64 = rand::rngs::StdRng;
 
@@ -74,15 +75,20 @@ fn e4m3_scale_byte(r: &mut Rng64) -> u8 {
     (e << 3) | m
 }
 
-/// One projection of `experts` experts, `rows x cols`, with `|w| ~ 1/sqrt(cols)`.
+/// One projection of the experts `range` (global ids) of a layer of `total` experts, `rows x cols`,
+/// with `|w| ~ 1/sqrt(cols)`. Every expert has its own random stream (keyed by its global id), so
+/// any range gives the same matrices as the matching slice of `0..total`.
 fn random_proj(
     format: WeightFormat,
-    experts: usize,
+    range: Range<usize>,
+    total: usize,
     rows: usize,
     cols: usize,
     seed: u64,
     stream: u64,
 ) -> ExpertProj {
+    let experts = range.len();
+    let first = range.start as u64;
     let per = rows * cols;
     // Block scales per expert matrix (unused for BF16).
     let sc = per / format.block_size().unwrap_or(1);
@@ -92,15 +98,19 @@ fn random_proj(
             let mut scales = vec![0u8; experts * sc];
             packed.par_chunks_mut(per / 2).zip(scales.par_chunks_mut(sc)).enumerate().for_each(
                 |(e, (p, s))| {
-                    let mut r = rng(seed, stream * 1_000_003 + e as u64);
+                    let mut r = rng(seed, stream * 1_000_003 + first + e as u64);
                     r.fill_bytes(p);
                     s.iter_mut().for_each(|b| *b = e4m3_scale_byte(&mut r));
                 },
             );
             // Mean |e2m1| of uniform codes is ~2.3 and the mean scale ~200: aim at |w| ~ 1/sqrt(cols).
+            // One stream for all experts' global scales: draw the whole layer's, keep the range.
             let mut r = rng(seed, stream * 1_000_003 + 999_999);
-            let global_scale =
-                (0..experts).map(|_| r.gen_range(0.7f32..1.4) / (460.0 * (cols as f32).sqrt())).collect();
+            let global_scale = (0..total)
+                .map(|_| r.gen_range(0.7f32..1.4) / (460.0 * (cols as f32).sqrt()))
+                .skip(range.start)
+                .take(experts)
+                .collect();
             // Activation global scales: amax/(6*448) with headroom over the largest activations
             // these layers see (N(0,1) inputs reach ~5; clamped SwiGLU outputs times a routing
             // weight reach ~18), so W4A4 block scales do not saturate at 448.
@@ -114,7 +124,7 @@ fn random_proj(
             let base = 127 - (2.3 * (cols as f32).sqrt()).log2().round() as i32;
             packed.par_chunks_mut(per / 2).zip(scales.par_chunks_mut(sc)).enumerate().for_each(
                 |(e, (p, s))| {
-                    let mut r = rng(seed, stream * 1_000_003 + e as u64);
+                    let mut r = rng(seed, stream * 1_000_003 + first + e as u64);
                     r.fill_bytes(p);
                     s.iter_mut().for_each(|b| *b = (base + r.gen_range(-1..=1)) as u8);
                 },
@@ -125,7 +135,7 @@ fn random_proj(
             let mut weight = vec![bf16::ZERO; experts * per];
             let std = 1.0 / (cols as f32).sqrt();
             weight.par_chunks_mut(per).enumerate().for_each(|(e, w)| {
-                let mut r = rng(seed, stream * 1_000_003 + e as u64);
+                let mut r = rng(seed, stream * 1_000_003 + first + e as u64);
                 w.iter_mut().for_each(|v| *v = bf16::from_f32(normal(&mut r) * std));
             });
             ProjData::Bf16 { weight }
@@ -150,6 +160,30 @@ pub fn random_layer(
     hash: bool,
     seed: u64,
 ) -> MoeLayer {
+    random_layer_experts(cfg, format, layer_index, hash, seed, 0..cfg.n_routed_experts)
+}
+
+/// The routed experts `experts` (global ids, e.g. one expert-parallel rank's
+/// [`crate::parallel::ExpertShard`]) of the layer [`random_layer`] gives for the same arguments:
+/// the same router (all E experts) and shared expert, and the same matrices for those experts (each
+/// expert has its own random stream), with `expert_range == experts`. Host memory and time are
+/// proportional to the range, so one V4-Pro rank is generated without the other 336 experts.
+///
+/// # Panics
+/// When `experts` is empty or ends beyond `cfg.n_routed_experts`.
+pub fn random_layer_experts(
+    cfg: &MoeConfig,
+    format: WeightFormat,
+    layer_index: usize,
+    hash: bool,
+    seed: u64,
+    experts: Range<usize>,
+) -> MoeLayer {
+    assert!(
+        !experts.is_empty() && experts.end <= cfg.n_routed_experts,
+        "expert range {experts:?} must be a non-empty part of 0..{}",
+        cfg.n_routed_experts
+    );
     let (h, i, e, k) =
         (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok);
     let mut r = rng(seed, 7);
@@ -180,12 +214,12 @@ pub fn random_layer(
     });
     MoeLayer {
         index: layer_index,
-        expert_range: 0..e,
+        expert_range: experts.clone(),
         config: cfg.clone(),
         router: RouterWeights { weight, bias, tid2eid },
-        w1: random_proj(format, e, i, h, seed, 1),
-        w2: random_proj(format, e, h, i, seed, 2),
-        w3: random_proj(format, e, i, h, seed, 3),
+        w1: random_proj(format, experts.clone(), e, i, h, seed, 1),
+        w2: random_proj(format, experts.clone(), e, h, i, seed, 2),
+        w3: random_proj(format, experts, e, i, h, seed, 3),
         shared,
     }
 }
@@ -266,6 +300,37 @@ mod tests {
         if let ProjData::Nvfp4 { scales, .. } = &l.w1.data {
             assert!(scales.iter().all(|&s| s & 0x7F != 0x7F), "NaN scale drawn");
         }
+    }
+
+    #[test]
+    fn expert_ranges_are_slices_of_the_whole_layer() {
+        let cfg = tiny_config();
+        for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4, WeightFormat::Bf16] {
+            for hash in [false, true] {
+                let whole = random_layer(&cfg, format, 0, hash, 11);
+                assert_eq!(whole.expert_range, 0..16);
+                for (world, rank) in [(4, 0), (4, 3), (3, 1), (16, 7), (1, 0)] {
+                    let shard = crate::parallel::ExpertShard::new(16, world, rank).unwrap();
+                    let want = shard.slice_layer(&whole).unwrap();
+                    let got = random_layer_experts(&cfg, format, 0, hash, 11, shard.experts.clone());
+                    assert_eq!(got.expert_range, shard.experts);
+                    got.validate().unwrap();
+                    assert_eq!(got.w1.experts, shard.experts.len());
+                    for (a, b) in [(&got.w1, &want.w1), (&got.w2, &want.w2), (&got.w3, &want.w3)] {
+                        assert_eq!((a.experts, a.rows, a.cols), (b.experts, b.rows, b.cols));
+                        assert_eq!(format!("{:?}", a.data), format!("{:?}", b.data), "{format} {shard:?}");
+                    }
+                    assert_eq!(format!("{:?}", got.router), format!("{:?}", want.router));
+                    assert_eq!(format!("{:?}", got.shared), format!("{:?}", want.shared));
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "expert range")]
+    fn expert_range_beyond_the_layer_panics() {
+        random_layer_experts(&tiny_config(), WeightFormat::Nvfp4, 0, false, 1, 8..17);
     }
 
     #[test]

@@ -5,9 +5,12 @@ pub mod bench;
 pub mod demo;
 pub mod doctor;
 pub mod forward;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod inspect;
 pub mod kernels;
 pub mod quantize;
+pub mod run_model;
 pub mod trace;
 pub mod verify;
 
@@ -32,4 +35,25 @@ pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("MEGAMOE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// `(median, min)` of `v` (e.g. milliseconds); `(NaN, NaN)` when empty.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn median_min(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    (s[s.len() / 2], s[0])
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn median_and_min() {
+        assert_eq!(super::median_min(&[3.0, 1.0, 2.0]), (2.0, 1.0));
+        assert_eq!(super::median_min(&[4.0, 1.0]), (4.0, 1.0));
+        assert!(super::median_min(&[]).0.is_nan());
+    }
 }
