@@ -50,13 +50,25 @@ if [ "${TIMINGS:-1}" != 0 ]; then
   step timings_simt env MEGAMOE_GEMM=simt "$bin" verify --backend cuda --timings-only
 fi
 if [ "${BENCH:-0}" != 0 ]; then
-  step bench timeout 400 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
+  # One V4-Pro EP8 rank (48 of 384 experts) and the whole V4-Pro layer; then V4-Flash whole.
+  step bench timeout 500 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --whole-layer \
     --tokens "${BENCH_TOKENS:-1,8,64,512,4096,16384}" --json "$OUT/bench.json" ${BENCH_ARGS:-}
+  step bench_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --whole-layer \
+    --tokens "${FLASH_TOKENS:-1,64,4096}" --json "$OUT/bench_flash.json" ${BENCH_ARGS:-}
 fi
 if [ "${PEERS:-0}" != 0 ] && [ -d .peers ]; then
   step peers_torch timeout 300 env PYTHONUNBUFFERED=1 python3 .peers/torch_baselines.py --json "$OUT/peers_torch.json"
   step peers_triton timeout 400 env PYTHONUNBUFFERED=1 PYTHONPATH=.peers/triton_kernels_pkg \
     python3 .peers/triton_kernels_moe.py --json "$OUT/peers_triton.json"
+fi
+if [ -f "$OUT/bench.json" ] && [ -f scripts/plot_roofline.py ]; then
+  step plot python3 scripts/plot_roofline.py "$OUT"/bench*.json $(ls "$OUT"/peers_*.json 2>/dev/null) --out "$OUT/roofline.png"
+fi
+if [ "${NCU_BENCH:-0}" != 0 ] && command -v ncu >/dev/null; then
+  # The EP-rank decode kernels at T=1 and T=64 (first launches of each row; flush memsets excluded).
+  step ncu_bench timeout 300 ncu --clock-control none -k regex:moe_ --launch-count 40 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size \
+    "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens 1,64 --iters 1
 fi
 if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
   # The first tensor-core launches of the timings run: the T=1 decode L1 / L2 and the shared expert.
@@ -73,5 +85,6 @@ grep -hE "panicked|FAILED" "$LOGS"/tests.log 2>/dev/null | head -20
 grep -h "first divergence:" "$LOGS"/trace_*.log 2>/dev/null
 for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|generated" "$LOGS/$f.log" | tail -n 9; }; done
 [ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
+for f in bench bench_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0

@@ -154,120 +154,162 @@ pub fn mxfp4_k2(scales: &[u8]) -> Option<i32> {
     (kmin <= kmax).then(|| 126i32.clamp(kmin, kmax))
 }
 
-/// Packs one expert's matrix (`rows_of(packed_row) -> Option<source row>`: `None` = padding).
-fn pack_matrix(
-    out: &mut Vec<u8>,
+/// Where slab row `r` of a packed matrix comes from: `(source, row)` (`source` indexes the
+/// sources given to [`pack_expert`]: L1 has gate = 0 and up = 1), or `None` for padding.
+type RowMap<'a> = &'a (dyn Fn(usize) -> Option<(usize, usize)> + Sync);
+
+/// `SPREAD[r][h][code]`: the bits of the step word that hold `code` as half `h` of register `r`.
+fn spread_table() -> &'static [[[u32; 16]; 2]; 4] {
+    static T: std::sync::OnceLock<[[[u32; 16]; 2]; 4]> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let mut t = [[[0u32; 16]; 2]; 4];
+        for (r, tr) in t.iter_mut().enumerate() {
+            for (h, th) in tr.iter_mut().enumerate() {
+                for (c, v) in th.iter_mut().enumerate() {
+                    *v = (0..4).filter(|b| (c >> b) & 1 == 1).map(|b| 1u32 << source_bit(r, h, b)).sum();
+                }
+            }
+        }
+        t
+    })
+}
+
+/// Packs one expert's `[rows, cols]` matrix (padded to whole groups) into `dst`
+/// (`matrix_bytes(format, rows, cols)` bytes); source `i` has exponent offset `k2[i]`.
+fn pack_expert(
+    dst: &mut [u8],
     format: WeightFormat,
-    src: MatrixSource<'_>,
+    sources: &[MatrixSource<'_>],
+    k2: &[i32],
     rows: usize,
     cols: usize,
-    row_of: &dyn Fn(usize) -> Option<usize>,
-    k2: i32,
-) -> Result<()> {
-    if !cols.is_multiple_of(CHUNK_K) {
-        return Err(MegaError::Input(format!("tensor-core layout: K={cols} is not a multiple of {CHUNK_K}")));
-    }
+    row_of: RowMap<'_>,
+) {
     let blk = block_bytes(format);
     let (groups, chunks) = (padded_rows(rows) / GROUP_ROWS, cols / CHUNK_K);
-    let base = out.len();
-    out.resize(base + groups * chunks * GROUP_SLABS * blk, 0);
-    let dst = &mut out[base..];
+    debug_assert_eq!(dst.len(), groups * chunks * GROUP_SLABS * blk);
     for gi in 0..groups {
-        for c in 0..chunks {
-            for s in 0..GROUP_SLABS {
+        for s in 0..GROUP_SLABS {
+            let slab_row0 = (gi * GROUP_SLABS + s) * SLAB_ROWS;
+            let map: [Option<(usize, usize)>; SLAB_ROWS] = std::array::from_fn(|r| row_of(slab_row0 + r));
+            for c in 0..chunks {
                 let off = ((gi * chunks + c) * GROUP_SLABS + s) * blk;
-                let block = &mut dst[off..off + blk];
-                let slab_row0 = (gi * GROUP_SLABS + s) * SLAB_ROWS;
-                pack_block(block, format, src, cols, c * CHUNK_K, |r| row_of(slab_row0 + r), k2);
+                pack_block(&mut dst[off..off + blk], format, sources, k2, cols, c * CHUNK_K, &map);
             }
         }
     }
-    Ok(())
 }
 
-/// Packs one (slab, chunk) block; `row(r)` maps slab row `r` (0..16) to a source row.
+/// Packs one (slab, chunk) block; `map[r]` says where slab row `r` (0..16) comes from.
 fn pack_block(
     block: &mut [u8],
     format: WeightFormat,
-    src: MatrixSource<'_>,
+    sources: &[MatrixSource<'_>],
+    k2: &[i32],
     cols: usize,
     k0: usize,
-    row: impl Fn(usize) -> Option<usize>,
-    k2: i32,
+    map: &[Option<(usize, usize)>; SLAB_ROWS],
 ) {
-    match (format, src) {
-        (WeightFormat::Bf16, MatrixSource::Bf16(w)) => {
-            for lane in 0..32 {
-                for q in 0..4 {
-                    for r in 0..4 {
-                        let mut word = 0u32;
-                        for h in 0..2 {
-                            let (sr, k) = fragment_position(lane, q, r, h);
-                            let v = row(sr).map_or(0, |rr| w[rr * cols + k0 + k]);
-                            word |= (v as u32) << (16 * h);
+    if format == WeightFormat::Bf16 {
+        for lane in 0..32 {
+            for q in 0..4 {
+                for r in 0..4 {
+                    let mut word = 0u32;
+                    for h in 0..2 {
+                        let (sr, k) = fragment_position(lane, q, r, h);
+                        if let Some((si, rr)) = map[sr] {
+                            let MatrixSource::Bf16(w) = sources[si] else { unreachable!("bf16 source") };
+                            word |= (w[rr * cols + k0 + k] as u32) << (16 * h);
                         }
-                        let at = lane * 64 + (4 * q + r) * 4;
-                        block[at..at + 4].copy_from_slice(&word.to_le_bytes());
                     }
+                    let at = lane * 64 + (4 * q + r) * 4;
+                    block[at..at + 4].copy_from_slice(&word.to_le_bytes());
                 }
             }
         }
-        (_, MatrixSource::Fp4 { packed, scales }) => {
-            let bsz = format.block_size().expect("fp4 format");
-            let scale_of = |rr: usize, k: usize| scales[rr * (cols / bsz) + k / bsz];
-            // NVFP4 blocks with a zero scale are stored as scale 1.0 with zero codes.
-            let zero_block =
-                |rr: usize, k: usize| format == WeightFormat::Nvfp4 && scale_of(rr, k) & 0x7F == 0;
-            let code = |rr: usize, k: usize| {
-                if zero_block(rr, k) {
-                    return 0u8;
-                }
-                let b = packed[(rr * cols + k) / 2];
-                if k.is_multiple_of(2) {
-                    b & 15
-                } else {
-                    b >> 4
-                }
-            };
-            for lane in 0..32 {
-                for q in 0..4 {
-                    let mut codes = [[0u8; 2]; 4];
-                    for (r, pair) in codes.iter_mut().enumerate() {
-                        for (h, c) in pair.iter_mut().enumerate() {
-                            let (sr, k) = fragment_position(lane, q, r, h);
-                            *c = row(sr).map_or(0, |rr| code(rr, k0 + k));
-                        }
-                    }
-                    let at = lane * 16 + q * 4;
-                    block[at..at + 4].copy_from_slice(&fp4_word(codes).to_le_bytes());
-                }
-            }
-            let sb = &mut block[FP4_CODE_BYTES..];
-            for g in 0..8 {
-                for h in 0..2 {
-                    let rr = row(g + 8 * h);
-                    if format == WeightFormat::Nvfp4 {
-                        for q in 0..4 {
-                            let k = k0 + 16 * q;
-                            sb[8 * g + 2 * q + h] = match rr {
-                                Some(rr) if !zero_block(rr, k) => scale_of(rr, k),
-                                _ => 0x38, // 1.0: padding rows and zero blocks
-                            };
-                        }
-                    } else {
-                        for j in 0..2 {
-                            let k = k0 + 32 * j;
-                            sb[4 * g + 2 * j + h] = match rr {
-                                Some(rr) => (scale_of(rr, k) as i32 + k2) as u8,
-                                None => 128,
-                            };
-                        }
-                    }
-                }
-            }
-        }
-        _ => unreachable!("format and source disagree"),
+        return;
     }
+    let spread = spread_table();
+    let bsz = format.block_size().expect("fp4 format");
+    let fp4 = |si: usize| match sources[si] {
+        MatrixSource::Fp4 { packed, scales } => (packed, scales),
+        MatrixSource::Bf16(_) => unreachable!("fp4 source"),
+    };
+    let scale_of = |si: usize, rr: usize, k: usize| fp4(si).1[rr * (cols / bsz) + k / bsz];
+    // NVFP4 blocks with a zero scale are stored as scale 1.0 with zero codes.
+    let zero_block =
+        |si: usize, rr: usize, k: usize| format == WeightFormat::Nvfp4 && scale_of(si, rr, k) & 0x7F == 0;
+    for lane in 0..32 {
+        let (g, t) = (lane / 4, lane % 4);
+        for q in 0..4 {
+            let mut word = 0u32;
+            // Registers r: row g + 8 (r & 1), columns 16q + 2t (+ 8 for r >= 2); both halves are
+            // the two nibbles of one source byte (even k: low nibble first).
+            for r in 0..4 {
+                let Some((si, rr)) = map[g + 8 * (r & 1)] else { continue };
+                let k = k0 + 16 * q + 2 * t + 8 * (r >> 1);
+                if zero_block(si, rr, k) {
+                    continue;
+                }
+                let byte = fp4(si).0[(rr * cols + k) / 2];
+                word |= spread[r][0][(byte & 15) as usize] | spread[r][1][(byte >> 4) as usize];
+            }
+            let at = lane * 16 + q * 4;
+            block[at..at + 4].copy_from_slice(&word.to_le_bytes());
+        }
+    }
+    let sb = &mut block[FP4_CODE_BYTES..];
+    for g in 0..8 {
+        for h in 0..2 {
+            let src = map[g + 8 * h];
+            if format == WeightFormat::Nvfp4 {
+                for q in 0..4 {
+                    let k = k0 + 16 * q;
+                    sb[8 * g + 2 * q + h] = match src {
+                        Some((si, rr)) if !zero_block(si, rr, k) => scale_of(si, rr, k),
+                        _ => 0x38, // 1.0: padding rows and zero blocks
+                    };
+                }
+            } else {
+                for j in 0..2 {
+                    let k = k0 + 32 * j;
+                    sb[4 * g + 2 * j + h] = match src {
+                        Some((si, rr)) => (scale_of(si, rr, k) as i32 + k2[si]) as u8,
+                        None => 128,
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// Packs every expert of a stacked matrix in parallel: expert `x`'s sources and offsets come from
+/// `expert(x)`; the packed experts follow each other in the result.
+fn pack_experts<'a>(
+    experts: usize,
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    row_of: RowMap<'_>,
+    expert: impl Fn(usize) -> Result<(Vec<MatrixSource<'a>>, Vec<i32>)> + Sync,
+) -> Result<Vec<u8>> {
+    use rayon::prelude::*;
+    if !cols.is_multiple_of(CHUNK_K) {
+        return Err(MegaError::Input(format!("tensor-core layout: K={cols} is not a multiple of {CHUNK_K}")));
+    }
+    let per = matrix_bytes(format, rows, cols);
+    let mut out = vec![0u8; experts * per];
+    out.par_chunks_mut(per.max(1)).enumerate().try_for_each(|(x, dst)| {
+        let (src, k2) = expert(x)?;
+        pack_expert(dst, format, &src, &k2, rows, cols, row_of);
+        Ok::<_, MegaError>(())
+    })?;
+    Ok(out)
+}
+
+/// L1 slab rows: slab j holds gate rows 8j..8j+7 (source 0) then up rows 8j..8j+7 (source 1).
+fn l1_row(rows: usize) -> impl Fn(usize) -> Option<(usize, usize)> + Sync {
+    move |r: usize| (r < rows).then(|| (usize::from(r % 16 >= 8), 8 * (r / 16) + r % 8))
 }
 
 /// One expert's source matrix of an expert-stacked projection.
@@ -334,86 +376,45 @@ pub fn unsupported_reason(w1: &ExpertProj, w2: &ExpertProj, w3: &ExpertProj) -> 
 pub fn pack_l1(w1: &ExpertProj, w3: &ExpertProj) -> Result<Packed> {
     let (e, i, h) = (w1.experts, w1.rows, w1.cols);
     let format = w1.format();
-    let mut out = Packed { bytes: Vec::with_capacity(e * matrix_bytes(format, 2 * i, h)), alpha: Vec::new() };
-    for x in 0..e {
-        let (g_src, g_sc) = expert_source(w1, x);
-        let (u_src, u_sc) = expert_source(w3, x);
-        let (kg, ku) = (k2_of(w1, g_sc), k2_of(w3, u_sc));
-        let (Some(kg), Some(ku)) = (kg, ku) else {
-            return Err(MegaError::Input(format!("expert {x}: MXFP4 scales span more than 2^126")));
-        };
-        // Gate rows first (slab rows 0..8), then up rows (8..16), each projection with its K2:
-        // pack the gate half and the up half separately, then merge per block.
-        let mut gate = Vec::new();
-        let mut up = Vec::new();
-        let rows = 2 * i;
-        let gate_row = |r: usize| (r < rows && r % 16 < 8).then(|| 8 * (r / 16) + r % 16);
-        let up_row = |r: usize| (r < rows && r % 16 >= 8).then(|| 8 * (r / 16) + r % 16 - 8);
-        pack_matrix(&mut gate, format, g_src, rows, h, &gate_row, kg)?;
-        pack_matrix(&mut up, format, u_src, rows, h, &up_row, ku)?;
-        // Rows of a block belong to gate (0..8) or up (8..16): take each lane's word / scale
-        // bytes from the half that owns the row. Codes of the other half are zero, so an OR
-        // merges the code words; scale bytes are chosen by row.
-        merge_halves(&mut gate, &up, format);
-        out.bytes.extend_from_slice(&gate);
-        out.alpha.push(alpha_of(w1, x, kg)?);
-        out.alpha.push(alpha_of(w3, x, ku)?);
-    }
-    if format == WeightFormat::Bf16 {
-        out.alpha.clear();
-    }
-    Ok(out)
-}
-
-/// Merges the up half (rows 8..16 of every slab) into the gate half (rows 0..8).
-fn merge_halves(gate: &mut [u8], up: &[u8], format: WeightFormat) {
-    let blk = block_bytes(format);
-    for (gb, ub) in gate.chunks_exact_mut(blk).zip(up.chunks_exact(blk)) {
-        match format {
-            WeightFormat::Bf16 => {
-                // Words of rows 8..16 are registers a1 / a3 (r odd): lane * 64 + (4q + r) * 4.
-                for lane in 0..32 {
-                    for q in 0..4 {
-                        for r in [1usize, 3] {
-                            let at = lane * 64 + (4 * q + r) * 4;
-                            gb[at..at + 4].copy_from_slice(&ub[at..at + 4]);
-                        }
-                    }
-                }
-            }
-            _ => {
-                for (g, u) in gb[..FP4_CODE_BYTES].iter_mut().zip(&ub[..FP4_CODE_BYTES]) {
-                    *g |= *u;
-                }
-                let sb = &mut gb[FP4_CODE_BYTES..];
-                let us = &ub[FP4_CODE_BYTES..];
-                // Scale bytes of row g + 8 are those with h = 1: odd offsets in both layouts.
-                for (j, (g, u)) in sb.iter_mut().zip(us).enumerate() {
-                    if j % 2 == 1 {
-                        *g = *u;
-                    }
-                }
-            }
+    let k2s = (0..e)
+        .map(|x| {
+            let (kg, ku) = (k2_of(w1, expert_source(w1, x).1), k2_of(w3, expert_source(w3, x).1));
+            kg.zip(ku)
+                .ok_or_else(|| MegaError::Input(format!("expert {x}: MXFP4 scales span more than 2^126")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let rows = l1_row(2 * i);
+    let bytes = pack_experts(e, format, 2 * i, h, &rows, |x| {
+        Ok((vec![expert_source(w1, x).0, expert_source(w3, x).0], vec![k2s[x].0, k2s[x].1]))
+    })?;
+    let mut alpha = Vec::new();
+    if format != WeightFormat::Bf16 {
+        for (x, &(kg, ku)) in k2s.iter().enumerate() {
+            alpha.push(alpha_of(w1, x, kg)?);
+            alpha.push(alpha_of(w3, x, ku)?);
         }
     }
+    Ok(Packed { bytes, alpha })
 }
 
 /// Packs the L2 matrix (W2 `[E][H_pad]`) of every expert.
 pub fn pack_l2(w2: &ExpertProj) -> Result<Packed> {
     let (e, h, i) = (w2.experts, w2.rows, w2.cols);
     let format = w2.format();
-    let mut out = Packed { bytes: Vec::with_capacity(e * matrix_bytes(format, h, i)), alpha: Vec::new() };
-    for x in 0..e {
-        let (src, sc) = expert_source(w2, x);
-        let Some(k2) = k2_of(w2, sc) else {
-            return Err(MegaError::Input(format!("expert {x}: MXFP4 scales span more than 2^126")));
-        };
-        pack_matrix(&mut out.bytes, format, src, h, i, &|r| (r < h).then_some(r), k2)?;
-        if format != WeightFormat::Bf16 {
-            out.alpha.push(alpha_of(w2, x, k2)?);
-        }
-    }
-    Ok(out)
+    let k2s = (0..e)
+        .map(|x| {
+            k2_of(w2, expert_source(w2, x).1)
+                .ok_or_else(|| MegaError::Input(format!("expert {x}: MXFP4 scales span more than 2^126")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let rows = |r: usize| (r < h).then_some((0, r));
+    let bytes = pack_experts(e, format, h, i, &rows, |x| Ok((vec![expert_source(w2, x).0], vec![k2s[x]])))?;
+    let alpha = if format == WeightFormat::Bf16 {
+        Vec::new()
+    } else {
+        k2s.iter().enumerate().map(|(x, &k)| alpha_of(w2, x, k)).collect::<Result<_>>()?
+    };
+    Ok(Packed { bytes, alpha })
 }
 
 /// A dense (shared-expert) projection as exact bf16 bits, if it can be: bf16 as is, FP8 when
@@ -441,33 +442,18 @@ pub fn dense_as_bf16(p: &DenseProj) -> Option<Vec<u16>> {
     }
 }
 
-/// Packs a dense bf16 matrix `[rows, cols]` (one group) for L1 (`gate`/`up` interleaved by slab)
-/// or L2.
+/// Packs a dense bf16 matrix `[rows, cols]` (one group) for L1 (`gate`/`up` interleaved by slab).
 pub fn pack_dense_l1(gate: &[u16], up: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
-    let f = WeightFormat::Bf16;
-    let r2 = 2 * rows;
-    let (mut g, mut u) = (Vec::new(), Vec::new());
-    let gate_row = |r: usize| (r < r2 && r % 16 < 8).then(|| 8 * (r / 16) + r % 16);
-    let up_row = |r: usize| (r < r2 && r % 16 >= 8).then(|| 8 * (r / 16) + r % 16 - 8);
-    pack_matrix(&mut g, f, MatrixSource::Bf16(gate), r2, cols, &gate_row, 126)?;
-    pack_matrix(&mut u, f, MatrixSource::Bf16(up), r2, cols, &up_row, 126)?;
-    merge_halves(&mut g, &u, f);
-    Ok(g)
+    let map = l1_row(2 * rows);
+    pack_experts(1, WeightFormat::Bf16, 2 * rows, cols, &map, |_| {
+        Ok((vec![MatrixSource::Bf16(gate), MatrixSource::Bf16(up)], vec![126, 126]))
+    })
 }
 
 /// Packs a dense bf16 matrix `[rows, cols]` for L2.
 pub fn pack_dense_l2(w: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
-    let mut out = Vec::new();
-    pack_matrix(
-        &mut out,
-        WeightFormat::Bf16,
-        MatrixSource::Bf16(w),
-        rows,
-        cols,
-        &|r| (r < rows).then_some(r),
-        126,
-    )?;
-    Ok(out)
+    let map = |r: usize| (r < rows).then_some((0, r));
+    pack_experts(1, WeightFormat::Bf16, rows, cols, &map, |_| Ok((vec![MatrixSource::Bf16(w)], vec![126])))
 }
 
 /// The deepest pipeline of any instantiation.
@@ -636,5 +622,128 @@ mod tests {
             }
         }
         assert_eq!(stages(WeightFormat::Nvfp4, 8, 8), 8);
+    }
+
+    /// Reads element (row, k) of expert `x` back out of a packed matrix the way the kernel does:
+    /// the step word decoded to `e2m1 * 2^-126`, times the in-kernel bf16 scale, times alpha.
+    fn unpack(
+        p: &Packed,
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        x: usize,
+        alpha: f64,
+        row: usize,
+        k: usize,
+    ) -> f64 {
+        let blk = block_bytes(format);
+        let base = x * matrix_bytes(format, rows, cols);
+        let (slab, r16) = (row / SLAB_ROWS, row % SLAB_ROWS);
+        let (gi, s) = (slab / GROUP_SLABS, slab % GROUP_SLABS);
+        let (c, kk) = (k / CHUNK_K, k % CHUNK_K);
+        let off = base + ((gi * (cols / CHUNK_K) + c) * GROUP_SLABS + s) * blk;
+        let b = &p.bytes[off..off + blk];
+        // Find the lane / step / register / half holding (r16, kk).
+        for lane in 0..32 {
+            for q in 0..4 {
+                for r in 0..4 {
+                    for h in 0..2 {
+                        if fragment_position(lane, q, r, h) != (r16, kk) {
+                            continue;
+                        }
+                        let (g, hh) = (lane / 4, r & 1);
+                        return match format {
+                            WeightFormat::Bf16 => {
+                                let at = lane * 64 + (4 * q + r) * 4;
+                                let w = u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+                                half::bf16::from_bits((w >> (16 * h)) as u16).to_f64()
+                            }
+                            _ => {
+                                let at = lane * 16 + q * 4;
+                                let w = u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+                                let raw = half::bf16::from_bits((decode_fp4_word(w)[r] >> (16 * h)) as u16)
+                                    .to_f64();
+                                let sc = if format == WeightFormat::Nvfp4 {
+                                    crate::formats::e4m3::decode(b[FP4_CODE_BYTES + 8 * g + 2 * q + hh])
+                                        as f64
+                                        * 2f64.powi(NVFP4_K2)
+                                } else {
+                                    2f64.powi(b[FP4_CODE_BYTES + 4 * g + 2 * (q / 2) + hh] as i32 - 127)
+                                };
+                                raw * sc * alpha
+                            }
+                        };
+                    }
+                }
+            }
+        }
+        unreachable!()
+    }
+
+    fn dequant(p: &ExpertProj, x: usize, row: usize, k: usize) -> f64 {
+        let n = p.rows * p.cols;
+        let i = x * n + row * p.cols + k;
+        let code = |packed: &[u8]| if i % 2 == 0 { packed[i / 2] & 15 } else { packed[i / 2] >> 4 };
+        match &p.data {
+            ProjData::Nvfp4 { packed, scales, global_scale, .. } => {
+                e2m1::VALUES[code(packed) as usize] as f64
+                    * crate::formats::e4m3::decode(scales[i / 16]) as f64
+                    * global_scale[x] as f64
+            }
+            ProjData::Mxfp4 { packed, scales } => {
+                e2m1::VALUES[code(packed) as usize] as f64 * 2f64.powi(scales[i / 32] as i32 - 127)
+            }
+            ProjData::Bf16 { weight } => weight[i].to_f64(),
+        }
+    }
+
+    #[test]
+    fn packed_experts_hold_exactly_the_dequantized_weights() {
+        use crate::synthetic;
+        let cfg =
+            crate::config::MoeConfig { n_routed_experts: 3, hidden_size: 192, ..synthetic::tiny_config() };
+        for format in WeightFormat::ALL {
+            let mut layer = synthetic::random_layer(&cfg, format, 1, false, 5);
+            // A zero NVFP4 scale, tiny and huge MXFP4 exponents (K2 away from 126).
+            match &mut layer.w1.data {
+                ProjData::Nvfp4 { scales, .. } => scales[7] = 0,
+                ProjData::Mxfp4 { scales, .. } => {
+                    scales[3] = 2;
+                    scales[9] = 100;
+                }
+                ProjData::Bf16 { .. } => {}
+            }
+            let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+            let l1 = pack_l1(&layer.w1, &layer.w3).unwrap();
+            let l2 = pack_l2(&layer.w2).unwrap();
+            for x in 0..3 {
+                let a = |p: &Packed, j: usize| if p.alpha.is_empty() { 1.0 } else { p.alpha[j] as f64 };
+                for row in 0..2 * i {
+                    let (proj, src, j) = if row % 16 < 8 {
+                        (&layer.w1, 8 * (row / 16) + row % 8, 2 * x)
+                    } else {
+                        (&layer.w3, 8 * (row / 16) + row % 8, 2 * x + 1)
+                    };
+                    for k in 0..h {
+                        let got = unpack(&l1, format, 2 * i, h, x, a(&l1, j), row, k);
+                        let want = dequant(proj, x, src, k);
+                        assert!(
+                            got == want || (got == 0.0 && want == 0.0),
+                            "{format} L1 expert {x} row {row} k {k}: {got} vs {want}"
+                        );
+                    }
+                }
+                for row in 0..h {
+                    for k in 0..i {
+                        let got = unpack(&l2, format, h, i, x, a(&l2, x), row, k);
+                        let want = dequant(&layer.w2, x, row, k);
+                        assert!(
+                            got == want || (got == 0.0 && want == 0.0),
+                            "{format} L2 expert {x} row {row} k {k}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
