@@ -626,6 +626,7 @@ mod tests {
 
     /// Reads element (row, k) of expert `x` back out of a packed matrix the way the kernel does:
     /// the step word decoded to `e2m1 * 2^-126`, times the in-kernel bf16 scale, times alpha.
+    #[allow(clippy::too_many_arguments)]
     fn unpack(
         p: &Packed,
         format: WeightFormat,
@@ -683,7 +684,7 @@ mod tests {
     fn dequant(p: &ExpertProj, x: usize, row: usize, k: usize) -> f64 {
         let n = p.rows * p.cols;
         let i = x * n + row * p.cols + k;
-        let code = |packed: &[u8]| if i % 2 == 0 { packed[i / 2] & 15 } else { packed[i / 2] >> 4 };
+        let code = |packed: &[u8]| if i.is_multiple_of(2) { packed[i / 2] & 15 } else { packed[i / 2] >> 4 };
         match &p.data {
             ProjData::Nvfp4 { packed, scales, global_scale, .. } => {
                 e2m1::VALUES[code(packed) as usize] as f64
