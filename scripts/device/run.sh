@@ -3,7 +3,7 @@
 # tests (both GEMM families), the fixture tests, `megamoe verify`, the GPU demo, traces,
 # compute-sanitizer memcheck/racecheck, timings per GEMM family and an ncu summary of the decode
 # kernels; logs go to $OUT; a summary table is printed last.
-# Env: VERIFY_ARGS (default: the full sweep), SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
+# Env: VERIFY_ARGS (default: the full sweep), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
 # SANITIZE=0, BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -27,17 +27,17 @@ step() { # name, command...
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 chmod +x "$here"/bin/*
 bin="$here/bin/megamoe"
-[ -x "$here/bin/cuda_engine" ] && step tests "$here/bin/cuda_engine" --test-threads 1 --nocapture
-[ -x "$here/bin/cuda_fixtures" ] && step fixtures "$here/bin/cuda_fixtures" --test-threads 1 --nocapture
+[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests "$here/bin/cuda_engine" --test-threads 1 --nocapture
+[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_fixtures" ] && step fixtures "$here/bin/cuda_fixtures" --test-threads 1 --nocapture
 if [ "${SKIP_VERIFY:-0}" != 1 ]; then
   step verify timeout "${VERIFY_TIMEOUT:-300}" "$bin" verify --backend cuda ${VERIFY_ARGS:-}
 fi
 # The main job on the GPU: the full V4-Pro layer (384 experts) against the CPU reference.
 [ "${SKIP_DEMO:-0}" != 1 ] && step demo timeout 240 "$bin" demo --backend cuda
 act="$here/data/activations"
-step trace_clean "$bin" trace --backend cuda --checkpoint "$here/data/nvfp4-tiny" --layer 1 \
+[ "${SKIP_TESTS:-0}" != 1 ] && step trace_clean "$bin" trace --backend cuda --checkpoint "$here/data/nvfp4-tiny" --layer 1 \
   --input "$act/nvfp4-L1-in.safetensors" --expect "$act/nvfp4-L1-expect.safetensors"
-step trace_fault env MEGAMOE_FAULT=scale_layout "$bin" trace --backend cuda \
+[ "${SKIP_TESTS:-0}" != 1 ] && step trace_fault env MEGAMOE_FAULT=scale_layout "$bin" trace --backend cuda \
   --checkpoint "$here/data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
 if [ "${SANITIZE:-1}" != 0 ]; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
