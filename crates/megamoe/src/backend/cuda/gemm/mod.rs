@@ -51,13 +51,24 @@ impl GemmWeights {
 }
 
 /// What a forward tells a family about a launch so that it can pick a configuration: the plan's
-/// tile height, the grid's tile count (worst case; idle CTAs exit) and the tiles expected to be
-/// busy (from the routing's expected counts; heuristics only, every choice is correct).
+/// tile height, the worst-case tile count (a grid of that many tiles covers any routing; idle
+/// CTAs exit), and the tiles expected to be busy (from the routing's expected counts; a family
+/// whose kernels loop over tiles sizes its grid for these; heuristics only, every choice is
+/// correct).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GemmLaunch {
     pub block_m: usize,
     pub grid_tiles: u32,
     pub expected_tiles: usize,
+}
+
+impl GemmLaunch {
+    /// The grid.x of kernels that loop over tiles: the expected busy tiles and a quarter more
+    /// (routing varies), never more than the worst case.
+    pub fn looping_grid(&self) -> u32 {
+        let e = self.expected_tiles.max(1);
+        (e + e / 4 + 1).min(self.grid_tiles.max(1) as usize) as u32
+    }
 }
 
 /// A family's kernels for one weight format.

@@ -111,7 +111,7 @@ impl TcKernels {
         let spc = spc.unwrap_or_else(|| {
             layout::choose_slabs_per_cta(l.block_m, rows_pad * l.expected_tiles.max(1), self.sm_count)
         });
-        let grid = (l.grid_tiles, (rows_pad / (SLAB_ROWS * spc)) as u32, 1);
+        let grid = (l.looping_grid(), (rows_pad / (SLAB_ROWS * spc)) as u32, 1);
         (spc, LaunchCfg::grid(grid, layout::smem_bytes(self.format, l.block_m, spc)))
     }
 }

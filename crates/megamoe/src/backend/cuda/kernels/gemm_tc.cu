@@ -19,7 +19,9 @@
 //   variant), L2 out [rows, H] f32; alpha_w [G][2] (L1: gate, up) / [G] (L2), alpha_in [G] (W4A4).
 //
 // Tiling: CTA = 8 warps = SPC slabs x KS = 8/SPC K parts. A CTA owns 16*SPC weight rows of one
-// expert and one tile of NT tokens (grid: x = plan tile, y = 16*SPC-row block). Warp (s, p) owns
+// expert and tiles of NT tokens (grid: y = 16*SPC-row block, x = tiles blockIdx.x, +gridDim.x, ...:
+// the host sizes grid.x for the tiles it expects busy, not the worst case, so decode launches no
+// idle CTAs; a skewed routing with more tiles loops). Warp (s, p) owns
 // slab s and, in stage j, chunk j*KS + p: the K split inside the CTA gives a one-expert decode
 // enough CTAs (SPC 1: 384 for V4-Pro's L1) while SPC 8 reuses each token tile 8 times.
 // Pipeline: TC_STAGES-deep cp.async ring in dynamic shared memory; stage j holds the 8 (part,
@@ -109,11 +111,10 @@ __device__ __forceinline__ void tc_decode(unsigned (&a)[4], const TcLane& l)
     }
 }
 
-// This CTA's tile: expert grp, rows [m0, mend) of A; false when the CTA has none.
+// Tile t: expert grp, rows [m0, mend) of A; false past the last tile.
 template <int NT>
-__device__ __forceinline__ bool tc_tile(const GemmOperands& g, int& grp, int& m0, int& mend)
+__device__ __forceinline__ bool tc_tile(const GemmOperands& g, int t, int& grp, int& m0, int& mend)
 {
-    const int t = blockIdx.x;
     if (g.tiles) {
         if (t >= *g.num_tiles) return false;
         grp = g.tiles[2 * t];
@@ -128,18 +129,15 @@ __device__ __forceinline__ bool tc_tile(const GemmOperands& g, int& grp, int& m0
     return true;
 }
 
-// The accumulators of this warp's slab over all of K (valid in the part-0 warps after the
-// reduction). Returns false for CTAs without a tile (uniform over the CTA).
+// The accumulators of this warp's slab over all of K for the tile (expert grp, rows m0.. m0+mc)
+// (valid in the part-0 warps after the reduction; returns whether this warp holds them).
 template <int NT, int SPC, int TC_STAGES, bool L1>
-__device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[NT / 8][4], int& grp, int& m0,
-                                            int& mc, int& gslab)
+__device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[NT / 8][4], int grp, int m0,
+                                            int mc, int& gslab)
 {
     using S = TcShape<NT, SPC, TC_STAGES>;
     constexpr int KS = S::KS, BLK = S::BLK;
     extern __shared__ __align__(128) unsigned char smem[];
-    int mend;
-    if (!tc_tile<NT>(g, grp, m0, mend)) return false;
-    mc = min(mend - m0, NT);
     const int R = L1 ? 2 * g.inter : g.h;
     const int K = L1 ? g.h : g.inter;
     const int Rp = (R + 127) / 128 * 128;
@@ -288,13 +286,18 @@ template <int NT, int SPC, int ST, bool TRACE>
 __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
 {
     const GemmOperands& g = p.g;
+    // Tiles blockIdx.x, + gridDim.x, ...: the host sizes grid.x for the tiles it expects busy.
+    for (int tile = blockIdx.x;; tile += gridDim.x) {
+    int grp, m0, mend, gslab;
+    if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;   // uniform over the CTA
+    const int mc = min(mend - m0, NT);
+    __syncthreads();                                    // the previous tile is done with smem
     float acc[NT / 8][4];
-    int grp, m0, mc, gslab;
-    if (!tc_mainloop<NT, SPC, ST, true>(g, acc, grp, m0, mc, gslab)) return;
+    if (!tc_mainloop<NT, SPC, ST, true>(g, acc, grp, m0, mc, gslab)) continue;
     const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
     const int I = g.inter;
     const int col = gslab * 8 + gi;
-    if (col >= I) return;
+    if (col >= I) continue;
     float ag = 1.f, au = 1.f;
     if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
     if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
@@ -312,6 +315,7 @@ __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, flo
             p.act[(size_t)m * I + col] = f2bf(swiglu(gt, u, w, limit));
         }
     }
+    }
 }
 
 // L2: output rows 16*gslab + g and + 8 for the tile's tokens, f32.
@@ -319,9 +323,13 @@ template <int NT, int SPC, int ST>
 __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 {
     const GemmOperands& g = p.g;
+    for (int tile = blockIdx.x;; tile += gridDim.x) {
+    int grp, m0, mend, gslab;
+    if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;   // uniform over the CTA
+    const int mc = min(mend - m0, NT);
+    __syncthreads();                                    // the previous tile is done with smem
     float acc[NT / 8][4];
-    int grp, m0, mc, gslab;
-    if (!tc_mainloop<NT, SPC, ST, false>(g, acc, grp, m0, mc, gslab)) return;
+    if (!tc_mainloop<NT, SPC, ST, false>(g, acc, grp, m0, mc, gslab)) continue;
     const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
     const int H = g.h;
     const int h0 = gslab * 16 + gi;
@@ -337,6 +345,7 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
             if (h0 < H) o[h0] = acc[jn][e] * a;
             if (h0 + 8 < H) o[h0 + 8] = acc[jn][2 + e] * a;
         }
+    }
     }
 }
 

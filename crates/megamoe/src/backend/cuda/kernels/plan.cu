@@ -36,22 +36,52 @@ __device__ __forceinline__ void plan_count_expert(const PlanParams& p, int e, in
     if (lane == 0) p.counts[e] = c;
 }
 
-// Offsets, tile table and the rows of slots not planned here, by one whole CTA.
+// Offsets, tile table and the rows of slots not planned here, by one whole CTA. The prefix over
+// the experts' counts (rows) and tile counts is a block-wide scan, blockDim experts at a time
+// (integers: the same result in any order), so it costs a few barriers, not E dependent loads.
 __device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
 {
     const int E = p.experts, BM = p.bm;
-    if (threadIdx.x == 0) {
-        unsigned o = 0;
-        int nt = 0;
-        for (int e = 0; e < E; ++e) {
-            p.offsets[e] = o;
-            p.tile_start[e] = nt;
-            o += p.counts[e];
-            nt += (int)((p.counts[e] + BM - 1) / BM);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __shared__ unsigned wrows[32], wtiles[32], carry[2];
+    if (threadIdx.x == 0) carry[0] = carry[1] = 0u;
+    __syncthreads();
+    for (int base = 0; base < E; base += blockDim.x) {
+        const int e = base + threadIdx.x;
+        const unsigned c = e < E ? p.counts[e] : 0u;
+        const unsigned nt = (c + BM - 1) / BM;
+        unsigned r = c, t = nt;                       // inclusive warp scans
+        #pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned a = __shfl_up_sync(0xffffffffu, r, o), b = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) { r += a; t += b; }
         }
-        p.offsets[E] = o;
-        p.tile_start[E] = nt;
-        *p.num_tiles = nt;
+        if (lane == 31) { wrows[warp] = r; wtiles[warp] = t; }
+        __syncthreads();
+        if (warp == 0) {
+            unsigned x = lane < nw ? wrows[lane] : 0u, y = lane < nw ? wtiles[lane] : 0u;
+            #pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned a = __shfl_up_sync(0xffffffffu, x, o), b = __shfl_up_sync(0xffffffffu, y, o);
+                if (lane >= o) { x += a; y += b; }
+            }
+            if (lane < nw) { wrows[lane] = x; wtiles[lane] = y; }
+        }
+        __syncthreads();
+        const unsigned er = carry[0] + (warp ? wrows[warp - 1] : 0u) + r - c;   // exclusive prefixes
+        const unsigned et = carry[1] + (warp ? wtiles[warp - 1] : 0u) + t - nt;
+        if (e < E) {
+            p.offsets[e] = er;
+            p.tile_start[e] = (int)et;
+        }
+        __syncthreads();
+        if (threadIdx.x == blockDim.x - 1) { carry[0] = er + c; carry[1] = et + nt; }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        p.offsets[E] = carry[0];
+        p.tile_start[E] = (int)carry[1];
+        *p.num_tiles = (int)carry[1];
     }
     // Slots not planned here (and malformed ids) get no row.
     bool bad = false;
