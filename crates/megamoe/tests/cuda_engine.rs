@@ -332,6 +332,32 @@ fn mxfp4_and_bf16_match_host_model() {
     check_case(WeightFormat::Bf16, false, false, &[5, 33], 13);
 }
 
+/// Prefill batches (>= 2048 slots): on sm_90a the tensor-core family runs its wgmma kernels (TMA
+/// token tiles, 64- and 128-token tiles), elsewhere the mma.sync ones; both against the host model.
+#[test]
+fn prefill_tiles_match_host_model() {
+    // 16 experts, k 4: 1024 tokens give ~256 rows per expert (128-token tiles).
+    check_case(WeightFormat::Nvfp4, false, false, &[1024], 15);
+    // 64 experts: 640 tokens give ~40 rows per expert (64-token tiles).
+    let cfg = megamoe::config::MoeConfig { n_routed_experts: 64, ..synthetic::tiny_config() };
+    for format in [WeightFormat::Mxfp4, WeightFormat::Bf16] {
+        let layer = Arc::new(synthetic::random_layer(&cfg, format, 0, false, 16));
+        let Some(mut eng) = engine_with(&layer, 640, Some("tc")) else { return };
+        let x = synthetic::random_hidden(640, cfg.hidden_size, 17);
+        let input = ForwardInput { x: &x, input_ids: None };
+        for mode in [Mode::W4A16, Mode::W4A8] {
+            eng.poison(0xFF).unwrap();
+            let out = eng.forward(&input, mode, None).unwrap();
+            let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, mode);
+            let err = rel_l2(&out.y, &want);
+            eprintln!("prefill {format:?} {mode} T=640 E=64: rel L2 {err:.2e}");
+            assert!(err < tol(mode), "{format:?} {mode}: rel L2 {err:.3e}");
+            let again = eng.forward(&input, mode, None).unwrap();
+            assert_eq!(out.y, again.y, "{format:?} {mode}: repeat differs");
+        }
+    }
+}
+
 #[test]
 fn hash_layer_and_skewed_routing() {
     check_case(WeightFormat::Nvfp4, true, true, &[2, 100], 14);

@@ -26,7 +26,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     if let Some(d) = &a.out {
         std::fs::create_dir_all(d)?;
     }
-    for (spec, _) in module_catalogue() {
+    for (spec, _) in module_catalogue(&a.arch) {
         if a.filter.as_ref().is_some_and(|f| !spec.name.contains(f.as_str())) {
             continue;
         }

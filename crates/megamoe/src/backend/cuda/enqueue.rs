@@ -266,6 +266,7 @@ impl LayerWeights {
             block_m: bm,
             grid_tiles: max_tiles(slots, el, bm) as u32,
             expected_tiles: (active.ceil() as usize) * (rows / bm as f64).ceil() as usize,
+            a_rows: slots,
         };
         let p = PlanParams {
             topk_ids,
@@ -349,9 +350,10 @@ impl LayerWeights {
         let c = &self.config;
         let ex = &self.experts;
         let w4a4 = mode == Mode::W4A4;
-        // W4A16 gathers the token rows straight from x in the L1 producer; quantized modes stage
-        // the quantize-dequantized rows first.
-        let (a, a_rows) = if mode == Mode::W4A16 {
+        // W4A16 gathers the token rows straight from x in the L1 producer (unless the kernel needs
+        // contiguous rows, as the TMA-fed prefill kernels do); quantized modes stage the
+        // quantize-dequantized rows first.
+        let (a, a_rows) = if mode == Mode::W4A16 && !ex.kernels.needs_contiguous_a(&plan.launch) {
             (x, ws.perm.ptr())
         } else {
             let xin = lazy(&ws.xin, "quantized expert inputs")?.ptr();
@@ -407,7 +409,7 @@ impl LayerWeights {
         let c = &self.config;
         let bm = sh.kernels.block_m(t as f64);
         let tiles = t.div_ceil(bm);
-        let launch = GemmLaunch { block_m: bm, grid_tiles: tiles as u32, expected_tiles: tiles };
+        let launch = GemmLaunch { block_m: bm, grid_tiles: tiles as u32, expected_tiles: tiles, a_rows: t };
         let dense = |a: u64, side: &super::gemm::PackedSide| GemmOperands {
             a,
             a_rows: 0,

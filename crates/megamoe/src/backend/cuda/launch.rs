@@ -60,6 +60,52 @@ pub(crate) fn wait(stream: StreamRef, event: &cudarc::driver::CudaEvent) -> Resu
     .map_err(derr("cuStreamWaitEvent"))
 }
 
+/// The TMA tensor map of a row-major bf16 matrix `[rows, cols]` at `ptr`, read in boxes of
+/// `box_rows` rows x 64 columns (128 bytes) with the 128-byte swizzle that `wgmma`'s K-major
+/// shared-memory descriptors expect; rows past `rows` read as zeros.
+pub(crate) fn tma_2d_bf16(
+    ptr: u64,
+    rows: usize,
+    cols: usize,
+    box_rows: usize,
+) -> Result<super::params::TmaDesc> {
+    use sys::{
+        CUtensorMapDataType as Dt, CUtensorMapFloatOOBfill as Oob, CUtensorMapInterleave as Il,
+        CUtensorMapL2promotion as L2, CUtensorMapSwizzle as Sw,
+    };
+    if !ptr.is_multiple_of(16) || !cols.is_multiple_of(64) || rows == 0 || box_rows == 0 || box_rows > 256 {
+        return Err(err(format!(
+            "tensor map of a [{rows}, {cols}] bf16 matrix at 0x{ptr:x} (box {box_rows} x 64): needs a 16-byte \
+             aligned address, cols % 64 == 0 and 1..=256 box rows"
+        )));
+    }
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let dims: [u64; 2] = [cols as u64, rows as u64];
+    let strides: [u64; 1] = [(cols * 2) as u64];
+    let boxes: [u32; 2] = [64, box_rows as u32];
+    let elem: [u32; 2] = [1, 1];
+    // SAFETY: the arrays have the lengths rank 2 needs; encoding only writes `map`.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            Dt::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            Il::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            Sw::CU_TENSOR_MAP_SWIZZLE_128B,
+            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            Oob::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| err(format!("cuTensorMapEncodeTiled ([{rows}, {cols}] bf16, box {box_rows} x 64): {e}")))?;
+    Ok(super::params::TmaDesc(map.opaque))
+}
+
 /// Grid, shared memory and launch attributes of one launch.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LaunchCfg {

@@ -48,12 +48,12 @@ pub use model::CudaModel;
 pub use weights::LayerWeights;
 pub use workspace::{Workspace, WorkspaceDims};
 
-/// Every kernel module the backend can load, with the entry points loaded from it: the core
-/// module and each GEMM family's instantiation per weight format (the CI compile test builds
+/// Every kernel module the backend can load on `arch`, with the entry points loaded from it: the
+/// core module and each GEMM family's instantiation per weight format (the CI compile test builds
 /// them all).
-pub fn module_catalogue() -> Vec<(runtime::ModuleSpec, Vec<String>)> {
+pub fn module_catalogue(arch: &str) -> Vec<(runtime::ModuleSpec, Vec<String>)> {
     let mut v = vec![(device::core_spec(), device::core_kernel_names())];
-    v.extend(gemm::tc::modules());
+    v.extend(gemm::tc::modules(arch));
     v.extend(gemm::simt::modules());
     v
 }

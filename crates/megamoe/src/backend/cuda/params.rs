@@ -11,6 +11,12 @@
 /// A device address (`CUdeviceptr`); 0 is "absent" wherever a field is documented as nullable.
 pub type DevPtr = u64;
 
+/// A TMA tensor map (`CUtensorMap`: 128 opaque bytes, 64-byte aligned), passed by value inside a
+/// parameter struct (the kernel takes the struct as `__grid_constant__`).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TmaDesc(pub [u64; 16]);
+
 macro_rules! kernel_abi {
     (
         consts { $( $(#[$cm:meta])* $cname:ident = $cval:expr ; )* }
@@ -46,6 +52,9 @@ const HEADER_PREAMBLE: &str = "\
 // MEGAMOE_BLESS=1 cargo test -p megamoe --lib params_header
 // Every kernel takes exactly one of these structs by value (const __grid_constant__). Pointers
 // documented as nullable in params.rs are 0 when absent.
+
+// A TMA tensor map (CUtensorMap), encoded on the host; params.rs' TmaDesc.
+struct __align__(64) TmaDesc { unsigned long long v[16]; };
 
 ";
 
@@ -286,6 +295,23 @@ kernel_abi! {
         g: GemmOperands => "GemmOperands",
         /// Output `[rows, H]` f32.
         out: DevPtr => "float*",
+    }
+
+    /// The Hopper wgmma L1 kernel: the L1 parameters and the tensor map of A (`[rows, H]` bf16,
+    /// boxes of 64 columns x the token tile, 128B-swizzled).
+    struct WgL1Params {
+        /// The L1 parameters (`g.a` is the map's tensor; `g.a_rows` must be null).
+        l1: GemmL1Params => "GemmL1Params",
+        /// Tensor map of A.
+        amap: TmaDesc => "TmaDesc",
+    }
+
+    /// The Hopper wgmma L2 kernel.
+    struct WgL2Params {
+        /// The L2 parameters.
+        l2: GemmL2Params => "GemmL2Params",
+        /// Tensor map of A (`[rows, I]` bf16).
+        amap: TmaDesc => "TmaDesc",
     }
 }
 

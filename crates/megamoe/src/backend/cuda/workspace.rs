@@ -164,7 +164,8 @@ pub struct Workspace {
     pub(crate) shared_out: DevBuf,
     /// Status bits (`params::STATUS_*`) `[1]` u32.
     pub(crate) status: DevBuf,
-    /// Quantize-dequantized expert inputs `[S, H]` bf16 (W4A8 / W4A4; [`Self::prepare`]).
+    /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
+    /// batches; [`Self::prepare`]).
     pub(crate) xin: Option<DevBuf>,
     /// Quantize-dequantized activations `[S, I]` bf16 (W4A8 / W4A4; [`Self::prepare`]).
     pub(crate) actq: Option<DevBuf>,
@@ -264,8 +265,12 @@ impl Workspace {
             }
             Ok(())
         };
+        // Staged expert inputs: quantized modes, and prefill batches whose GEMM reads A through a
+        // tensor map (contiguous rows).
+        if mode != Mode::W4A16 || d.slots() >= crate::backend::gpu_layout::tc::WG_MIN_SLOTS {
+            mk(&mut self.xin, &[s, d.hidden, 2], "staged expert inputs")?;
+        }
         if mode != Mode::W4A16 {
-            mk(&mut self.xin, &[s, d.hidden, 2], "quantized expert inputs")?;
             mk(&mut self.actq, &[s, d.inter, 2], "quantized activations")?;
         }
         if trace {
@@ -286,7 +291,7 @@ impl Workspace {
             )));
         }
         if mode != Mode::W4A16 {
-            lazy(&self.xin, "quantized expert inputs (Workspace::prepare)")?;
+            lazy(&self.xin, "staged expert inputs (Workspace::prepare)")?;
             lazy(&self.actq, "quantized activations (Workspace::prepare)")?;
         }
         if trace {

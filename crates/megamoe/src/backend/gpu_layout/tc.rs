@@ -489,6 +489,30 @@ pub fn smem_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
     stages(format, nt, spc) * stage_bytes(format, nt, spc)
 }
 
+/// Token tiles the Hopper wgmma kernels (`moe_wg_*`) are built for: prefill tiles, where the
+/// tensor cores (not the weight bytes) bound the GEMM.
+pub const WG_TOKEN_TILES: [usize; 2] = [64, 128];
+
+/// Forwards with at least this many slots (and prefill tiles) run the wgmma kernels; they read A
+/// through a tensor map, so the workspace stages the expert inputs for them.
+pub const WG_MIN_SLOTS: usize = 2048;
+
+/// Bytes of one stage of the wgmma kernels: the token tile (`nt` rows x 64 bf16) and the 8 weight
+/// blocks, rounded to the 1024-byte alignment of the 128B swizzle.
+pub fn wg_stage_bytes(format: WeightFormat, nt: usize) -> usize {
+    (nt * 128 + GROUP_SLABS * block_bytes(format)).div_ceil(1024) * 1024
+}
+
+/// Pipeline depth of the wgmma kernels (one CTA per SM: up to ~200 KB).
+pub fn wg_stages(format: WeightFormat, nt: usize) -> usize {
+    (200 * 1024 / wg_stage_bytes(format, nt)).clamp(2, MAX_STAGES)
+}
+
+/// Dynamic shared memory of a wgmma kernel (+1 KB to align the ring to 1024 bytes).
+pub fn wg_smem_bytes(format: WeightFormat, nt: usize) -> usize {
+    wg_stages(format, nt) * wg_stage_bytes(format, nt) + 1024
+}
+
 /// Token-tile heights (N of the MMA tile, tokens per plan tile) the kernels are built for.
 pub const TOKEN_TILES: [usize; 5] = [8, 16, 32, 64, 128];
 
@@ -622,6 +646,11 @@ mod tests {
             }
         }
         assert_eq!(stages(WeightFormat::Nvfp4, 8, 8), 8);
+        for f in WeightFormat::ALL {
+            for nt in WG_TOKEN_TILES {
+                assert!(wg_smem_bytes(f, nt) <= 227 * 1024, "{f} {nt}");
+            }
+        }
     }
 
     /// Reads element (row, k) of expert `x` back out of a packed matrix the way the kernel does:

@@ -60,6 +60,8 @@ pub(crate) struct GemmLaunch {
     pub block_m: usize,
     pub grid_tiles: u32,
     pub expected_tiles: usize,
+    /// Rows the A operand's buffer holds for this launch (slots, or tokens for a dense GEMM).
+    pub a_rows: usize,
 }
 
 impl GemmLaunch {
@@ -77,6 +79,11 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn family(&self) -> &'static str;
     /// The plan's tile height for groups that expect `rows` rows each.
     fn block_m(&self, rows: f64) -> usize;
+    /// Whether the launch needs A as contiguous rows (no `a_rows` gather): the forward then stages
+    /// the expert inputs first.
+    fn needs_contiguous_a(&self, _l: &GemmLaunch) -> bool {
+        false
+    }
     /// Enqueues the L1 GEMM (gate/up, fused SwiGLU); `trace` = `(gate_tr, up_tr)` selects the
     /// trace variant.
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()>;

@@ -281,27 +281,20 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
     return wp == 0;
 }
 
-// L1: gate/up of column 8*gslab + g for the tile's tokens, fused clamped SwiGLU x routing weight.
-template <int NT, int SPC, int ST, bool TRACE>
-__device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
+// L1 epilogue of one slab's accumulators: gate/up of column 8*gslab + g for the tile's tokens, fused
+// clamped SwiGLU x routing weight (and the pre-activations in the trace variant).
+template <int NT, bool TRACE>
+__device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (&acc)[NT / 8][4], int grp, int m0,
+                                            int mc, int gslab, float* gate_tr, float* up_tr)
 {
     const GemmOperands& g = p.g;
-    // Tiles blockIdx.x, + gridDim.x, ...: the host sizes grid.x for the tiles it expects busy.
-    for (int tile = blockIdx.x;; tile += gridDim.x) {
-    int grp, m0, mend, gslab;
-    if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;   // uniform over the CTA
-    const int mc = min(mend - m0, NT);
-    __syncthreads();                                    // the previous tile is done with smem
-    float acc[NT / 8][4];
-    if (!tc_mainloop<NT, SPC, ST, true>(g, acc, grp, m0, mc, gslab)) continue;
     const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
     const int I = g.inter;
     const int col = gslab * 8 + gi;
-    if (col >= I) continue;
+    if (col >= I) return;
     float ag = 1.f, au = 1.f;
     if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
     if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
-    const float limit = p.limit;
     #pragma unroll
     for (int jn = 0; jn < NT / 8; ++jn) {
         #pragma unroll
@@ -310,26 +303,19 @@ __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, flo
             if (tok >= mc) continue;
             const int m = m0 + tok;
             const float w = p.perm ? p.topk_w[p.perm[m]] : 1.f;
-            float gt = acc[jn][e] * ag, u = acc[jn][2 + e] * au;
+            const float gt = acc[jn][e] * ag, u = acc[jn][2 + e] * au;
             if constexpr (TRACE) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
-            p.act[(size_t)m * I + col] = f2bf(swiglu(gt, u, w, limit));
+            p.act[(size_t)m * I + col] = f2bf(swiglu(gt, u, w, p.limit));
         }
-    }
     }
 }
 
-// L2: output rows 16*gslab + g and + 8 for the tile's tokens, f32.
-template <int NT, int SPC, int ST>
-__device__ __forceinline__ void tc_l2(const GemmL2Params& p)
+// L2 epilogue of one slab's accumulators: output rows 16*gslab + g and + 8 for the tile's tokens, f32.
+template <int NT>
+__device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (&acc)[NT / 8][4], int grp, int m0,
+                                            int mc, int gslab)
 {
     const GemmOperands& g = p.g;
-    for (int tile = blockIdx.x;; tile += gridDim.x) {
-    int grp, m0, mend, gslab;
-    if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;   // uniform over the CTA
-    const int mc = min(mend - m0, NT);
-    __syncthreads();                                    // the previous tile is done with smem
-    float acc[NT / 8][4];
-    if (!tc_mainloop<NT, SPC, ST, false>(g, acc, grp, m0, mc, gslab)) continue;
     const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
     const int H = g.h;
     const int h0 = gslab * 16 + gi;
@@ -346,8 +332,147 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
             if (h0 + 8 < H) o[h0 + 8] = acc[jn][2 + e] * a;
         }
     }
+}
+
+// The tiles of a launch: blockIdx.x, + gridDim.x, ... (the host sizes grid.x for the tiles it expects
+// busy, so decode launches no idle CTAs; a skewed routing with more tiles loops).
+template <int NT, int SPC, int ST, bool TRACE>
+__device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
+{
+    for (int tile = blockIdx.x;; tile += gridDim.x) {
+        int grp, m0, mend, gslab;
+        if (!tc_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
+        const int mc = min(mend - m0, NT);
+        __syncthreads();                                      // the previous tile is done with smem
+        float acc[NT / 8][4];
+        if (tc_mainloop<NT, SPC, ST, true>(p.g, acc, grp, m0, mc, gslab))
+            tc_store_l1<NT, TRACE>(p, acc, grp, m0, mc, gslab, gate_tr, up_tr);
     }
 }
+
+template <int NT, int SPC, int ST>
+__device__ __forceinline__ void tc_l2(const GemmL2Params& p)
+{
+    for (int tile = blockIdx.x;; tile += gridDim.x) {
+        int grp, m0, mend, gslab;
+        if (!tc_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
+        const int mc = min(mend - m0, NT);
+        __syncthreads();                                      // the previous tile is done with smem
+        float acc[NT / 8][4];
+        if (tc_mainloop<NT, SPC, ST, false>(p.g, acc, grp, m0, mc, gslab)) tc_store_l2<NT>(p, acc, grp, m0, mc, gslab);
+    }
+}
+
+#ifdef TC_WGMMA
+// ---- Hopper (sm_90a) prefill path: warp-specialised wgmma over the same packed weights.
+// CTA = 384 threads: warpgroup 0 = producer (one thread issues the copies), warpgroups 1, 2 =
+// consumers owning slabs 0-3 and 4-7 of a 128-row group (blockIdx.y), i.e. one m64 wgmma each per
+// k16 step, A from registers (the same per-warp fragments as the mma.sync kernels), B = the token
+// tile in shared memory. Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA
+// (1024-aligned)][8 weight blocks, one 1-D bulk copy], full / empty mbarriers per stage. The
+// token rows come from a 2-D tensor map over A (the staged expert inputs or activations; rows past
+// the tile's end belong to the next expert and are ignored by the epilogue). Per chunk a consumer
+// waits for the stage, decodes its A registers (FP4 -> bf16 exactly, as tc_decode), issues four
+// wgmma k16 steps, waits for them and releases the stage; the two consumers alternate on the tensor
+// cores. Results are bitwise reproducible (a fixed k order per output).
+template <int NT, int ST>
+struct WgShape {
+    static constexpr int BLK = TcFmt<MM_WF>::BLK;
+    static constexpr int T_BYTES = NT * 128;
+    static constexpr int W_BYTES = 8 * BLK;
+    static constexpr int STAGE = (T_BYTES + W_BYTES + 1023) / 1024 * 1024;
+    static constexpr int SMEM = ST * STAGE + 1024;       // + alignment slack (= gpu_layout::tc::wg_smem_bytes)
+};
+
+template <int NT>
+__device__ __forceinline__ void wg_mma(float (&acc)[NT / 8][4], const unsigned (&a)[4], unsigned long long desc)
+{
+    if constexpr (NT == 64) wgmma_m64n64k16(acc, a, desc);
+    else wgmma_m64n128k16(acc, a, desc);
+}
+
+// Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue.
+template <int NT, int ST, bool L1, typename Store>
+__device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& amap, Store store)
+{
+    using S = WgShape<NT, ST>;
+    constexpr int BLK = S::BLK;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+    const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
+    const int R = L1 ? 2 * g.inter : g.h;
+    const int K = L1 ? g.h : g.inter;
+    const int Rp = (R + 127) / 128 * 128;
+    const int nch = K / 64;
+    const int G = blockIdx.y;
+    const int wg = threadIdx.x >> 7;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(smem_u32(&full[s]), 1);
+            mbar_init(smem_u32(&empty[s]), 2);
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        if (threadIdx.x != 0) return;
+        unsigned it = 0;
+        for (int tile = blockIdx.x;; tile += gridDim.x) {
+            int grp, m0, mend;
+            if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;
+            const unsigned char* wsrc = g.wq + (size_t)grp * ((size_t)(Rp / 16) * nch * BLK) + (size_t)G * nch * 8 * BLK;
+            for (int c = 0; c < nch; ++c, ++it) {
+                const int s = it % ST;
+                const unsigned u = it / ST;
+                if (u > 0) mbar_wait(smem_u32(&empty[s]), (u - 1) & 1);
+                const unsigned fb = smem_u32(&full[s]);
+                mbar_arrive_expect_tx(fb, S::T_BYTES + S::W_BYTES);
+                tma_load_2d(base + s * S::STAGE, &amap, c * 64, m0, fb);
+                bulk_g2s(base + s * S::STAGE + S::T_BYTES, wsrc + (size_t)c * 8 * BLK, S::W_BYTES, fb);
+            }
+        }
+    }
+    // Consumers.
+    const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int slab = 4 * cw + warp;
+    const int wl_off = S::T_BYTES + slab * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
+    const int sc_off = S::T_BYTES + slab * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
+    unsigned it = 0;
+    for (int tile = blockIdx.x;; tile += gridDim.x) {
+        int grp, m0, mend;
+        if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;
+        const int mc = min(mend - m0, NT);
+        float acc[NT / 8][4];
+        #pragma unroll
+        for (int i = 0; i < NT / 8; ++i)
+            #pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
+        for (int c = 0; c < nch; ++c, ++it) {
+            const int s = it % ST;
+            mbar_wait(smem_u32(&full[s]), (it / ST) & 1);
+            const unsigned char* st = gbase + s * S::STAGE;
+            const TcLane ln = tc_load_lane(st + wl_off, st + sc_off);
+            unsigned a[4][4];
+            tc_decode<0>(a[0], ln);
+            tc_decode<1>(a[1], ln);
+            tc_decode<2>(a[2], ln);
+            tc_decode<3>(a[3], ln);
+            const unsigned long long desc = wgmma_desc_k128(base + s * S::STAGE);
+            wgmma_fence_acc(acc);
+            wgmma_fence();
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) wg_mma<NT>(acc, a[q], desc + 2 * q);   // +32 bytes per k16 step
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_acc(acc);
+            named_bar(1 + cw, 128);                   // the whole warpgroup is done with the stage
+            if ((threadIdx.x & 127) == 0) mbar_arrive(smem_u32(&empty[s]));
+        }
+        store(acc, grp, m0, mc, G * 8 + slab);
+    }
+}
+#endif  // TC_WGMMA
 
 // Entry points of one configuration: NT tokens per tile, SPC slabs per CTA, ST pipeline stages,
 // MINB CTAs per SM the registers must allow (2 for the register-light decode tiles keeps ptxas
@@ -371,3 +496,20 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
     {                                                                                                     \
         tc_l1<NT, 8, ST, true>(p.l1, p.gate_tr, p.up_tr);                                                 \
     }
+
+#ifdef TC_WGMMA
+// wgmma entry points of token tile NT with ST stages (appended by the host like TC_KERNELS).
+#define WG_KERNELS(NT, ST)                                                                                \
+    extern "C" __global__ void __launch_bounds__(384, 1) moe_wg_l1_n##NT(const __grid_constant__ WgL1Params p) \
+    {                                                                                                     \
+        wg_gemm<NT, ST, true>(p.l1.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+            tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
+        });                                                                                               \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(384, 1) moe_wg_l2_n##NT(const __grid_constant__ WgL2Params p) \
+    {                                                                                                     \
+        wg_gemm<NT, ST, false>(p.l2.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+            tc_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
+        });                                                                                               \
+    }
+#endif

@@ -3,6 +3,9 @@
 // Every kernel takes exactly one of these structs by value (const __grid_constant__). Pointers
 // documented as nullable in params.rs are 0 when absent.
 
+// A TMA tensor map (CUtensorMap), encoded on the host; params.rs' TmaDesc.
+struct __align__(64) TmaDesc { unsigned long long v[16]; };
+
 constexpr int WF_NVFP4 = 0;
 constexpr int WF_MXFP4 = 1;
 constexpr int WF_BF16 = 2;
@@ -140,3 +143,15 @@ struct GemmL2Params {
     float* out;
 };
 static_assert(sizeof(GemmL2Params) == 96, "GemmL2Params mirrors params.rs");
+
+struct WgL1Params {
+    GemmL1Params l1;
+    TmaDesc amap;
+};
+static_assert(sizeof(WgL1Params) == 256, "WgL1Params mirrors params.rs");
+
+struct WgL2Params {
+    GemmL2Params l2;
+    TmaDesc amap;
+};
+static_assert(sizeof(WgL2Params) == 256, "WgL2Params mirrors params.rs");
