@@ -27,7 +27,7 @@ step() { # name, command...
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 chmod +x "$here"/bin/*
 bin="$here/bin/megamoe"
-[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests "$here/bin/cuda_engine" --test-threads 1 --nocapture
+[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests timeout 240 "$here/bin/cuda_engine" --test-threads 1 --nocapture
 [ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_fixtures" ] && step fixtures "$here/bin/cuda_fixtures" --test-threads 1 --nocapture
 if [ "${SKIP_VERIFY:-0}" != 1 ]; then
   step verify timeout "${VERIFY_TIMEOUT:-300}" "$bin" verify --backend cuda ${VERIFY_ARGS:-}
@@ -55,6 +55,12 @@ if [ "${BENCH:-0}" != 0 ]; then
     --tokens "${BENCH_TOKENS:-1,8,64,512,4096,16384}" --json "$OUT/bench.json" ${BENCH_ARGS:-}
   step bench_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --whole-layer \
     --tokens "${FLASH_TOKENS:-1,64,4096}" --json "$OUT/bench_flash.json" ${BENCH_ARGS:-}
+fi
+if [ "${RUN_MODEL:-0}" != 0 ]; then
+  # The model runtime: a 61-layer V4-Pro-shaped stack (16 experts a layer) on one device, one stream,
+  # one workspace; eager per-layer times, whole-model graph replay (bitwise vs eager), memory, drift.
+  step run_model timeout 400 "$bin" run-model --synthetic v4-pro --layers 61 --experts 16 --tokens 64 \
+    --backend cuda --graph
 fi
 if [ "${PEERS:-0}" != 0 ] && [ -d .peers ]; then
   step peers_torch timeout 300 env PYTHONUNBUFFERED=1 python3 .peers/torch_baselines.py --json "$OUT/peers_torch.json"
@@ -85,6 +91,6 @@ grep -hE "panicked|FAILED" "$LOGS"/tests.log 2>/dev/null | head -20
 grep -h "first divergence:" "$LOGS"/trace_*.log 2>/dev/null
 for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|generated" "$LOGS/$f.log" | tail -n 9; }; done
 [ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
-for f in bench bench_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
+for f in run_model bench bench_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0
