@@ -391,6 +391,58 @@ __device__ __forceinline__ void wg_mma(float (&acc)[NT / 8][4], const unsigned (
     else wgmma_m64n128k16(acc, a, desc);
 }
 
+// Keeps the compiler from reusing A registers that an in-flight wgmma still reads.
+__device__ __forceinline__ void wgmma_fence_a(unsigned (&a)[4][4]) {
+    #pragma unroll
+    for (int q = 0; q < 4; ++q)
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[q][r]) :: "memory");
+}
+
+// One consumer warpgroup's view of the stage ring.
+struct WgRing {
+    unsigned base;                       // shared address of stage 0 (1024-aligned)
+    const unsigned char* gbase;          // the same, generic
+    unsigned long long* full;
+    unsigned long long* empty;
+    int stages, stage_bytes, wl_off, sc_off;
+    unsigned bar_id;                     // the warpgroup's named barrier
+
+    // Waits for chunk `i`'s stage and decodes this lane's A registers of it.
+    __device__ __forceinline__ void wait_decode(unsigned i, unsigned (&a)[4][4]) const {
+        const int s = i % stages;
+        mbar_wait(smem_u32(&full[s]), (i / stages) & 1);
+        const unsigned char* st = gbase + s * stage_bytes;
+        const TcLane ln = tc_load_lane(st + wl_off, st + sc_off);
+        tc_decode<0>(a[0], ln);
+        tc_decode<1>(a[1], ln);
+        tc_decode<2>(a[2], ln);
+        tc_decode<3>(a[3], ln);
+    }
+};
+
+// Chunk `it` (decoded in a[BUF]): issue its wgmmas, decode the next chunk into a[BUF ^ 1] when
+// `more`, wait, release the stage.
+template <int NT, int BUF>
+__device__ __forceinline__ void wg_step(const WgRing& r, float (&acc)[NT / 8][4], unsigned (&a)[2][4][4], unsigned& it,
+                                        bool more)
+{
+    const int s = it % r.stages;
+    const unsigned long long desc = wgmma_desc_k128(r.base + s * r.stage_bytes);
+    wgmma_fence_acc(acc);
+    wgmma_fence();
+    #pragma unroll
+    for (int q = 0; q < 4; ++q) wg_mma<NT>(acc, a[BUF][q], desc + 2 * q);   // +32 bytes per k16 step
+    wgmma_commit();
+    if (more) r.wait_decode(it + 1, a[BUF ^ 1]);
+    wgmma_wait<0>();
+    wgmma_fence_acc(acc);
+    wgmma_fence_a(a[BUF]);
+    named_bar(r.bar_id, 128);                  // the whole warpgroup is done with the stage
+    if ((threadIdx.x & 127) == 0) mbar_arrive(smem_u32(&r.empty[s]));
+    ++it;
+}
+
 // Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue.
 template <int NT, int ST, bool L1, typename Store>
 __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& amap, Store store)
@@ -433,11 +485,13 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
             }
         }
     }
-    // Consumers.
+    // Consumers: chunk c's four wgmma k16 steps run while chunk c + 1's A registers are decoded
+    // into the other buffer; then chunk c is waited for and its stage released.
     const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int slab = 4 * cw + warp;
     const int wl_off = S::T_BYTES + slab * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
     const int sc_off = S::T_BYTES + slab * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
+    WgRing ring{base, gbase, full, empty, ST, S::STAGE, wl_off, sc_off, 1u + (unsigned)cw};
     unsigned it = 0;
     for (int tile = blockIdx.x;; tile += gridDim.x) {
         int grp, m0, mend;
@@ -448,26 +502,11 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
         for (int i = 0; i < NT / 8; ++i)
             #pragma unroll
             for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
-        for (int c = 0; c < nch; ++c, ++it) {
-            const int s = it % ST;
-            mbar_wait(smem_u32(&full[s]), (it / ST) & 1);
-            const unsigned char* st = gbase + s * S::STAGE;
-            const TcLane ln = tc_load_lane(st + wl_off, st + sc_off);
-            unsigned a[4][4];
-            tc_decode<0>(a[0], ln);
-            tc_decode<1>(a[1], ln);
-            tc_decode<2>(a[2], ln);
-            tc_decode<3>(a[3], ln);
-            const unsigned long long desc = wgmma_desc_k128(base + s * S::STAGE);
-            wgmma_fence_acc(acc);
-            wgmma_fence();
-            #pragma unroll
-            for (int q = 0; q < 4; ++q) wg_mma<NT>(acc, a[q], desc + 2 * q);   // +32 bytes per k16 step
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_fence_acc(acc);
-            named_bar(1 + cw, 128);                   // the whole warpgroup is done with the stage
-            if ((threadIdx.x & 127) == 0) mbar_arrive(smem_u32(&empty[s]));
+        unsigned a[2][4][4];
+        ring.wait_decode(it, a[0]);
+        for (int c = 0; c < nch; c += 2) {
+            wg_step<NT, 0>(ring, acc, a, it, c + 1 < nch);
+            if (c + 1 < nch) wg_step<NT, 1>(ring, acc, a, it, c + 2 < nch);
         }
         store(acc, grp, m0, mc, G * 8 + slab);
     }
