@@ -224,7 +224,7 @@ fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
     let cuda = match a.backend {
         BackendKind::Cpu => false,
         BackendKind::Cuda => true,
-        BackendKind::Auto => match cuda_available() {
+        BackendKind::Auto => match super::cuda_available() {
             Ok(()) => true,
             Err(e) => {
                 eprintln!("note: CUDA backend unavailable ({e}); running on the CPU");
@@ -245,16 +245,6 @@ fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
         anyhow::bail!("{flag} needs the CUDA backend (--backend cuda)");
     }
     run_forward_cpu(&a, &cfg)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_available() -> anyhow::Result<()> {
-    super::gpu::open_device().map(|_| ())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_available() -> anyhow::Result<()> {
-    anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -57,3 +57,15 @@ mod tests {
         assert!(super::median_min(&[]).0.is_nan());
     }
 }
+
+/// Whether a CUDA device can be opened (the check of `--backend auto` / `cuda` before a GPU run).
+#[cfg(feature = "cuda")]
+pub fn cuda_available() -> anyhow::Result<()> {
+    gpu::open_device().map(|_| ())
+}
+
+/// Whether a CUDA device can be opened (never, in a build without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_available() -> anyhow::Result<()> {
+    anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
+}

@@ -288,7 +288,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     let cuda = match a.backend {
         BackendKind::Cpu => false,
         BackendKind::Cuda => true,
-        BackendKind::Auto => match cuda_available() {
+        BackendKind::Auto => match super::cuda_available() {
             Ok(()) => true,
             Err(e) => {
                 println!("note: CUDA backend unavailable ({e:#}); running on the CPU");
@@ -395,16 +395,6 @@ fn run_cpu(a: &Args, src: &Source) -> anyhow::Result<Outcome> {
     }
     let total_ms = t_all.elapsed().as_secs_f64() * 1e3;
     Ok(Outcome { times, total_ms, checks, non_finite, ids })
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_available() -> anyhow::Result<()> {
-    super::gpu::open_device().map(|_| ())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_available() -> anyhow::Result<()> {
-    anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
 }
 
 #[cfg(not(feature = "cuda"))]

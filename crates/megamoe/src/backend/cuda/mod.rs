@@ -3,7 +3,7 @@
 //! - [`CudaDevice`] (`device.rs`): one GPU, any ordinal — context, architecture, the NVRTC kernel
 //!   modules (compiled at run time, cached on disk by [`runtime`], loaded once per device);
 //! - [`LayerWeights`] (`weights.rs`): one layer on the device in the layout of the GEMM family
-//!   chosen for it ([`gemm`]: tensor cores, or the SIMT fallback); the host copy can be dropped;
+//!   chosen for it (`gemm/`: tensor cores, or the SIMT fallback); the host copy can be dropped;
 //! - [`Workspace`] (`workspace.rs`): the scratch of one in-flight forward, sized for `max_tokens`,
 //!   shared by every layer run on the same stream;
 //! - enqueue (`enqueue.rs`): [`LayerWeights::enqueue_forward`] and the stages as seams

@@ -2,7 +2,7 @@
 //! only argument, `const __grid_constant__ XParams p`) and the named constants kernels and host
 //! share (weight formats, quantization modes, score functions, status bits).
 //!
-//! Everything here is declared once, in [`kernel_abi!`], which produces both the Rust structs and
+//! Everything here is declared once, in `kernel_abi!`, which produces both the Rust structs and
 //! the C++ text of `kernels/params.cuh`. The header is committed (readable next to the kernels,
 //! and what NVRTC compiles) and `params_header_is_current` fails when it is stale; regenerate it
 //! with `MEGAMOE_BLESS=1 cargo test -p megamoe --lib params_header`. Each struct also gets a
@@ -187,7 +187,7 @@ kernel_abi! {
         expert_base: i32 => "int",
         /// Experts per token K.
         k: i32 => "int",
-        /// 1: row r reads token perm[r] / K of src; 0: row r of src.
+        /// 1: row r reads token `perm[r] / K` of src; 0: row r of src.
         gather: i32 => "int",
         /// `[E_local + 1]`: `offsets[experts]` is the number of rows.
         offsets: DevPtr => "const unsigned*",
