@@ -48,16 +48,6 @@ pub fn median_min(v: &[f64]) -> (f64, f64) {
     (s[s.len() / 2], s[0])
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn median_and_min() {
-        assert_eq!(super::median_min(&[3.0, 1.0, 2.0]), (2.0, 1.0));
-        assert_eq!(super::median_min(&[4.0, 1.0]), (4.0, 1.0));
-        assert!(super::median_min(&[]).0.is_nan());
-    }
-}
-
 /// Whether a CUDA device can be opened (the check of `--backend auto` / `cuda` before a GPU run).
 #[cfg(feature = "cuda")]
 pub fn cuda_available() -> anyhow::Result<()> {
@@ -68,4 +58,14 @@ pub fn cuda_available() -> anyhow::Result<()> {
 #[cfg(not(feature = "cuda"))]
 pub fn cuda_available() -> anyhow::Result<()> {
     anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn median_and_min() {
+        assert_eq!(super::median_min(&[3.0, 1.0, 2.0]), (2.0, 1.0));
+        assert_eq!(super::median_min(&[4.0, 1.0]), (4.0, 1.0));
+        assert!(super::median_min(&[]).0.is_nan());
+    }
 }
