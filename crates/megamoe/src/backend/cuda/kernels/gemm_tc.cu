@@ -1,6 +1,8 @@
 // gemm_tc.cu — tensor-core grouped GEMMs: FP4 (or bf16) weights dequantized exactly in registers,
-// bf16 activations, mma.sync.m16n8k16 with fp32 accumulators. Compiled once per weight format
-// (-DMM_WF=WF_NVFP4 | WF_MXFP4 | WF_BF16); the host picks one instantiation per launch.
+// bf16 activations, fp32 accumulators: mma.sync.m16n8k16 kernels (moe_tc_*, any sm_89+) and, on
+// sm_90a (-DTC_WGMMA), warp-specialised wgmma kernels for prefill tiles (moe_wg_*, described at
+// their definition below). Compiled once per weight format (-DMM_WF=WF_NVFP4 | WF_MXFP4 | WF_BF16);
+// the host (gemm/tc.rs) appends the instantiations and picks one per launch.
 //
 // Swap-AB: the weights are the MMA's M side (16 rows per warp), the tokens of a tile its N side
 // (NT = 8..128), so a decode tile of one token wastes no MMA rows on padding.
@@ -18,13 +20,14 @@
 // - Outputs as the SIMT family (gemm_simt.cu): L1 act [rows, I] bf16 (+ gate/up f32 in the trace
 //   variant), L2 out [rows, H] f32; alpha_w [G][2] (L1: gate, up) / [G] (L2), alpha_in [G] (W4A4).
 //
-// Tiling: CTA = 8 warps = SPC slabs x KS = 8/SPC K parts. A CTA owns 16*SPC weight rows of one
+// Tiling (moe_tc_*): CTA = 8 warps = SPC slabs x KS = 8/SPC K parts. A CTA owns 16*SPC weight rows of one
 // expert and tiles of NT tokens (grid: y = 16*SPC-row block, x = tiles blockIdx.x, +gridDim.x, ...:
 // the host sizes grid.x for the tiles it expects busy, not the worst case, so decode launches no
 // idle CTAs; a skewed routing with more tiles loops). Warp (s, p) owns
 // slab s and, in stage j, chunk j*KS + p: the K split inside the CTA gives a one-expert decode
 // enough CTAs (SPC 1: 384 for V4-Pro's L1) while SPC 8 reuses each token tile 8 times.
-// Pipeline: TC_STAGES-deep cp.async ring in dynamic shared memory; stage j holds the 8 (part,
+// Pipeline: ST-deep cp.async ring in dynamic shared memory (gpu_layout::tc::stages, up to 8; the ring
+// is unrolled so every offset is an immediate); stage j holds the 8 (part,
 // slab) weight blocks (one contiguous 8*BLK run when SPC = 8) and the token tile [NT][KS*64] bf16,
 // 16-byte chunks XOR-swizzled by row (conflict-free ldmatrix). One __syncthreads per stage.
 // Per k16 step a warp decodes its A registers (FP4: 9 integer ops + 4 bf16x2 FMAs per 8 values),
