@@ -9,10 +9,6 @@ use std::ops::Range;
 
 use crate::formats::WeightFormat;
 
-/// The old name of [`WeightFormat`], the crate's one format type; kept only so that code not yet
-/// migrated (the CUDA backend) still compiles. New code names [`WeightFormat`].
-pub use crate::formats::WeightFormat as ExpertFormat;
-
 /// The weights of one projection (W1, W2 or W3) of every routed expert.
 #[derive(Clone, Debug)]
 pub enum ProjData {
@@ -152,9 +148,6 @@ impl MoeLayer {
     /// The local index of global expert `id`, if this layer holds it (`None` for -1 and for
     /// experts of other ranks).
     pub fn local_expert(&self, id: i32) -> Option<usize> {
-        usize::try_from(id)
-            .ok()
-            .filter(|g| self.expert_range.contains(g))
-            .map(|g| g - self.expert_range.start)
+        crate::parallel::local_index(&self.expert_range, id)
     }
 }

@@ -2,7 +2,7 @@
 
 use super::layer::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert};
 use super::naming::Proj;
-use super::Checkpoint;
+use super::{check_expert_range, Checkpoint};
 use crate::config::{QuantSource, ScoringFunc};
 use crate::error::{MegaError, Result};
 use crate::formats::{e4m3, e8m0, WeightFormat};
@@ -90,23 +90,6 @@ pub(crate) fn scan_nan_bytes(
             ),
         )),
     }
-}
-
-/// The routed experts a range load asks for must be a non-empty `start..end` with `end <= E`.
-fn check_expert_range(layer: usize, experts: &Range<usize>, e: usize) -> Result<()> {
-    let problem = if experts.start > experts.end {
-        "is reversed"
-    } else if experts.is_empty() {
-        "is empty"
-    } else if experts.end > e {
-        "goes beyond the layer's routed experts"
-    } else {
-        return Ok(());
-    };
-    Err(MegaError::Input(format!(
-        "layer {layer}: expert range {experts:?} {problem}; expected start..end with \
-         start < end <= E = {e} (n_routed_experts)"
-    )))
 }
 
 /// A scalar f32 (shape `[]` or `[1]`, dtype F32/BF16/F16).

@@ -18,13 +18,12 @@ pub mod store;
 mod validate;
 pub mod writer;
 
-pub use layer::{
-    DenseData, DenseProj, ExpertFormat, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert,
-};
+pub use layer::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert};
 pub use load::{LoadOptions, LoadedLayer};
 pub use naming::{Naming, Proj};
 pub use safetensors::tensor::TensorView;
 pub use store::TensorStore;
+pub(crate) use validate::check_expert_range;
 
 use crate::config::{read_json, MoeConfig, QuantConfig};
 use crate::error::{MegaError, Result};

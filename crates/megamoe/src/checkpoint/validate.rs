@@ -2,7 +2,9 @@
 //! (the CPU reference, the CUDA runtime) calls it before touching the data, so a layer built in
 //! code, sliced for a rank or corrupted on disk fails with an error naming the tensor instead of
 //! a panic or garbage. The loader checks the same facts on the files (with file names) and then
-//! calls this too.
+//! calls this too. [`MoeLayer::validate_scale_bytes`] is the O(weights) part (every block-scale
+//! byte, every FP8 weight byte): run once where a layer enters a device (the CUDA upload) — the
+//! loader already scanned the files — never per forward.
 
 use super::load::scan_nan_bytes;
 use super::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData};
@@ -11,9 +13,8 @@ use crate::formats::{e4m3, e8m0};
 
 impl MoeLayer {
     /// Checks that every buffer has the size the config and the expert range imply, that global
-    /// scales are finite, that no block-scale byte is NaN (e4m3 0x7F/0xFF, e8m0 0xFF), that an
-    /// FP8 shared expert has finite positive block multipliers and no NaN weight bytes, and that
-    /// the router's tensors fit `E` and `k`.
+    /// scales are finite, that an FP8 shared expert has finite positive block multipliers, and
+    /// that the router's tensors fit `E` and `k`. Cost: O(experts + router), not O(weights).
     pub fn validate(&self) -> Result<()> {
         let c = &self.config;
         let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
@@ -29,12 +30,7 @@ impl MoeLayer {
             )));
         }
         let r = &self.expert_range;
-        if r.start > r.end || r.end > e {
-            return Err(MegaError::Config(format!(
-                "layer {}: expert range {r:?} is not inside the layer's {e} routed experts",
-                self.index
-            )));
-        }
+        check_expert_range(self.index, r, e)?;
         self.check_router()?;
         check_expert_proj(self, &self.w1, "w1", i, h)?;
         check_expert_proj(self, &self.w3, "w3", i, h)?;
@@ -55,6 +51,24 @@ impl MoeLayer {
             check_dense(self, &s.w1, "w1", is, h)?;
             check_dense(self, &s.w3, "w3", is, h)?;
             check_dense(self, &s.w2, "w2", h, is)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::validate`] plus the byte scans: no block-scale byte is NaN (e4m3 0x7F/0xFF, e8m0
+    /// 0xFF; named per expert by global id) and an FP8 shared expert has no NaN weight byte.
+    pub fn validate_scale_bytes(&self) -> Result<()> {
+        self.validate()?;
+        for (p, proj) in [(&self.w1, "w1"), (&self.w3, "w3"), (&self.w2, "w2")] {
+            scan_expert_proj(self, p, proj)?;
+        }
+        if let Some(s) = &self.shared {
+            for (p, proj) in [(&s.w1, "w1"), (&s.w3, "w3"), (&s.w2, "w2")] {
+                if let DenseData::Fp8Block { weight, .. } = &p.data {
+                    let name = format!("layers.{}.ffn.shared_experts.{proj}.weight", self.index);
+                    scan_nan_bytes(&name, weight, p.cols, e4m3::is_nan, "e4m3 weight")?;
+                }
+            }
         }
         Ok(())
     }
@@ -91,7 +105,7 @@ pub(super) fn expect_len(name: &str, what: &str, got: usize, want: usize) -> Res
 }
 
 /// One projection of the routed experts: `[E_local, rows, cols]` in its format, finite global
-/// scales, no NaN block-scale bytes (named per expert, by global id).
+/// scales (named per expert, by global id).
 fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, cols: usize) -> Result<()> {
     let name = format!("layers.{}.ffn.experts.*.{proj}", layer.index);
     let e = layer.expert_range.len();
@@ -113,17 +127,6 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
             format!("{cols} columns, {format} needs a multiple of {block}"),
         ));
     }
-    let expert_name = |x: usize, t: &str| {
-        format!("layers.{}.ffn.experts.{}.{proj}.{t}", layer.index, layer.expert_range.start + x)
-    };
-    // Per expert, so that the error names it: `[rows, cols / block]` scale bytes each.
-    let scan = |scales: &[u8], is_nan: fn(u8) -> bool, tensor: &str, what: &str| {
-        let (per_expert, scols) = ((rows * cols / block).max(1), (cols / block).max(1));
-        scales
-            .chunks(per_expert)
-            .enumerate()
-            .try_for_each(|(x, sc)| scan_nan_bytes(&expert_name(x, tensor), sc, scols, is_nan, what))
-    };
     match &p.data {
         ProjData::Nvfp4 { packed, scales, global_scale, input_scale } => {
             expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
@@ -131,27 +134,24 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
             expect_len(&name, "weight_scale_2", global_scale.len(), e)?;
             if let Some((x, g)) = global_scale.iter().enumerate().find(|(_, g)| !g.is_finite()) {
                 return Err(MegaError::tensor(
-                    expert_name(x, "weight_scale_2"),
+                    expert_name(layer, proj, x, "weight_scale_2"),
                     format!("is {g}, expected a finite global scale"),
                 ));
             }
             if let Some(s) = input_scale {
                 expect_len(&name, "input_scale", s.len(), e)?;
             }
-            scan(scales, e4m3::is_nan, "weight_scale", "e4m3 scale")?;
         }
         ProjData::Mxfp4 { packed, scales } => {
             expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
             expect_len(&name, "scale", scales.len(), n / block)?;
-            scan(scales, e8m0::is_nan, "scale", "e8m0 scale")?;
         }
         ProjData::Bf16 { weight } => expect_len(&name, "weight", weight.len(), n)?,
     }
     Ok(())
 }
 
-/// One projection of the shared expert: shape, and for FP8 no NaN weight bytes and finite
-/// positive block multipliers.
+/// One projection of the shared expert: shape, and for FP8 finite positive block multipliers.
 fn check_dense(layer: &MoeLayer, p: &DenseProj, proj: &str, rows: usize, cols: usize) -> Result<()> {
     let base = format!("layers.{}.ffn.shared_experts.{proj}", layer.index);
     let name = format!("{base}.weight");
@@ -166,7 +166,6 @@ fn check_dense(layer: &MoeLayer, p: &DenseProj, proj: &str, rows: usize, cols: u
         DenseData::Fp8Block { weight, scale } => {
             expect_len(&name, "weight", weight.len(), rows * cols)?;
             expect_len(&name, "scale", scale.len(), rows.div_ceil(128) * cols.div_ceil(128))?;
-            scan_nan_bytes(&name, weight, cols, e4m3::is_nan, "e4m3 weight")?;
             if let Some((i, v)) = scale.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
                 return Err(MegaError::tensor(
                     format!("{base}.scale"),
@@ -176,4 +175,43 @@ fn check_dense(layer: &MoeLayer, p: &DenseProj, proj: &str, rows: usize, cols: u
             Ok(())
         }
     }
+}
+
+/// The name of expert `x` (local index)'s tensor `t` of projection `proj`, by global id.
+fn expert_name(layer: &MoeLayer, proj: &str, x: usize, t: &str) -> String {
+    format!("layers.{}.ffn.experts.{}.{proj}.{t}", layer.index, layer.expert_range.start + x)
+}
+
+/// No NaN block-scale byte in one routed projection (sizes already checked), scanned per expert
+/// so that the error names it: `[rows, cols / block]` scale bytes each.
+fn scan_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str) -> Result<()> {
+    let Some(block) = p.format().block_size() else { return Ok(()) };
+    let (per_expert, scols) = ((p.rows * p.cols / block).max(1), (p.cols / block).max(1));
+    let (scales, is_nan, tensor, what): (&[u8], fn(u8) -> bool, _, _) = match &p.data {
+        ProjData::Nvfp4 { scales, .. } => (scales, e4m3::is_nan, "weight_scale", "e4m3 scale"),
+        ProjData::Mxfp4 { scales, .. } => (scales, e8m0::is_nan, "scale", "e8m0 scale"),
+        ProjData::Bf16 { .. } => return Ok(()),
+    };
+    scales
+        .chunks(per_expert)
+        .enumerate()
+        .try_for_each(|(x, sc)| scan_nan_bytes(&expert_name(layer, proj, x, tensor), sc, scols, is_nan, what))
+}
+
+/// An expert range (of a range load, a layer, a slice) must be a non-empty `start..end` with
+/// `end <= E`: the one check the loader, the validator and the slicers call.
+pub(crate) fn check_expert_range(layer: usize, experts: &std::ops::Range<usize>, e: usize) -> Result<()> {
+    let problem = if experts.start > experts.end {
+        "is reversed"
+    } else if experts.is_empty() {
+        "is empty"
+    } else if experts.end > e {
+        "goes beyond the layer's routed experts"
+    } else {
+        return Ok(());
+    };
+    Err(MegaError::Input(format!(
+        "layer {layer}: expert range {experts:?} {problem}; expected start..end with \
+         start < end <= E = {e} (n_routed_experts)"
+    )))
 }

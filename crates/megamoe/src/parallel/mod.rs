@@ -38,7 +38,7 @@ impl ExpertShard {
     /// The local index of global expert `global`, if this rank owns it (`None` for negative ids,
     /// i.e. dropped routes, and for other ranks' experts).
     pub fn local(&self, global: i32) -> Option<usize> {
-        usize::try_from(global).ok().filter(|g| self.experts.contains(g)).map(|g| g - self.experts.start)
+        local_index(&self.experts, global)
     }
 
     /// The global id of local expert `local`.
@@ -58,21 +58,32 @@ impl ExpertShard {
         }
     }
 
-    /// The routed experts of `layer` restricted to this shard (router and shared expert kept whole).
+    /// The routed experts of `layer` restricted to this shard (router and shared expert kept
+    /// whole). The shard must lie inside the experts the layer holds (`layer.expert_range`, which
+    /// need not start at 0: a layer loaded for a range is sliced relative to its start).
     pub fn slice_layer(&self, layer: &MoeLayer) -> Result<MoeLayer> {
-        if self.experts.end > layer.w1.experts {
+        let held = &layer.expert_range;
+        crate::checkpoint::check_expert_range(layer.index, &self.experts, layer.config.n_routed_experts)?;
+        if self.experts.start < held.start || self.experts.end > held.end {
             return Err(MegaError::Input(format!(
-                "shard {:?} exceeds the layer's {} experts",
-                self.experts, layer.w1.experts
+                "layer {}: shard {:?} is not inside the experts {held:?} the layer holds",
+                layer.index, self.experts
             )));
         }
+        let local = self.experts.start - held.start..self.experts.end - held.start;
         let mut out = layer.clone();
         out.expert_range = self.experts.clone();
-        out.w1 = slice_proj(&layer.w1, &self.experts);
-        out.w2 = slice_proj(&layer.w2, &self.experts);
-        out.w3 = slice_proj(&layer.w3, &self.experts);
+        out.w1 = slice_proj(&layer.w1, &local);
+        out.w2 = slice_proj(&layer.w2, &local);
+        out.w3 = slice_proj(&layer.w3, &local);
         Ok(out)
     }
+}
+
+/// The local index of global expert `global` in the held range `held` (`None` for negative ids,
+/// i.e. dropped routes, and for experts outside it): the one global -> local conversion.
+pub fn local_index(held: &Range<usize>, global: i32) -> Option<usize> {
+    usize::try_from(global).ok().filter(|g| held.contains(g)).map(|g| g - held.start)
 }
 
 fn slice_proj(p: &ExpertProj, r: &Range<usize>) -> ExpertProj {
@@ -141,5 +152,20 @@ mod tests {
         let per = a.len() / 16;
         assert_eq!(&a[8 * per..12 * per], &b[..]);
         assert_eq!(&ga[8..12], &gb[..]);
+    }
+
+    #[test]
+    fn slicing_a_partial_layer_is_relative_to_its_range() {
+        let cfg = synthetic::tiny_config();
+        let full = synthetic::random_layer(&cfg, WeightFormat::Mxfp4, 1, false, 4);
+        let held = ExpertShard::new(16, 2, 1).unwrap().slice_layer(&full).unwrap(); // experts 8..16
+        let s = ExpertShard::new(16, 4, 2).unwrap(); // experts 8..12
+        let (a, b) = (s.slice_layer(&full).unwrap(), s.slice_layer(&held).unwrap());
+        assert_eq!(b.expert_range, 8..12);
+        assert_eq!(format!("{:?}", a.w1), format!("{:?}", b.w1));
+        assert_eq!(format!("{:?}", a.w2), format!("{:?}", b.w2));
+        // Experts 0..4 are not held by the 8..16 layer: an error, not experts 8..11 relabelled.
+        let e = ExpertShard::new(16, 4, 0).unwrap().slice_layer(&held).unwrap_err().to_string();
+        assert!(e.contains("0..4") && e.contains("8..16"), "{e}");
     }
 }

@@ -44,7 +44,7 @@ pub struct CudaEngine {
 
 impl CudaEngine {
     /// Uploads `layer` to GPU 0 (`MEGAMOE_DEVICE` picks another) and allocates what a forward of
-    /// up to `max_tokens` tokens needs. The layer is validated first ([`MoeLayer::validate`]).
+    /// up to `max_tokens` tokens needs. The layer is validated first ([`MoeLayer::validate_scale_bytes`]).
     /// Fails with [`MegaError::Backend`] when there is no usable GPU, driver or NVRTC, and with a
     /// clear error for shapes the kernels do not support.
     pub fn new(layer: Arc<MoeLayer>, max_tokens: usize) -> Result<Self> {
@@ -54,21 +54,23 @@ impl CudaEngine {
     /// As [`Self::new`], preferring the GEMM family named `family` (see
     /// [`LayerWeights::upload_with`]).
     pub fn with_family(layer: Arc<MoeLayer>, max_tokens: usize, family: Option<&str>) -> Result<Self> {
-        layer.validate()?;
+        // All of the layer's checks, once, before a device is opened: a bad layer is the same
+        // error on a machine without a GPU.
+        layer.validate_scale_bytes()?;
         WorkspaceDims::of_layer(&layer, max_tokens).check()?;
         let ordinal = std::env::var("MEGAMOE_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         let device = CudaDevice::open(ordinal)?;
         Self::on_device(&device, &layer, max_tokens, family)
     }
 
-    /// As [`Self::with_family`], on `device`.
-    pub fn on_device(
+    /// As [`Self::with_family`], on `device`, for a layer [`MoeLayer::validate_scale_bytes`] passed.
+    fn on_device(
         device: &Arc<CudaDevice>,
         layer: &MoeLayer,
         max_tokens: usize,
         family: Option<&str>,
     ) -> Result<Self> {
-        let weights = LayerWeights::upload_with(device, layer, family)?;
+        let weights = LayerWeights::upload_validated(device, layer, family)?;
         let ws = Workspace::new(device, WorkspaceDims::of(&weights, max_tokens))?;
         let c = layer.config.clone();
         let (h, k) = (c.hidden_size, c.num_experts_per_tok);

@@ -84,7 +84,7 @@ fn check_supported(layer: &MoeLayer) -> Result<()> {
 }
 
 impl LayerWeights {
-    /// Validates `layer` ([`MoeLayer::validate`], then what the kernels need) and uploads it in
+    /// Validates `layer` ([`MoeLayer::validate_scale_bytes`], then what the kernels need) and uploads it in
     /// the layout of the first GEMM family that holds it exactly (`MEGAMOE_GEMM` prefers one).
     pub fn upload(device: &Arc<CudaDevice>, layer: &MoeLayer) -> Result<LayerWeights> {
         Self::upload_with(device, layer, None)
@@ -97,7 +97,17 @@ impl LayerWeights {
         layer: &MoeLayer,
         family: Option<&str>,
     ) -> Result<LayerWeights> {
-        layer.validate()?;
+        // The one O(weights) scan of a layer, where it enters the device (never per forward).
+        layer.validate_scale_bytes()?;
+        Self::upload_validated(device, layer, family)
+    }
+
+    /// [`Self::upload_with`] for a layer that [`MoeLayer::validate_scale_bytes`] already passed.
+    pub(super) fn upload_validated(
+        device: &Arc<CudaDevice>,
+        layer: &MoeLayer,
+        family: Option<&str>,
+    ) -> Result<LayerWeights> {
         check_supported(layer)?;
         let c = &layer.config;
         let t0 = std::time::Instant::now();
