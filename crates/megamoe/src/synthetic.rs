@@ -81,7 +81,6 @@ fn e4m3_scale_byte(r: &mut Rng64) -> u8 {
 fn random_proj(
     format: WeightFormat,
     range: Range<usize>,
-    total: usize,
     rows: usize,
     cols: usize,
     seed: u64,
@@ -104,9 +103,9 @@ fn random_proj(
                 },
             );
             // Mean |e2m1| of uniform codes is ~2.3 and the mean scale ~200: aim at |w| ~ 1/sqrt(cols).
-            // One stream for all experts' global scales: draw the whole layer's, keep the range.
+            // One stream for all experts' global scales: draw up to the range's end, keep the range.
             let mut r = rng(seed, stream * 1_000_003 + 999_999);
-            let global_scale = (0..total)
+            let global_scale = (0..range.end)
                 .map(|_| r.gen_range(0.7f32..1.4) / (460.0 * (cols as f32).sqrt()))
                 .skip(range.start)
                 .take(experts)
@@ -217,9 +216,9 @@ pub fn random_layer_experts(
         expert_range: experts.clone(),
         config: cfg.clone(),
         router: RouterWeights { weight, bias, tid2eid },
-        w1: random_proj(format, experts.clone(), e, i, h, seed, 1),
-        w2: random_proj(format, experts.clone(), e, h, i, seed, 2),
-        w3: random_proj(format, experts, e, i, h, seed, 3),
+        w1: random_proj(format, experts.clone(), i, h, seed, 1),
+        w2: random_proj(format, experts.clone(), h, i, seed, 2),
+        w3: random_proj(format, experts, i, h, seed, 3),
         shared,
     }
 }

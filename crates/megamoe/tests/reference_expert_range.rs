@@ -23,9 +23,13 @@ fn cfg24() -> MoeConfig {
 
 fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
+    megamoe::diagnostics::compare::rel_error(a, b)
+}
+
+/// A 24-expert score-routed layer (index 1) of `format` from `seed` and `t` tokens from `seed + 1`.
+fn layer_and_x(format: WeightFormat, t: usize, seed: u64) -> (MoeLayer, Vec<bf16>) {
+    let cfg = cfg24();
+    (random_layer(&cfg, format, 1, false, seed), random_hidden(t, cfg.hidden_size, seed + 1))
 }
 
 fn slice(layer: &MoeLayer, r: &Range<usize>) -> MoeLayer {
@@ -60,10 +64,9 @@ fn sum_over_shards(layer: &MoeLayer, x: &[bf16], ids: &[i32], wts: &[f32], mode:
 #[test]
 fn shards_sum_to_the_whole_layer() {
     let cfg = cfg24();
-    let (t, h, k) = (37, cfg.hidden_size, cfg.num_experts_per_tok);
+    let (t, k) = (37, cfg.num_experts_per_tok);
     for (fi, format) in WeightFormat::ALL.into_iter().enumerate() {
-        let layer = random_layer(&cfg, format, 1, false, 40 + fi as u64);
-        let x = random_hidden(t, h, 41 + fi as u64);
+        let (layer, x) = layer_and_x(format, t, 40 + fi as u64);
         for mode in modes(format) {
             let what = format!("{format} {mode}");
             let det =
@@ -94,8 +97,7 @@ fn shards_sum_to_the_whole_layer() {
 fn minus_one_slots_are_skipped() {
     let cfg = cfg24();
     let (t, h, k) = (11, cfg.hidden_size, cfg.num_experts_per_tok);
-    let layer = random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 50);
-    let x = random_hidden(t, h, 51);
+    let (layer, x) = layer_and_x(WeightFormat::Nvfp4, t, 50);
     let (mut ids, wts) = random_routing(t, k, 0.3, 52);
     ids[3 * k..4 * k].fill(-1);
     assert!(ids.contains(&-1));
@@ -122,8 +124,7 @@ fn minus_one_slots_are_skipped() {
 fn non_finite_weights_propagate() {
     let cfg = cfg24();
     let (t, h, k) = (4, cfg.hidden_size, cfg.num_experts_per_tok);
-    let layer = random_layer(&cfg, WeightFormat::Mxfp4, 1, false, 55);
-    let x = random_hidden(t, h, 56);
+    let (layer, x) = layer_and_x(WeightFormat::Mxfp4, t, 55);
     let (ids, mut wts) = random_routing(t, k, 0.0, 57);
     wts[2 * k] = f32::NAN;
     let y = reference::forward_routed(&layer, &x, &ids, &wts, Mode::W4A16).unwrap();
@@ -135,9 +136,8 @@ fn non_finite_weights_propagate() {
 #[test]
 fn bad_routing_is_a_clear_error() {
     let cfg = cfg24();
-    let (t, h, k) = (3, cfg.hidden_size, cfg.num_experts_per_tok);
-    let full = random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 60);
-    let x = random_hidden(t, h, 61);
+    let (t, k) = (3, cfg.num_experts_per_tok);
+    let (full, x) = layer_and_x(WeightFormat::Nvfp4, t, 60);
     let (ids, wts) = random_routing(t, k, 0.0, 62);
     for layer in [full.clone(), slice(&full, &SHARDS[1])] {
         let err = |ids: &[i32], wts: &[f32], x: &[bf16]| {
@@ -215,8 +215,7 @@ fn sliced_forward_is_shared_plus_own_experts() {
 fn sliced_trace_holds_zeros_for_other_ranks_slots() {
     let cfg = cfg24();
     let (t, h, k, inter) = (13, cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size);
-    let full = random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 80);
-    let x = random_hidden(t, h, 81);
+    let (full, x) = layer_and_x(WeightFormat::Nvfp4, t, 80);
     let input = ForwardInput { x: &x, input_ids: None };
     for mode in Mode::ALL {
         let mut tw = StageTrace::default();

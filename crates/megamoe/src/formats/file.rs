@@ -41,18 +41,12 @@ impl std::str::FromStr for Fp4Format {
 }
 
 impl Fp4Format {
-    /// The storage format it writes (block size, scale code, name).
+    /// The storage format it writes (block size, name).
     pub fn weight_format(self) -> WeightFormat {
         match self {
             Fp4Format::Nvfp4 => WeightFormat::Nvfp4,
             Fp4Format::Mxfp4 => WeightFormat::Mxfp4,
         }
-    }
-}
-
-impl From<Fp4Format> for WeightFormat {
-    fn from(f: Fp4Format) -> WeightFormat {
-        f.weight_format()
     }
 }
 

@@ -19,7 +19,7 @@ pub mod packing;
 pub mod scale_layout;
 pub mod weight_format;
 
-pub use weight_format::{ScaleCode, WeightFormat};
+pub use weight_format::WeightFormat;
 
 use crate::error::{MegaError, Result};
 use rayon::prelude::*;

@@ -1,17 +1,8 @@
-//! [`WeightFormat`]: the one description of a weight storage format — block size, scale code,
-//! bytes per weight — used by the formats, the checkpoint loader, the reference, the CUDA runtime
+//! [`WeightFormat`]: the one description of a weight storage format — block size, bytes per
+//! matrix and per weight — used by the formats, the checkpoint loader, the reference, the CUDA runtime
 //! and the command line.
 
 use super::{mxfp4, nvfp4};
-
-/// How a block scale is encoded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub enum ScaleCode {
-    /// FP8 e4m3 (NVFP4's 16-element blocks).
-    E4m3,
-    /// Power of two, e8m0 (MXFP4's 32-element blocks).
-    E8m0,
-}
 
 /// The storage format of a weight matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -44,25 +35,6 @@ impl WeightFormat {
             WeightFormat::Mxfp4 => Some(mxfp4::BLOCK),
             WeightFormat::Bf16 => None,
         }
-    }
-
-    /// The block-scale code (`None`: unscaled).
-    pub fn scale_code(self) -> Option<ScaleCode> {
-        match self {
-            WeightFormat::Nvfp4 => Some(ScaleCode::E4m3),
-            WeightFormat::Mxfp4 => Some(ScaleCode::E8m0),
-            WeightFormat::Bf16 => None,
-        }
-    }
-
-    /// Whether elements are 4-bit E2M1 codes, two per byte.
-    pub fn is_fp4(self) -> bool {
-        matches!(self, WeightFormat::Nvfp4 | WeightFormat::Mxfp4)
-    }
-
-    /// Whether each projection carries an f32 global scale (NVFP4's `weight_scale_2`).
-    pub fn has_global_scale(self) -> bool {
-        self == WeightFormat::Nvfp4
     }
 
     /// Bytes of one `rows x cols` matrix: codes plus one byte per block scale.
