@@ -16,18 +16,39 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 /// Threads per CTA of the core kernels (router, plan, staging, combine).
 pub(crate) const CORE_THREADS: u32 = 256;
 
-/// The router, plan, staging and combine kernels (module `core`).
-pub(crate) struct CoreKernels {
-    pub router_logits: Kernel<RouterLogitsParams>,
-    pub router_topk: Kernel<RouterTopkParams>,
-    pub plan_count: Kernel<PlanParams>,
-    pub plan_offsets: Kernel<PlanParams>,
-    pub plan_scatter: Kernel<PlanParams>,
+/// Declares [`CoreKernels`] (field, parameter struct, entry point, threads per CTA) and
+/// [`core_kernel_names`] from one table, so the loader and the compile test never disagree.
+macro_rules! core_kernels {
+    ($($(#[$doc:meta])* $field:ident: $params:ty = $entry:literal, $threads:expr;)*) => {
+        /// The router, plan, staging and combine kernels (module `core`).
+        pub(crate) struct CoreKernels {
+            $($(#[$doc])* pub $field: Kernel<$params>,)*
+        }
+
+        impl CoreKernels {
+            fn load(module: &Arc<CudaModule>) -> Result<Self> {
+                Ok(CoreKernels { $($field: Kernel::load(module, $entry, $threads, 0)?,)* })
+            }
+        }
+
+        /// The entry points of the core module.
+        pub fn core_kernel_names() -> Vec<String> {
+            vec![$($entry.to_string()),*]
+        }
+    };
+}
+
+core_kernels! {
+    router_logits: RouterLogitsParams = "moe_router_logits", CORE_THREADS;
+    router_topk: RouterTopkParams = "moe_router", CORE_THREADS;
+    plan_count: PlanParams = "moe_plan_count", CORE_THREADS;
+    plan_offsets: PlanParams = "moe_plan_offsets", CORE_THREADS;
+    plan_scatter: PlanParams = "moe_plan_scatter", CORE_THREADS;
     /// The three plan steps in one CTA (decode-sized batches).
-    pub plan_small: Kernel<PlanParams>,
-    pub quant_rows: Kernel<QuantRowsParams>,
-    pub combine: Kernel<CombineParams>,
-    pub residual_norm: Kernel<ResidualNormParams>,
+    plan_small: PlanParams = "moe_plan_small", 1024;
+    quant_rows: QuantRowsParams = "moe_quant_rows", CORE_THREADS;
+    combine: CombineParams = "moe_combine", CORE_THREADS;
+    residual_norm: ResidualNormParams = "moe_residual_norm", CORE_THREADS;
 }
 
 /// The module of the core kernels.
@@ -37,22 +58,6 @@ pub fn core_spec() -> ModuleSpec {
         sources: runtime::CORE_SOURCES.iter().map(|(_, s)| (*s).into()).collect(),
         defines: Vec::new(),
     }
-}
-
-/// The entry points of the core module.
-pub fn core_kernel_names() -> Vec<String> {
-    [
-        "moe_router_logits",
-        "moe_router",
-        "moe_plan_count",
-        "moe_plan_offsets",
-        "moe_plan_scatter",
-        "moe_quant_rows",
-        "moe_combine",
-        "moe_residual_norm",
-    ]
-    .map(String::from)
-    .to_vec()
 }
 
 /// One GPU and its loaded kernels.
@@ -112,18 +117,7 @@ impl CudaDevice {
             .map_err(derr("multiprocessor count"))? as usize;
         tracing::info!(device = %name, ordinal, cc = ?cc, arch, sm_count, "CUDA device");
         let module = load_module(&ctx, &core_spec(), arch)?;
-        let t = CORE_THREADS;
-        let core = CoreKernels {
-            router_logits: Kernel::load(&module, "moe_router_logits", t, 0)?,
-            router_topk: Kernel::load(&module, "moe_router", t, 0)?,
-            plan_count: Kernel::load(&module, "moe_plan_count", t, 0)?,
-            plan_offsets: Kernel::load(&module, "moe_plan_offsets", t, 0)?,
-            plan_scatter: Kernel::load(&module, "moe_plan_scatter", t, 0)?,
-            plan_small: Kernel::load(&module, "moe_plan_small", 1024, 0)?,
-            quant_rows: Kernel::load(&module, "moe_quant_rows", t, 0)?,
-            combine: Kernel::load(&module, "moe_combine", t, 0)?,
-            residual_norm: Kernel::load(&module, "moe_residual_norm", t, 0)?,
-        };
+        let core = CoreKernels::load(&module)?;
         let dev = Arc::new(CudaDevice {
             ctx,
             stream,

@@ -158,7 +158,7 @@ pub struct Compiled {
     /// Whether it came from the disk cache.
     pub cache_hit: bool,
     /// NVRTC's log (with `MEGAMOE_PTXAS_VERBOSE=1`: ptxas' registers, shared memory and spills
-    /// per kernel); empty on a cache hit.
+    /// per kernel); on a cache hit, the log stored beside the image.
     pub log: String,
 }
 
@@ -185,7 +185,8 @@ pub fn compile(spec: &ModuleSpec, arch: &str) -> Result<Compiled> {
         if let Ok(image) = std::fs::read(p) {
             if !image.is_empty() {
                 tracing::debug!(kernel = name, arch, path = %p.display(), "kernel cache hit");
-                return Ok(Compiled { image, is_ptx, cache_hit: true, log: String::new() });
+                let log = std::fs::read_to_string(p.with_extension("log")).unwrap_or_default();
+                return Ok(Compiled { image, is_ptx, cache_hit: true, log });
             }
         }
     }
@@ -200,12 +201,20 @@ pub fn compile(spec: &ModuleSpec, arch: &str) -> Result<Compiled> {
         if let Some(dir) = p.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
-        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &image).is_ok() {
-            let _ = std::fs::rename(&tmp, p);
-        }
+        // The log first: a reader that finds the image finds its log too.
+        write_replacing(&p.with_extension("log"), log.as_bytes());
+        write_replacing(p, &image);
     }
     Ok(Compiled { image, is_ptx, cache_hit: false, log })
+}
+
+/// Writes `bytes` to a temporary file and renames it over `path` (concurrent readers never see a
+/// partial file); failures are ignored (the cache is best effort).
+fn write_replacing(path: &std::path::Path, bytes: &[u8]) {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, bytes).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
 }
 
 fn nvrtc_compile(name: &str, src: &str, opts: &[String], is_ptx: bool) -> Result<(Vec<u8>, String)> {

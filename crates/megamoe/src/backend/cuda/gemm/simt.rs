@@ -73,21 +73,16 @@ fn module_spec(f: SimtFormat) -> ModuleSpec {
     }
 }
 
+/// The entry points per kernel kind, indexed by tile kind (GEMV, m16, m64): the names the loader
+/// and the compile test share.
+const L1_NAMES: [&str; 3] = ["moe_gemv_l1", "moe_simt_l1_m16", "moe_simt_l1_m64"];
+const L1_TRACE_NAMES: [&str; 3] = ["moe_gemv_l1_trace", "moe_simt_l1_trace_m16", "moe_simt_l1_trace_m64"];
+const L2_NAMES: [&str; 3] = ["moe_gemv_l2", "moe_simt_l2_m16", "moe_simt_l2_m64"];
+
 /// Every module of the family with its entry points (for the compile test).
 pub fn modules() -> Vec<(ModuleSpec, Vec<String>)> {
-    let names: Vec<String> = [
-        "moe_gemv_l1",
-        "moe_gemv_l1_trace",
-        "moe_gemv_l2",
-        "moe_simt_l1_m16",
-        "moe_simt_l1_m64",
-        "moe_simt_l1_trace_m16",
-        "moe_simt_l1_trace_m64",
-        "moe_simt_l2_m16",
-        "moe_simt_l2_m64",
-    ]
-    .map(String::from)
-    .to_vec();
+    let names: Vec<String> =
+        [L1_NAMES, L1_TRACE_NAMES, L2_NAMES].concat().into_iter().map(String::from).collect();
     [SimtFormat::Nvfp4, SimtFormat::Mxfp4, SimtFormat::Bf16, SimtFormat::Fp8]
         .into_iter()
         .map(|f| (module_spec(f), names.clone()))
@@ -97,19 +92,14 @@ pub fn modules() -> Vec<(ModuleSpec, Vec<String>)> {
 fn kernels(dev: &CudaDevice, f: SimtFormat) -> Result<Arc<SimtKernels>> {
     dev.cached(&format!("gemm_simt-{f:?}"), || {
         let m = dev.module(&module_spec(f))?;
-        let k = |n| Kernel::load(&m, n, THREADS, 0);
+        fn load<P: Copy>(m: &Arc<cudarc::driver::CudaModule>, names: [&str; 3]) -> Result<[Kernel<P>; 3]> {
+            let [a, b, c] = names.map(|n| Kernel::load(m, n, THREADS, 0));
+            Ok([a?, b?, c?])
+        }
         Ok(SimtKernels {
-            l1: [k("moe_gemv_l1")?, k("moe_simt_l1_m16")?, k("moe_simt_l1_m64")?],
-            l1_trace: [
-                Kernel::load(&m, "moe_gemv_l1_trace", THREADS, 0)?,
-                Kernel::load(&m, "moe_simt_l1_trace_m16", THREADS, 0)?,
-                Kernel::load(&m, "moe_simt_l1_trace_m64", THREADS, 0)?,
-            ],
-            l2: [
-                Kernel::load(&m, "moe_gemv_l2", THREADS, 0)?,
-                Kernel::load(&m, "moe_simt_l2_m16", THREADS, 0)?,
-                Kernel::load(&m, "moe_simt_l2_m64", THREADS, 0)?,
-            ],
+            l1: load(&m, L1_NAMES)?,
+            l1_trace: load(&m, L1_TRACE_NAMES)?,
+            l2: load(&m, L2_NAMES)?,
         })
     })
 }

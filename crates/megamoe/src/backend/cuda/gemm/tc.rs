@@ -94,18 +94,25 @@ pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
 
 /// Every kernel name of the family on `arch`.
 pub fn kernel_names(arch: &str) -> Vec<String> {
-    let mut v: Vec<String> = layout::configs()
-        .flat_map(|(nt, s)| [format!("moe_tc_l1_n{nt}_s{s}"), format!("moe_tc_l2_n{nt}_s{s}")])
-        .collect();
-    v.extend(layout::TOKEN_TILES.iter().map(|nt| format!("moe_tc_l1_trace_n{nt}")));
+    let mut v: Vec<String> =
+        layout::configs().flat_map(|(nt, s)| [mma_name(1, nt, s), mma_name(2, nt, s)]).collect();
+    v.extend(layout::TOKEN_TILES.iter().map(|&nt| trace_name(nt)));
     if has_wgmma(arch) {
-        v.extend(
-            layout::WG_TOKEN_TILES
-                .iter()
-                .flat_map(|nt| [format!("moe_wg_l1_n{nt}"), format!("moe_wg_l2_n{nt}")]),
-        );
+        v.extend(layout::WG_TOKEN_TILES.iter().flat_map(|&nt| [wg_name(1, nt), wg_name(2, nt)]));
     }
     v
+}
+
+/// The entry points `TC_KERNELS`, `TC_TRACE_KERNEL` and `WG_KERNELS` (gemm_tc.cu) define: the
+/// names the loader and the compile test share.
+fn mma_name(layer: u8, nt: usize, spc: usize) -> String {
+    format!("moe_tc_l{layer}_n{nt}_s{spc}")
+}
+fn trace_name(nt: usize) -> String {
+    format!("moe_tc_l1_trace_n{nt}")
+}
+fn wg_name(layer: u8, nt: usize) -> String {
+    format!("moe_wg_l{layer}_n{nt}")
 }
 
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
@@ -123,18 +130,18 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
         if has_wgmma(dev.arch()) && std::env::var("MEGAMOE_WGMMA").map_or(true, |v| v != "0") {
             for nt in layout::WG_TOKEN_TILES {
                 let smem = layout::wg_smem_bytes(f, nt);
-                k.wg_l1.insert(nt, Kernel::load(&m, &format!("moe_wg_l1_n{nt}"), WG_THREADS, smem)?);
-                k.wg_l2.insert(nt, Kernel::load(&m, &format!("moe_wg_l2_n{nt}"), WG_THREADS, smem)?);
+                k.wg_l1.insert(nt, Kernel::load(&m, &wg_name(1, nt), WG_THREADS, smem)?);
+                k.wg_l2.insert(nt, Kernel::load(&m, &wg_name(2, nt), WG_THREADS, smem)?);
             }
         }
         for (nt, s) in layout::configs() {
             let smem = layout::smem_bytes(f, nt, s);
-            k.l1.insert((nt, s), Kernel::load(&m, &(format!("moe_tc_l1_n{nt}_s{s}")), THREADS, smem)?);
-            k.l2.insert((nt, s), Kernel::load(&m, &(format!("moe_tc_l2_n{nt}_s{s}")), THREADS, smem)?);
+            k.l1.insert((nt, s), Kernel::load(&m, &mma_name(1, nt, s), THREADS, smem)?);
+            k.l2.insert((nt, s), Kernel::load(&m, &mma_name(2, nt, s), THREADS, smem)?);
         }
         for nt in layout::TOKEN_TILES {
             let smem = layout::smem_bytes(f, nt, 8);
-            k.l1_trace.insert(nt, Kernel::load(&m, &(format!("moe_tc_l1_trace_n{nt}")), THREADS, smem)?);
+            k.l1_trace.insert(nt, Kernel::load(&m, &trace_name(nt), THREADS, smem)?);
         }
         Ok(k)
     })
