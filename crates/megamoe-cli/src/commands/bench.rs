@@ -205,7 +205,6 @@ pub const CUDA_TOKENS: [usize; 6] = [1, 8, 64, 512, 4096, 16384];
 const LAYER_SEED: u64 = 1;
 
 fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
-    use megamoe::backend::BackendKind;
     anyhow::ensure!(a.runs > 0, "--runs must be positive");
     anyhow::ensure!(a.iters > 0, "--iters must be positive");
     anyhow::ensure!(a.tokens.as_ref().is_none_or(|t| !t.is_empty()), "--tokens needs at least one count");
@@ -221,17 +220,7 @@ fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
     } else {
         anyhow::ensure!(a.rank == 0, "--rank needs --simulate-ep");
     }
-    let cuda = match a.backend {
-        BackendKind::Cpu => false,
-        BackendKind::Cuda => true,
-        BackendKind::Auto => match super::cuda_available() {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!("note: CUDA backend unavailable ({e}); running on the CPU");
-                false
-            }
-        },
-    };
+    let cuda = super::wants_cuda(a.backend);
     if cuda {
         return run_forward_cuda(&a, &cfg);
     }

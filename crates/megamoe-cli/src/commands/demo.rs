@@ -288,7 +288,7 @@ fn gpu_demo(args: &Args) -> anyhow::Result<Vec<Outcome>> {
     let t0 = Instant::now();
     let want = reference::forward(&layer, &input, args.mode, None)?;
     println!("reference    CPU, {:.1} s", t0.elapsed().as_secs_f64());
-    let tol = if args.mode == Mode::W4A16 { 2e-3 } else { 2e-2 };
+    let tol = super::run_model::tolerance(args.mode);
     Ok(vec![Outcome {
         layer: l,
         ms,

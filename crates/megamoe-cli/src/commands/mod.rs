@@ -60,6 +60,23 @@ pub fn cuda_available() -> anyhow::Result<()> {
     anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
 }
 
+/// Resolves `--backend` to "run on CUDA?": `auto` falls back to the CPU with a note on stderr
+/// (stderr, so a `--json` report on stdout stays clean).
+pub fn wants_cuda(kind: megamoe::backend::BackendKind) -> bool {
+    use megamoe::backend::BackendKind;
+    match kind {
+        BackendKind::Cpu => false,
+        BackendKind::Cuda => true,
+        BackendKind::Auto => match cuda_available() {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("note: CUDA backend unavailable ({e:#}); running on the CPU");
+                false
+            }
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -237,15 +237,12 @@ pub(crate) fn drift(
 /// The drift tolerance of `mode` (W4A16 is exact math; quantized modes round activations, and a
 /// rounding boundary crossed by a last-bit difference moves a value by one quantization step).
 pub(crate) fn tolerance(mode: Mode) -> f64 {
-    if mode == Mode::W4A16 {
-        2e-3
-    } else {
-        2e-2
-    }
+    megamoe::diagnostics::trace::threshold(megamoe::trace::Stage::Output, mode)
 }
 
-/// One checked layer of a run: its index, input x, output y and chosen experts.
-type Checked = (usize, Vec<bf16>, Vec<f32>, Vec<i32>);
+/// For a checked layer: its index, input x, output y, chosen experts, and the host layer when the
+/// backend still holds it (the CPU run; the CUDA run dropped it after the upload, so it reloads).
+type Checked = (usize, Vec<bf16>, Vec<f32>, Vec<i32>, Option<Arc<MoeLayer>>);
 
 /// What a backend's run reports.
 struct Outcome {
@@ -285,17 +282,7 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         a.tokens,
         a.mode
     );
-    let cuda = match a.backend {
-        BackendKind::Cpu => false,
-        BackendKind::Cuda => true,
-        BackendKind::Auto => match super::cuda_available() {
-            Ok(()) => true,
-            Err(e) => {
-                println!("note: CUDA backend unavailable ({e:#}); running on the CPU");
-                false
-            }
-        },
-    };
+    let cuda = super::wants_cuda(a.backend);
     let out = if cuda {
         run_cuda(&a, &src)?
     } else {
@@ -330,12 +317,16 @@ fn report(a: &Args, src: &Source, out: Outcome) -> anyhow::Result<i32> {
          expert set differs are excluded; tolerance {tol:.0e}):"
     );
     let first = out.checks.first().map(|c| c.0);
-    for (l, x, y, topk) in &out.checks {
+    for (l, x, y, topk, held) in &out.checks {
         let t0 = Instant::now();
-        // The reload raises the load's warnings again: already logged and counted, so not shown.
-        let layer = tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), || {
-            src.reload(*l, a.mode)
-        })?;
+        let layer = match held {
+            Some(layer) => layer.clone(),
+            // The reload raises the load's warnings again: already logged and counted, so not shown.
+            None => Arc::new(tracing::subscriber::with_default(
+                tracing::subscriber::NoSubscriber::default(),
+                || src.reload(*l, a.mode),
+            )?),
+        };
         let d = drift(&layer, x, &out.ids, y, topk, a.mode)?;
         let ok = d.rel_l2 <= tol && y.iter().all(|v| v.is_finite());
         pass &= ok;
@@ -390,7 +381,7 @@ fn run_cpu(a: &Args, src: &Source) -> anyhow::Result<Outcome> {
         }
         hs.iter_mut().zip(&out.y).for_each(|(a, b)| *a += b);
         if j == 0 || j == last {
-            checks.push((layer.index, x, out.y, out.topk_ids));
+            checks.push((layer.index, x, out.y, out.topk_ids, Some(layer.clone())));
         }
     }
     let total_ms = t_all.elapsed().as_secs_f64() * 1e3;
@@ -518,7 +509,7 @@ fn run_cuda(a: &Args, src: &Source) -> anyhow::Result<Outcome> {
             non_finite.push(idx);
         }
         if let Some(x) = x {
-            checks.push((idx, x, y, topk_d.read::<i32>(&stream, 0, t * k)?));
+            checks.push((idx, x, y, topk_d.read::<i32>(&stream, 0, t * k)?, None));
         }
         // SAFETY: as in `step`.
         unsafe { model.enqueue_residual_norm(hs_d.ptr(), y_d.ptr(), x_d.ptr(), t, h, sref)? };

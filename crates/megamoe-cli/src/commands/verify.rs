@@ -2,6 +2,7 @@
 //! default) against the CPU reference, with fresh random data each time; prints a table and exits
 //! non-zero on any failure. `--timings` adds graph-replay timings of one V4-Pro rank.
 
+use super::run_model::tolerance;
 use megamoe::backend::{create_engine, BackendKind, MoeEngine};
 use megamoe::checkpoint::MoeLayer;
 use megamoe::config::MoeConfig;
@@ -163,14 +164,6 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
 }
 
-fn threshold(mode: Mode) -> f64 {
-    if mode == Mode::W4A16 {
-        2e-3
-    } else {
-        2e-2
-    }
-}
-
 /// Runs the command.
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let kind: BackendKind = args.backend.parse()?;
@@ -296,7 +289,7 @@ fn check_row(
             let agree = routing_agreement(&a.topk_ids, &r.topk_ids, c.num_experts_per_tok);
             let repeat = bits(&a.y) == bits(&b.y) && a.topk_ids == b.topk_ids;
             let finite = a.y.iter().all(|v| v.is_finite());
-            let pass = err <= threshold(mode) && agree >= 0.99 && repeat && finite;
+            let pass = err <= tolerance(mode) && agree >= 0.99 && repeat && finite;
             println!(
                 "{:>10.3e} {:>8.4} {:>7} {:>8.2} {:>8.1} {} (<= {:.0e})",
                 err,
@@ -305,7 +298,7 @@ fn check_row(
                 gpu_ms,
                 ref_ms,
                 if pass { "PASS" } else { "FAIL" },
-                threshold(mode)
+                tolerance(mode)
             );
             usize::from(!pass)
         }
