@@ -63,34 +63,48 @@ pub struct RoutingPlan {
     pub offsets: Vec<u32>,
     /// `perm[row] = slot` (`slot = t*k + j`), rows grouped by expert, slots ascending within one.
     pub perm: Vec<u32>,
-    /// `row_of_slot[slot] = row`, the inverse of `perm`.
+    /// `row_of_slot[slot] = row`, the inverse of `perm`; [`Self::NOT_PLANNED`] for a slot the
+    /// plan leaves out (-1, or an expert outside the planned range).
     pub row_of_slot: Vec<u32>,
 }
 
 impl RoutingPlan {
+    /// `row_of_slot` of a slot that is not planned (the device plan's `ROW_NONE`).
+    pub const NOT_PLANNED: u32 = u32::MAX;
+
     /// Builds the plan from `topk_ids` `[T, k]`; every id must be in `0..experts`.
     pub fn build(topk_ids: &[i32], experts: usize) -> Result<Self> {
+        if let Some((slot, e)) = topk_ids.iter().enumerate().find(|(_, &e)| e < 0 || e as usize >= experts) {
+            return Err(MegaError::Input(format!("topk_ids[{slot}] = {e} is outside 0..{experts}")));
+        }
+        Ok(Self::build_range(topk_ids, &(0..experts)))
+    }
+
+    /// The plan over the experts `range` (global ids; groups by local id `e - range.start`) of a
+    /// routing with global ids: -1 and ids outside the range are left out, as on the device (an
+    /// expert-parallel rank plans only its own experts).
+    pub fn build_range(topk_ids: &[i32], range: &std::ops::Range<usize>) -> Self {
+        let local = |e: i32| crate::parallel::local_index(range, e);
+        let experts = range.len();
         let mut counts = vec![0u32; experts];
-        for (slot, &e) in topk_ids.iter().enumerate() {
-            if e < 0 || e as usize >= experts {
-                return Err(MegaError::Input(format!("topk_ids[{slot}] = {e} is outside 0..{experts}")));
-            }
-            counts[e as usize] += 1;
+        for e in topk_ids.iter().filter_map(|&e| local(e)) {
+            counts[e] += 1;
         }
         let mut offsets = vec![0u32; experts + 1];
         for e in 0..experts {
             offsets[e + 1] = offsets[e] + counts[e];
         }
         let mut cursor = offsets[..experts].to_vec();
-        let mut perm = vec![0u32; topk_ids.len()];
-        let mut row_of_slot = vec![0u32; topk_ids.len()];
+        let mut perm = vec![0u32; offsets[experts] as usize];
+        let mut row_of_slot = vec![Self::NOT_PLANNED; topk_ids.len()];
         for (slot, &e) in topk_ids.iter().enumerate() {
-            let row = cursor[e as usize];
-            cursor[e as usize] += 1;
+            let Some(e) = local(e) else { continue };
+            let row = cursor[e];
+            cursor[e] += 1;
             perm[row as usize] = slot as u32;
             row_of_slot[slot] = row;
         }
-        Ok(RoutingPlan { counts, offsets, perm, row_of_slot })
+        RoutingPlan { counts, offsets, perm, row_of_slot }
     }
 
     /// Experts that received at least one slot.
@@ -122,5 +136,20 @@ mod tests {
         let err = RoutingPlan::build(&[0, 4], 4).unwrap_err().to_string();
         assert!(err.contains("topk_ids[1] = 4"), "{err}");
         assert!(RoutingPlan::build(&[-1], 4).is_err());
+    }
+
+    #[test]
+    fn a_range_plan_leaves_out_minus_one_and_other_ranks_experts() {
+        // Experts 4..8 of a routing over 12: slots 1 (-1), 2 (expert 9) and 5 (expert 0) are left out.
+        let ids = [5, -1, 9, 4, 5, 0, 7];
+        let p = RoutingPlan::build_range(&ids, &(4..8));
+        assert_eq!(p.counts, vec![1, 2, 0, 1]);
+        assert_eq!(p.offsets, vec![0, 1, 3, 3, 4]);
+        assert_eq!(p.perm, vec![3, 0, 4, 6]);
+        let none = RoutingPlan::NOT_PLANNED;
+        assert_eq!(p.row_of_slot, vec![1, none, none, 0, 2, none, 3]);
+        // Over the whole range it is `build`.
+        let all = [3, 0, 2, 1, 0, 2];
+        assert_eq!(RoutingPlan::build_range(&all, &(0..4)), RoutingPlan::build(&all, 4).unwrap());
     }
 }

@@ -463,26 +463,18 @@ fn routed_experts(
         let tc = t1 - t0;
         let ids = &ids[t0 * k..t1 * k];
         let wts = &wts[t0 * k..t1 * k];
-        // The slots this layer computes, compacted: `slot_of[c]` (chunk slot) and `local[c]`
-        // (local expert); `compact[slot]` is `c`, or `None` for -1 and other ranks' experts.
-        let mut compact: Vec<Option<usize>> = vec![None; ids.len()];
-        let (mut slot_of, mut local) = (Vec::new(), Vec::new());
-        for (slot, &id) in ids.iter().enumerate() {
-            if let Some(e) = layer.local_expert(id) {
-                compact[slot] = Some(slot_of.len());
-                slot_of.push(slot);
-                local.push(e as i32);
-            }
-        }
-        let plan = RoutingPlan::build(&local, n_local)?;
+        // The slots this layer computes: the plan over its expert range (-1 and other ranks'
+        // experts are not planned, exactly as on the device).
+        let plan = RoutingPlan::build_range(ids, &layer.expert_range);
+        let local_of = |slot: usize| layer.local_expert(ids[slot]).expect("a planned slot is held");
         for (total, n) in counts.iter_mut().zip(&plan.counts) {
             *total += n;
         }
         let x_f32: Vec<f32> = x[t0 * h..t1 * h].iter().map(|v| v.to_f32()).collect();
 
         // Expert inputs in plan-row order, through the mode's input quantization.
-        let row_token = |row: usize| slot_of[plan.perm[row] as usize] / k;
-        let mut xin = vec![0.0f32; local.len() * h];
+        let row_token = |row: usize| plan.perm[row] as usize / k;
+        let mut xin = vec![0.0f32; plan.perm.len() * h];
         match mode {
             Mode::W4A16 => xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
                 let t = row_token(row);
@@ -499,7 +491,7 @@ fn routed_experts(
                 });
             }
             Mode::W4A4 => xin.par_chunks_mut(h).enumerate().for_each(|(row, dst)| {
-                let (t, e) = (row_token(row), local[plan.perm[row] as usize] as usize);
+                let (t, e) = (row_token(row), local_of(plan.perm[row] as usize));
                 fmt::act_quant::nvfp4_block16(
                     &x_f32[t * h..(t + 1) * h],
                     input_scale(&layer.w1.data, e),
@@ -519,7 +511,7 @@ fn routed_experts(
                 w2: MatView::expert(&layer.w2, e),
                 input: &xin[r0 * h..r1 * h],
                 n: r1 - r0,
-                row_weight: Some(plan.perm[r0..r1].iter().map(|&c| wts[slot_of[c as usize]]).collect()),
+                row_weight: Some(plan.perm[r0..r1].iter().map(|&slot| wts[slot as usize]).collect()),
                 act_quant: match mode {
                     Mode::W4A16 => ActQuant::None,
                     Mode::W4A8 => ActQuant::Fp8,
@@ -528,17 +520,19 @@ fn routed_experts(
             });
         }
         let results = run_jobs(&jobs, inter, h, limit, tracing);
-        // `(job, row within the job)` of compacted slot `c`.
-        let place = |c: usize| {
-            let e = local[c] as usize;
-            (job_of_expert[e], plan.row_of_slot[c] as usize - plan.offsets[e] as usize)
+        // `(job, row within the job)` of planned slot `slot`.
+        let place = |slot: usize| {
+            let e = local_of(slot);
+            (job_of_expert[e], plan.row_of_slot[slot] as usize - plan.offsets[e] as usize)
         };
+        let planned =
+            |t: usize| (t * k..(t + 1) * k).filter(|&s| plan.row_of_slot[s] != RoutingPlan::NOT_PLANNED);
 
-        // Combine: per token, its local slots in slot order.
+        // Combine: per token, its planned slots in slot order.
         for t in 0..tc {
             let dst = &mut sum[(t0 + t) * h..(t0 + t + 1) * h];
-            for c in compact[t * k..(t + 1) * k].iter().flatten() {
-                let (j, i) = place(*c);
+            for slot in planned(t) {
+                let (j, i) = place(slot);
                 for (d, v) in dst.iter_mut().zip(&results[j].0[i * h..(i + 1) * h]) {
                     *d += v;
                 }
@@ -547,8 +541,8 @@ fn routed_experts(
 
         if let Some(tb) = tr.as_mut() {
             // Canonical per-slot layouts (slot = t*k + j); this chunk is the whole forward.
-            for (c, &slot) in slot_of.iter().enumerate() {
-                let (j, i) = place(c);
+            for slot in (0..tc).flat_map(planned) {
+                let (j, i) = place(slot);
                 let (out, l1) = &results[j];
                 let s = slot * inter..(slot + 1) * inter;
                 let src = i * inter..(i + 1) * inter;
@@ -559,8 +553,8 @@ fn routed_experts(
                 tb.l2[slot * h..(slot + 1) * h].copy_from_slice(&out[i * h..(i + 1) * h]);
             }
             for t in 0..tc {
-                if let Some(&c) = compact[t * k..(t + 1) * k].iter().flatten().next() {
-                    let row = plan.row_of_slot[c] as usize;
+                if let Some(slot) = planned(t).next() {
+                    let row = plan.row_of_slot[slot] as usize;
                     tb.input_q[t * h..(t + 1) * h].copy_from_slice(&xin[row * h..(row + 1) * h]);
                 }
             }
