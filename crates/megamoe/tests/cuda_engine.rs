@@ -624,19 +624,7 @@ fn decode_path_on(family: &str) {
                 eng.poison(0xFF).unwrap();
                 let g = eng.forward(&input, mode, None).unwrap();
                 let r = megamoe::reference::forward(&layer, &input, mode, None).unwrap();
-                let (mut gy, mut ry) = (Vec::new(), Vec::new());
-                for tok in 0..t {
-                    let (mut a, mut b) = (
-                        g.topk_ids[tok * k..(tok + 1) * k].to_vec(),
-                        r.topk_ids[tok * k..(tok + 1) * k].to_vec(),
-                    );
-                    a.sort();
-                    b.sort();
-                    if a == b {
-                        gy.extend_from_slice(&g.y[tok * h..(tok + 1) * h]);
-                        ry.extend(r.y[tok * h..(tok + 1) * h].iter().map(|&v| v as f64));
-                    }
-                }
+                let (gy, ry) = agreeing_tokens(&g.y, &g.topk_ids, &r, h, k);
                 assert!(gy.len() * 2 >= t * h, "{format:?} {mode} T={t}: most tokens routed differently");
                 assert!(g.y.iter().all(|v| v.is_finite()), "{format:?} {mode} T={t}: non-finite output");
                 let err = rel_l2(&gy, &ry);
@@ -830,6 +818,16 @@ fn external_routing_with_minus_one_on_a_rank_owning_experts_8_to_15_of_24() {
         }
     }
     let x = synthetic::random_hidden(t, h, 102);
+    // The CPU side per mode (the same for every family): the routed sum and the shared expert.
+    let want_of: Vec<(Vec<f32>, Vec<f32>)> = Mode::ALL
+        .into_iter()
+        .map(|mode| {
+            let routed = megamoe::reference::forward_routed(&rank, &x, &ids, &wts, mode).unwrap();
+            let input = ForwardInput { x: &x, input_ids: None };
+            let shared = megamoe::reference::forward_detailed(&rank, &input, mode, None).unwrap().shared;
+            (routed, shared)
+        })
+        .collect();
     for family in FAMILIES {
         let w = LayerWeights::upload_with(&dev, &rank, Some(family)).unwrap();
         assert_eq!(w.expert_range(), 8..16);
@@ -843,7 +841,7 @@ fn external_routing_with_minus_one_on_a_rank_owning_experts_8_to_15_of_24() {
         let wt = DeviceTensor::new(wb.ptr(), t, k, DType::F32);
         let yt = DeviceTensor::new(yb.ptr(), t, h, DType::F32);
         let s = dev.stream_ref();
-        for mode in Mode::ALL {
+        for (mode, (want, shared)) in Mode::ALL.into_iter().zip(&want_of) {
             ws.prepare(mode, false).unwrap();
             ws.poison(0xFF).unwrap();
             // plan + GEMMs + combine (no shared expert): the routed sum of experts 8..15 only.
@@ -852,7 +850,6 @@ fn external_routing_with_minus_one_on_a_rank_owning_experts_8_to_15_of_24() {
             w.enqueue_combine(&ws, &plan, &yt, false, s).unwrap();
             dev.synchronize().unwrap();
             let got = yb.read::<f32>(dev.stream(), 0, t * h).unwrap();
-            let want = megamoe::reference::forward_routed(&rank, &x, &ids, &wts, mode).unwrap();
             let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
             let err = rel_l2(&got, &want64);
             eprintln!("external routing, rank 8..16, {family} {mode}: rel L2 {err:.2e}");
@@ -876,15 +873,7 @@ fn external_routing_with_minus_one_on_a_rank_owning_experts_8_to_15_of_24() {
             w.enqueue_forward(&ws, &io, mode, s).unwrap();
             dev.synchronize().unwrap();
             let got2 = yb.read::<f32>(dev.stream(), 0, t * h).unwrap();
-            let shared = megamoe::reference::forward_detailed(
-                &rank,
-                &ForwardInput { x: &x, input_ids: None },
-                mode,
-                None,
-            )
-            .unwrap()
-            .shared;
-            let want2: Vec<f64> = want.iter().zip(&shared).map(|(&a, &b)| (a + b) as f64).collect();
+            let want2: Vec<f64> = want.iter().zip(shared).map(|(&a, &b)| (a + b) as f64).collect();
             let err2 = rel_l2(&got2, &want2);
             assert!(err2 < tol(mode), "{family} {mode} with shared: rel L2 {err2:.3e}");
             assert_eq!(ws.take_status().unwrap(), 0, "well-formed ids set no status bit");

@@ -718,14 +718,6 @@ mod cuda_bench {
     }
 
     impl Bench<'_> {
-        /// The GEMM families of `w` as a row label (`tc`, or `tc/simt` when the shared expert's differs).
-        fn family(w: &LayerWeights) -> String {
-            match w.families() {
-                (f, Some(s)) if s != f => format!("{f}/{s}"),
-                (f, _) => f.to_string(),
-            }
-        }
-
         /// Uploads `layer` (then dropped) and makes a workspace for `max_t` tokens in the mode.
         fn upload(
             &self,
@@ -784,7 +776,7 @@ mod cuda_bench {
                 rank,
                 world,
                 local_experts: w.local_experts(),
-                family: Self::family(w),
+                family: w.family_label(),
                 mode: self.a.mode,
                 format: self.format,
                 kind: kind.name(),
@@ -865,8 +857,6 @@ mod cuda_bench {
                     )?;
                 }
             }
-            drop(ws);
-            drop(w);
             Ok(())
         }
 
@@ -877,17 +867,12 @@ mod cuda_bench {
             let (h, i, e, k) =
                 (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);
             let is = i * c.n_shared_experts;
-            let s = max_t * k;
-            // Weights plus the workspace's big buffers (scores, per-slot rows, shared expert).
-            let mut need = e * 3 * self.format.matrix_bytes(i, h)
+            // Weights (routed, shared in bf16, router) plus the workspace prepared for the mode.
+            let ws_bytes = WorkspaceDims::of_config(c, e, is, max_t).device_bytes(self.a.mode, false)?;
+            let need = e * 3 * self.format.matrix_bytes(i, h)
                 + 3 * WeightFormat::Bf16.matrix_bytes(is, h)
                 + e * h * 4
-                + max_t * e * 4
-                + s * (i * 2 + h * 4)
-                + max_t * (is * 2 + h * 4);
-            if self.a.mode != Mode::W4A16 {
-                need += s * (h + i) * 2;
-            }
+                + ws_bytes;
             let (free, total) = self.device.memory_info()?;
             let skip = |b: &mut Self, why: String| {
                 b.pb.println(format!("note: whole layer skipped: {why}"));

@@ -10,8 +10,7 @@ use std::sync::Arc;
 
 /// GPU `MEGAMOE_DEVICE` (default 0), as the engines pick it.
 pub fn open_device() -> Result<Arc<CudaDevice>> {
-    let ordinal = std::env::var("MEGAMOE_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    Ok(CudaDevice::open(ordinal)?)
+    Ok(CudaDevice::open_default()?)
 }
 
 /// `stream` as the runtime's [`StreamRef`].

@@ -400,7 +400,7 @@ fn run_cuda(_a: &Args, _src: &Source) -> anyhow::Result<Outcome> {
 fn run_cuda(a: &Args, src: &Source) -> anyhow::Result<Outcome> {
     use super::gpu;
     use megamoe::backend::cuda::params::{STATUS_BAD_EXPERT_ID, STATUS_BAD_TOKEN_ID};
-    use megamoe::backend::cuda::{CudaModel, DType, DeviceTensor, ForwardIo, Routing};
+    use megamoe::backend::cuda::{CudaModel, DType, DeviceTensor, ForwardIo, LayerWeights, Routing};
     let c = src.config().clone();
     let (h, k, t) = (c.hidden_size, c.num_experts_per_tok, a.tokens);
     let device = gpu::open_device()?;
@@ -420,14 +420,7 @@ fn run_cuda(a: &Args, src: &Source) -> anyhow::Result<Outcome> {
     )?;
     pb.finish_and_clear();
     model.workspace_mut().prepare(a.mode, false)?;
-    let fams: Vec<String> = model
-        .layers()
-        .iter()
-        .map(|w| match w.families() {
-            (f, Some(s)) if s != f => format!("{f}/{s}"),
-            (f, _) => f.to_string(),
-        })
-        .collect();
+    let fams: Vec<String> = model.layers().iter().map(LayerWeights::family_label).collect();
     println!(
         "backend: cuda {} {} (gemm {}), {} layer(s) loaded in {:.1} s",
         device.arch(),
@@ -502,7 +495,9 @@ fn run_cuda(a: &Args, src: &Source) -> anyhow::Result<Outcome> {
         } else {
             None
         };
-        model.layers()[j].enqueue_forward(ws, &io(model.layers()[j].is_hash()), a.mode, sref)?;
+        // The residual norm only reads y (and the ids it leaves alone): y and the experts are still
+        // this layer's after the step.
+        step(j, sref)?;
         gpu::sync(&stream, &format!("layer {idx}"))?;
         let y = y_d.read::<f32>(&stream, 0, t * h)?;
         if y.iter().any(|v| !v.is_finite()) {
@@ -511,8 +506,6 @@ fn run_cuda(a: &Args, src: &Source) -> anyhow::Result<Outcome> {
         if let Some(x) = x {
             checks.push((idx, x, y, topk_d.read::<i32>(&stream, 0, t * k)?, None));
         }
-        // SAFETY: as in `step`.
-        unsafe { model.enqueue_residual_norm(hs_d.ptr(), y_d.ptr(), x_d.ptr(), t, h, sref)? };
     }
     gpu::sync(&stream, "run 1")?;
     let h_check = hs_d.read::<f32>(&stream, 0, t * h)?;

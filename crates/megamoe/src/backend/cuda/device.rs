@@ -88,6 +88,20 @@ fn open_devices() -> &'static Mutex<HashMap<usize, Weak<CudaDevice>>> {
 }
 
 impl CudaDevice {
+    /// The device `MEGAMOE_DEVICE` names (an ordinal; default 0): the one every engine and command
+    /// opens unless given a device. A value that is not an ordinal is an error, not device 0.
+    pub fn open_default() -> Result<Arc<CudaDevice>> {
+        let ordinal = match std::env::var("MEGAMOE_DEVICE") {
+            Ok(v) => v.trim().parse().map_err(|_| {
+                crate::error::MegaError::Input(format!(
+                    "MEGAMOE_DEVICE={v:?} is not a device ordinal (0, 1, ...)"
+                ))
+            })?,
+            Err(_) => 0,
+        };
+        Self::open(ordinal)
+    }
+
     /// The device of `ordinal` (0-based): probes the driver and NVRTC first (clear errors instead
     /// of panics without them), then retains the primary context (the one PyTorch uses too) and
     /// loads the core kernels. Returns the already open device when there is one.

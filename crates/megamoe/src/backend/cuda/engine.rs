@@ -58,8 +58,7 @@ impl CudaEngine {
         // error on a machine without a GPU.
         layer.validate_scale_bytes()?;
         WorkspaceDims::of_layer(&layer, max_tokens).check()?;
-        let ordinal = std::env::var("MEGAMOE_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        let device = CudaDevice::open(ordinal)?;
+        let device = CudaDevice::open_default()?;
         Self::on_device(&device, &layer, max_tokens, family)
     }
 

@@ -168,19 +168,6 @@ impl<P: Copy> Kernel<P> {
         &self.name
     }
 
-    /// Registers per thread and static shared memory of the loaded kernel (for the notes).
-    pub fn resources(&self) -> Result<(i32, i32)> {
-        let get = |a| {
-            // SAFETY: a valid function handle.
-            unsafe { cudarc::driver::result::function::get_function_attribute(self.func.cu_function(), a) }
-                .map_err(derr("cuFuncGetAttribute"))
-        };
-        Ok((
-            get(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
-            get(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
-        ))
-    }
-
     /// Enqueues one launch on `stream`.
     ///
     /// # Safety

@@ -198,6 +198,13 @@ impl LayerWeights {
     pub fn families(&self) -> (&'static str, Option<&'static str>) {
         (self.experts.kernels.family(), self.shared.as_ref().map(|s| s.kernels.family()))
     }
+    /// [`Self::families`] as a label: `tc`, or `tc/simt` when the shared expert's differs.
+    pub fn family_label(&self) -> String {
+        match self.families() {
+            (f, Some(s)) if s != f => format!("{f}/{s}"),
+            (f, _) => f.to_string(),
+        }
+    }
     /// Device bytes of the weights (router, experts, shared expert, scales).
     pub fn device_bytes(&self) -> usize {
         let opt = |b: &Option<DevBuf>| b.as_ref().map_or(0, DevBuf::bytes);

@@ -9,6 +9,7 @@ use super::buffer::{derr, err, lazy, DevBuf};
 use super::device::CudaDevice;
 use super::weights::LayerWeights;
 use crate::backend::gpu_layout::{max_tiles, MIN_BLOCK_M};
+use crate::config::MoeConfig;
 use crate::error::{MegaError, Result};
 use crate::forward::Mode;
 use std::sync::Arc;
@@ -35,30 +36,36 @@ pub struct WorkspaceDims {
 impl WorkspaceDims {
     /// The sizes of forwards of up to `max_tokens` tokens through `w`.
     pub fn of(w: &LayerWeights, max_tokens: usize) -> Self {
-        let c = w.config();
-        WorkspaceDims {
-            max_tokens,
-            hidden: c.hidden_size,
-            inter: c.moe_intermediate_size,
-            experts: c.n_routed_experts,
-            local_experts: w.local_experts(),
-            top_k: c.num_experts_per_tok,
-            shared_inter: w.shared_inter(),
-        }
+        Self::of_config(w.config(), w.local_experts(), w.shared_inter(), max_tokens)
     }
 
     /// The sizes of forwards of up to `max_tokens` tokens through `layer` (no device needed).
     pub fn of_layer(layer: &crate::checkpoint::MoeLayer, max_tokens: usize) -> Self {
-        let c = &layer.config;
+        let shared_inter = layer.shared.as_ref().map_or(0, |s| s.w1.rows);
+        Self::of_config(&layer.config, layer.local_experts(), shared_inter, max_tokens)
+    }
+
+    /// The sizes of forwards of up to `max_tokens` tokens through a layer of `c` holding
+    /// `local_experts` routed experts and a shared expert of `shared_inter` rows (0: none).
+    pub fn of_config(c: &MoeConfig, local_experts: usize, shared_inter: usize, max_tokens: usize) -> Self {
         WorkspaceDims {
             max_tokens,
             hidden: c.hidden_size,
             inter: c.moe_intermediate_size,
             experts: c.n_routed_experts,
-            local_experts: layer.local_experts(),
+            local_experts,
             top_k: c.num_experts_per_tok,
-            shared_inter: layer.shared.as_ref().map_or(0, |s| s.w1.rows),
+            shared_inter,
         }
+    }
+
+    /// Device bytes of a workspace of these sizes once [`Workspace::prepare`]d for `mode` (and
+    /// traces when `trace`): what a caller checks against free memory before allocating one.
+    pub fn device_bytes(&self, mode: Mode, trace: bool) -> Result<usize> {
+        let lazy = lazy_parts(self, mode, trace).into_iter().map(|(_, dims, what)| bytes(&dims, what));
+        std::iter::once(Self::base_bytes(self)).chain(lazy).try_fold(0usize, |a, b| {
+            a.checked_add(b?).ok_or_else(|| MegaError::Input("workspace too large".into()))
+        })
     }
 
     /// Checks that every slot index and grid size fits the kernels' `int` / `u32`:
@@ -120,6 +127,34 @@ impl WorkspaceDims {
     pub fn slots(&self) -> usize {
         self.max_tokens * self.top_k
     }
+}
+
+/// The buffers [`Workspace::prepare`] allocates on demand.
+enum Lazy {
+    Xin,
+    Actq,
+    GateTrace,
+    UpTrace,
+}
+
+/// What [`Workspace::prepare`] adds for `mode` / `trace`: (buffer, dims, name). The one list the
+/// allocation and [`WorkspaceDims::device_bytes`] share.
+fn lazy_parts(d: &WorkspaceDims, mode: Mode, trace: bool) -> Vec<(Lazy, [usize; 3], &'static str)> {
+    let s = d.slots();
+    let mut v = Vec::new();
+    // Staged expert inputs: quantized modes, and prefill batches whose GEMM reads A through a
+    // tensor map (contiguous rows).
+    if mode != Mode::W4A16 || s >= crate::backend::gpu_layout::tc::WG_MIN_SLOTS {
+        v.push((Lazy::Xin, [s, d.hidden, 2], "staged expert inputs"));
+    }
+    if mode != Mode::W4A16 {
+        v.push((Lazy::Actq, [s, d.inter, 2], "quantized activations"));
+    }
+    if trace {
+        v.push((Lazy::GateTrace, [s, d.inter, 4], "gate trace"));
+        v.push((Lazy::UpTrace, [s, d.inter, 4], "up trace"));
+    }
+    v
 }
 
 /// Scratch buffers of one forward (S = T*k slots; rows = slots planned on the layer's experts),
@@ -257,7 +292,6 @@ impl Workspace {
     /// Must not run while a stream is being captured.
     pub fn prepare(&mut self, mode: Mode, trace: bool) -> Result<()> {
         let d = self.dims;
-        let s = d.slots();
         let dev = self.device.clone();
         let mk = |slot: &mut Option<DevBuf>, dims: &[usize], what: &str| -> Result<()> {
             if slot.is_none() {
@@ -265,17 +299,14 @@ impl Workspace {
             }
             Ok(())
         };
-        // Staged expert inputs: quantized modes, and prefill batches whose GEMM reads A through a
-        // tensor map (contiguous rows).
-        if mode != Mode::W4A16 || d.slots() >= crate::backend::gpu_layout::tc::WG_MIN_SLOTS {
-            mk(&mut self.xin, &[s, d.hidden, 2], "staged expert inputs")?;
-        }
-        if mode != Mode::W4A16 {
-            mk(&mut self.actq, &[s, d.inter, 2], "quantized activations")?;
-        }
-        if trace {
-            mk(&mut self.gate_tr, &[s, d.inter, 4], "gate trace")?;
-            mk(&mut self.up_tr, &[s, d.inter, 4], "up trace")?;
+        for (which, dims, what) in lazy_parts(&d, mode, trace) {
+            let slot = match which {
+                Lazy::Xin => &mut self.xin,
+                Lazy::Actq => &mut self.actq,
+                Lazy::GateTrace => &mut self.gate_tr,
+                Lazy::UpTrace => &mut self.up_tr,
+            };
+            mk(slot, &dims, what)?;
         }
         Ok(())
     }
