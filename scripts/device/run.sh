@@ -71,10 +71,11 @@ if [ -f "$OUT/bench.json" ] && [ -f scripts/plot_roofline.py ]; then
   step plot python3 scripts/plot_roofline.py "$OUT"/bench*.json $(ls "$OUT"/peers_*.json 2>/dev/null) --out "$OUT/roofline.png"
 fi
 if [ "${NCU_BENCH:-0}" != 0 ] && command -v ncu >/dev/null; then
-  # The EP-rank decode kernels at T=1 and T=64 (first launches of each row; flush memsets excluded).
-  step ncu_bench timeout 300 ncu --clock-control none -k "regex:moe_(tc|wg)_l" --launch-count 16 \
+  # Every megamoe kernel of the EP-rank rows (default T=1, 64, 4096; first launches of each row:
+  # plan, GEMMs, combine; flush memsets excluded): per-kernel time, DRAM, tensor pipe, issue.
+  step ncu_bench timeout 300 ncu --clock-control none -k "regex:moe_" --launch-count "${NCU_LAUNCHES:-48}" \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread \
-    "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens 64,4096 --iters 1
+    "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens "${NCU_TOKENS:-1,64,4096}" --iters 1
 fi
 if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
   # The first tensor-core launches of the timings run: the T=1 decode L1 / L2 and the shared expert.
@@ -91,7 +92,7 @@ grep -hE "panicked|FAILED" "$LOGS"/tests.log 2>/dev/null | head -20
 grep -h "first divergence:" "$LOGS"/trace_*.log 2>/dev/null
 for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|generated" "$LOGS/$f.log" | tail -n 9; }; done
 [ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
-[ -f "$LOGS/ncu_bench.log" ] && grep -E "moe_(tc|wg)_l|gpu__time|dram__|tensor|issue_active|warps_active|grid_size|registers" "$LOGS/ncu_bench.log" | head -80
+[ -f "$LOGS/ncu_bench.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|issue_active|grid_size" "$LOGS/ncu_bench.log" | head -150
 for f in run_model bench bench_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0

@@ -358,6 +358,34 @@ fn prefill_tiles_match_host_model() {
     }
 }
 
+/// Large prefill batches on sm_90a run the wgmma kernels with two 128-row groups per CTA (one
+/// token tile shared by 256 weight rows): an even L1 group count (inter 640: 10 groups) and an odd
+/// L2 one (hidden 1152: 9 groups, the last CTA holds one), against the host model.
+#[test]
+fn prefill_two_group_ctas_match_host_model() {
+    let cfg = megamoe::config::MoeConfig {
+        hidden_size: 1152,
+        moe_intermediate_size: 640,
+        n_routed_experts: 64,
+        num_experts_per_tok: 6,
+        ..synthetic::tiny_config()
+    };
+    // ~96 rows per expert: one 128-token tile each, 64 tiles x 5 CTAs of two groups.
+    let t = 1024;
+    let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, 21));
+    let Some(mut eng) = engine_with(&layer, t, Some("tc")) else { return };
+    let x = synthetic::random_hidden(t, cfg.hidden_size, 23);
+    let input = ForwardInput { x: &x, input_ids: None };
+    eng.poison(0xFF).unwrap();
+    let out = eng.forward(&input, Mode::W4A16, None).unwrap();
+    let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
+    let err = rel_l2(&out.y, &want);
+    eprintln!("prefill two-group T={t}: rel L2 {err:.2e}");
+    assert!(err < tol(Mode::W4A16), "rel L2 {err:.3e}");
+    let again = eng.forward(&input, Mode::W4A16, None).unwrap();
+    assert_eq!(out.y, again.y, "repeat differs");
+}
+
 #[test]
 fn hash_layer_and_skewed_routing() {
     check_case(WeightFormat::Nvfp4, true, true, &[2, 100], 14);

@@ -497,20 +497,39 @@ pub const WG_TOKEN_TILES: [usize; 2] = [64, 128];
 /// through a tensor map, so the workspace stages the expert inputs for them.
 pub const WG_MIN_SLOTS: usize = 2048;
 
+/// 128-row groups per CTA the wgmma kernels are built for: 2 shares one token tile between 256
+/// weight rows (half the token traffic per MAC of 1).
+pub const WG_GROUPS: [usize; 2] = [1, 2];
+
+/// Every wgmma configuration `(token tile, groups per CTA)`.
+pub fn wg_configs() -> impl Iterator<Item = (usize, usize)> {
+    WG_TOKEN_TILES.into_iter().flat_map(|nt| WG_GROUPS.into_iter().map(move |g| (nt, g)))
+}
+
+/// Groups per CTA of a wgmma launch over `groups` 128-row groups and `tiles` expected token
+/// tiles: two while that still gives every SM two CTAs, else one.
+pub fn choose_wg_groups(groups: usize, tiles: usize, sm_count: usize) -> usize {
+    if groups >= 2 && tiles * groups.div_ceil(2) >= 2 * sm_count {
+        2
+    } else {
+        1
+    }
+}
+
 /// Bytes of one stage of the wgmma kernels: the token tile (`nt` rows x 64 bf16) and the 8 weight
-/// blocks, rounded to the 1024-byte alignment of the 128B swizzle.
-pub fn wg_stage_bytes(format: WeightFormat, nt: usize) -> usize {
-    (nt * 128 + GROUP_SLABS * block_bytes(format)).div_ceil(1024) * 1024
+/// blocks of each of the CTA's `groups`, rounded to the 1024-byte alignment of the 128B swizzle.
+pub fn wg_stage_bytes(format: WeightFormat, nt: usize, groups: usize) -> usize {
+    (nt * 128 + groups * GROUP_SLABS * block_bytes(format)).div_ceil(1024) * 1024
 }
 
 /// Pipeline depth of the wgmma kernels (one CTA per SM: up to ~200 KB).
-pub fn wg_stages(format: WeightFormat, nt: usize) -> usize {
-    (200 * 1024 / wg_stage_bytes(format, nt)).clamp(2, MAX_STAGES)
+pub fn wg_stages(format: WeightFormat, nt: usize, groups: usize) -> usize {
+    (200 * 1024 / wg_stage_bytes(format, nt, groups)).clamp(2, MAX_STAGES)
 }
 
 /// Dynamic shared memory of a wgmma kernel (+1 KB to align the ring to 1024 bytes).
-pub fn wg_smem_bytes(format: WeightFormat, nt: usize) -> usize {
-    wg_stages(format, nt) * wg_stage_bytes(format, nt) + 1024
+pub fn wg_smem_bytes(format: WeightFormat, nt: usize, groups: usize) -> usize {
+    wg_stages(format, nt, groups) * wg_stage_bytes(format, nt, groups) + 1024
 }
 
 /// Token-tile heights (N of the MMA tile, tokens per plan tile) the kernels are built for.
@@ -639,6 +658,11 @@ mod tests {
         assert_eq!(choose_slabs_per_cta(8, 6 * 6144, 132), 4);
         assert_eq!(choose_slabs_per_cta(8, 48 * 6144, 132), 8);
         assert_eq!(choose_slabs_per_cta(64, 6144, 132), 8);
+        // wgmma: 256-row CTAs for a V4-Pro rank's prefill (48 groups, ~72 tiles), one group for a
+        // single expert's tile or a one-group matrix.
+        assert_eq!(choose_wg_groups(48, 72, 132), 2);
+        assert_eq!(choose_wg_groups(48, 1, 132), 1);
+        assert_eq!(choose_wg_groups(1, 500, 132), 1);
         for f in WeightFormat::ALL {
             for (nt, s) in configs() {
                 let smem = smem_bytes(f, nt, s);
@@ -647,8 +671,8 @@ mod tests {
         }
         assert_eq!(stages(WeightFormat::Nvfp4, 8, 8), 8);
         for f in WeightFormat::ALL {
-            for nt in WG_TOKEN_TILES {
-                assert!(wg_smem_bytes(f, nt) <= 227 * 1024, "{f} {nt}");
+            for (nt, g) in wg_configs() {
+                assert!(wg_smem_bytes(f, nt, g) <= 227 * 1024, "{f} {nt} {g}");
             }
         }
     }

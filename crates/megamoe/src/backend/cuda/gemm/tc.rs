@@ -30,10 +30,10 @@ struct TcKernels {
     l2: HashMap<(usize, usize), Kernel<GemmL2Params>>,
     /// Trace variants (8 slabs per CTA), by token tile.
     l1_trace: HashMap<usize, Kernel<GemmL1TraceParams>>,
-    /// Hopper wgmma kernels (sm_90a), by token tile; used for prefill tiles unless
-    /// `MEGAMOE_WGMMA=0`.
-    wg_l1: HashMap<usize, Kernel<WgL1Params>>,
-    wg_l2: HashMap<usize, Kernel<WgL2Params>>,
+    /// Hopper wgmma kernels (sm_90a), by `(token tile, groups per CTA)`; used for prefill tiles
+    /// unless `MEGAMOE_WGMMA=0`.
+    wg_l1: HashMap<(usize, usize), Kernel<WgL1Params>>,
+    wg_l2: HashMap<(usize, usize), Kernel<WgL2Params>>,
 }
 
 /// Threads of the wgmma kernels: a producer warpgroup and two consumer warpgroups.
@@ -76,8 +76,8 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     let mut defines = vec![define(f).to_string()];
     if has_wgmma(arch) {
         defines.push("TC_WGMMA=1".into());
-        for nt in layout::WG_TOKEN_TILES {
-            inst.push_str(&format!("WG_KERNELS({nt}, {})\n", layout::wg_stages(f, nt)));
+        for (nt, g) in layout::wg_configs() {
+            inst.push_str(&format!("WG_KERNELS({nt}, {g}, {})\n", layout::wg_stages(f, nt, g)));
         }
     }
     ModuleSpec {
@@ -98,7 +98,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         layout::configs().flat_map(|(nt, s)| [mma_name(1, nt, s), mma_name(2, nt, s)]).collect();
     v.extend(layout::TOKEN_TILES.iter().map(|&nt| trace_name(nt)));
     if has_wgmma(arch) {
-        v.extend(layout::WG_TOKEN_TILES.iter().flat_map(|&nt| [wg_name(1, nt), wg_name(2, nt)]));
+        v.extend(layout::wg_configs().flat_map(|(nt, g)| [wg_name(1, nt, g), wg_name(2, nt, g)]));
     }
     v
 }
@@ -111,8 +111,8 @@ fn mma_name(layer: u8, nt: usize, spc: usize) -> String {
 fn trace_name(nt: usize) -> String {
     format!("moe_tc_l1_trace_n{nt}")
 }
-fn wg_name(layer: u8, nt: usize) -> String {
-    format!("moe_wg_l{layer}_n{nt}")
+fn wg_name(layer: u8, nt: usize, groups: usize) -> String {
+    format!("moe_wg_l{layer}_n{nt}_g{groups}")
 }
 
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
@@ -128,10 +128,10 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             wg_l2: HashMap::new(),
         };
         if has_wgmma(dev.arch()) && std::env::var("MEGAMOE_WGMMA").map_or(true, |v| v != "0") {
-            for nt in layout::WG_TOKEN_TILES {
-                let smem = layout::wg_smem_bytes(f, nt);
-                k.wg_l1.insert(nt, Kernel::load(&m, &wg_name(1, nt), WG_THREADS, smem)?);
-                k.wg_l2.insert(nt, Kernel::load(&m, &wg_name(2, nt), WG_THREADS, smem)?);
+            for (nt, g) in layout::wg_configs() {
+                let smem = layout::wg_smem_bytes(f, nt, g);
+                k.wg_l1.insert((nt, g), Kernel::load(&m, &wg_name(1, nt, g), WG_THREADS, smem)?);
+                k.wg_l2.insert((nt, g), Kernel::load(&m, &wg_name(2, nt, g), WG_THREADS, smem)?);
             }
         }
         for (nt, s) in layout::configs() {
@@ -150,13 +150,15 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
 impl TcKernels {
     /// Whether launch `l` runs the wgmma kernels (prefill tiles of large batches on sm_90a).
     fn wgmma(&self, l: &GemmLaunch) -> bool {
-        l.a_rows >= layout::WG_MIN_SLOTS && self.wg_l1.contains_key(&l.block_m)
+        l.a_rows >= layout::WG_MIN_SLOTS && self.wg_l1.contains_key(&(l.block_m, 1))
     }
 
-    /// The launch of a wgmma GEMM over `rows` packed rows per group (one CTA per 128-row group).
-    fn wg_cfg(&self, l: &GemmLaunch, rows: usize) -> LaunchCfg {
-        let grid = (l.looping_grid(), (layout::padded_rows(rows) / layout::GROUP_ROWS) as u32, 1);
-        LaunchCfg::grid(grid, layout::wg_smem_bytes(self.format, l.block_m))
+    /// Groups per CTA and the launch of a wgmma GEMM over `rows` packed rows per expert.
+    fn wg_cfg(&self, l: &GemmLaunch, rows: usize) -> ((usize, usize), LaunchCfg) {
+        let groups = layout::padded_rows(rows) / layout::GROUP_ROWS;
+        let g = layout::choose_wg_groups(groups, l.expected_tiles.max(1), self.sm_count);
+        let grid = (l.looping_grid(), groups.div_ceil(g) as u32, 1);
+        ((l.block_m, g), LaunchCfg::grid(grid, layout::wg_smem_bytes(self.format, l.block_m, g)))
     }
 
     /// Slabs per CTA and the launch of a GEMM over `rows` packed rows per group.
@@ -187,9 +189,9 @@ impl GemmKernels for TcKernels {
                 return Err(err("internal: the wgmma kernels read A through a tensor map (no gather)"));
             }
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.h as usize, l.block_m)?;
-            let k = &self.wg_l1[&l.block_m];
+            let (key, cfg) = self.wg_cfg(l, rows);
             // SAFETY: as below; the tensor map covers A's `a_rows` rows.
-            return unsafe { k.launch(s, &self.wg_cfg(l, rows), &WgL1Params { l1: *p, amap }) };
+            return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap }) };
         }
         let missing = || err(format!("tensor-core family: no L1 kernel for tiles of {} rows", l.block_m));
         // SAFETY: the caller's operands cover the plan's rows and the packed weights.
@@ -210,9 +212,9 @@ impl GemmKernels for TcKernels {
     fn l2(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL2Params) -> Result<()> {
         if self.wgmma(l) {
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.inter as usize, l.block_m)?;
-            let k = &self.wg_l2[&l.block_m];
+            let (key, cfg) = self.wg_cfg(l, p.g.h as usize);
             // SAFETY: the tensor map covers A's `a_rows` rows; the operands the packed weights.
-            return unsafe { k.launch(s, &self.wg_cfg(l, p.g.h as usize), &WgL2Params { l2: *p, amap }) };
+            return unsafe { self.wg_l2[&key].launch(s, &cfg, &WgL2Params { l2: *p, amap }) };
         }
         let (spc, cfg) = self.cfg(l, p.g.h as usize, None);
         let k = self.l2.get(&(l.block_m, spc)).ok_or_else(|| {

@@ -368,23 +368,28 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 
 #ifdef TC_WGMMA
 // ---- Hopper (sm_90a) prefill path: warp-specialised wgmma over the same packed weights.
-// CTA = 384 threads: warpgroup 0 = producer (one thread issues the copies), warpgroups 1, 2 =
-// consumers owning slabs 0-3 and 4-7 of a 128-row group (blockIdx.y), i.e. one m64 wgmma each per
-// k16 step, A from registers (the same per-warp fragments as the mma.sync kernels), B = the token
-// tile in shared memory. Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA
-// (1024-aligned)][8 weight blocks, one 1-D bulk copy], full / empty mbarriers per stage. The
-// token rows come from a 2-D tensor map over A (the staged expert inputs or activations; rows past
-// the tile's end belong to the next expert and are ignored by the epilogue). Per chunk a consumer
-// waits for the stage, decodes its A registers (FP4 -> bf16 exactly, as tc_decode), issues four
-// wgmma k16 steps, waits for them and releases the stage; the two consumers alternate on the tensor
-// cores. Results are bitwise reproducible (a fixed k order per output).
-template <int NT, int ST>
+// CTA = 384 threads, MB 128-row groups (blockIdx.y * MB ..): warpgroup 0 = producer (one thread
+// issues the copies; setmaxnreg gives its registers to the consumers), warpgroups 1, 2 = consumers
+// owning MB m64 blocks each (m64 block mi = cw * MB + b holds slabs 4 mi .. 4 mi + 3 of the CTA),
+// A from registers (the same per-warp fragments as the mma.sync kernels), B = the token tile in
+// shared memory, shared by all 2 * MB blocks: MB = 2 halves the token-tile traffic per MAC.
+// Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA (1024-aligned)][MB x 8
+// weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage. The token rows come
+// from a 2-D tensor map over A (the staged expert inputs or activations; rows past the tile's end
+// belong to the next expert and are ignored by the epilogue).
+// Consumer pipeline over units u = (chunk u / MB, block u % MB): issue unit u's four wgmma k16
+// steps, wait until only it is in flight (unit u - 1 done), release a finished chunk's stage, decode
+// unit u + 1's A registers while unit u runs. Results are bitwise reproducible (a fixed k order per
+// output).
+// Registers per thread after the hand-over: 128 x 40 + 256 x 232 <= 64 K (one CTA per SM).
+constexpr int WG_PRODUCER_REGS = 40, WG_CONSUMER_REGS = 232;
+
+template <int NT, int MB, int ST>
 struct WgShape {
     static constexpr int BLK = TcFmt<MM_WF>::BLK;
     static constexpr int T_BYTES = NT * 128;
-    static constexpr int W_BYTES = 8 * BLK;
-    static constexpr int STAGE = (T_BYTES + W_BYTES + 1023) / 1024 * 1024;
-    static constexpr int SMEM = ST * STAGE + 1024;       // + alignment slack (= gpu_layout::tc::wg_smem_bytes)
+    static constexpr int W_GROUP = 8 * BLK;              // one group's blocks of a chunk
+    static constexpr int STAGE = (T_BYTES + MB * W_GROUP + 1023) / 1024 * 1024;   // = gpu_layout::tc::wg_stage_bytes
 };
 
 template <int NT>
@@ -402,21 +407,28 @@ __device__ __forceinline__ void wgmma_fence_a(unsigned (&a)[4][4]) {
         for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[q][r]) :: "memory");
 }
 
-// One consumer warpgroup's view of the stage ring.
+// One consumer warpgroup's view of the stage ring (chunks counted over the CTA's whole run).
 struct WgRing {
     unsigned base;                       // shared address of stage 0 (1024-aligned)
     const unsigned char* gbase;          // the same, generic
     unsigned long long* full;
     unsigned long long* empty;
-    int stages, stage_bytes, wl_off, sc_off;
+    int stages, stage_bytes;
+    int wl_off[2], sc_off[2];            // this lane's slice of block b inside a stage
     unsigned bar_id;                     // the warpgroup's named barrier
 
-    // Waits for chunk `i`'s stage and decodes this lane's A registers of it.
-    __device__ __forceinline__ void wait_decode(unsigned i, unsigned (&a)[4][4]) const {
-        const int s = i % stages;
-        mbar_wait(smem_u32(&full[s]), (i / stages) & 1);
-        const unsigned char* st = gbase + s * stage_bytes;
-        const TcLane ln = tc_load_lane(st + wl_off, st + sc_off);
+    __device__ __forceinline__ void wait_full(unsigned c) const {
+        mbar_wait(smem_u32(&full[c % stages]), (c / stages) & 1);
+    }
+    // The whole warpgroup is done with chunk c's stage: hand it back to the producer.
+    __device__ __forceinline__ void release(unsigned c) const {
+        named_bar(bar_id, 128);
+        if ((threadIdx.x & 127) == 0) mbar_arrive(smem_u32(&empty[c % stages]));
+    }
+    // This lane's A registers of block b of chunk c (whose stage has landed).
+    __device__ __forceinline__ void decode(unsigned c, int b, unsigned (&a)[4][4]) const {
+        const unsigned char* st = gbase + (c % stages) * stage_bytes;
+        const TcLane ln = tc_load_lane(st + wl_off[b], st + sc_off[b]);
         tc_decode<0>(a[0], ln);
         tc_decode<1>(a[1], ln);
         tc_decode<2>(a[2], ln);
@@ -424,33 +436,36 @@ struct WgRing {
     }
 };
 
-// Chunk `it` (decoded in a[BUF]): issue its wgmmas, decode the next chunk into a[BUF ^ 1] when
-// `more`, wait, release the stage.
-template <int NT, int BUF>
-__device__ __forceinline__ void wg_step(const WgRing& r, float (&acc)[NT / 8][4], unsigned (&a)[2][4][4], unsigned& it,
-                                        bool more)
+// Unit u of a tile whose first chunk is c0, its A registers in a[BUF] (BUF = u & 1; with MB = 2
+// the block is BUF too): issue its four wgmma k16 steps; when NEXT (every unit but the tile's last),
+// wait for unit u - 1, release the chunk it finished and decode unit u + 1 while unit u runs.
+// (No wgmma sits under a run-time branch: ptxas would drain the pipe at the join.)
+template <int NT, int MB, int BUF, bool NEXT>
+__device__ __forceinline__ void wg_unit(const WgRing& r, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
+                                        unsigned c0, int u)
 {
-    const int s = it % r.stages;
-    const unsigned long long desc = wgmma_desc_k128(r.base + s * r.stage_bytes);
-    wgmma_fence_acc(acc);
+    constexpr int B = (MB == 2) ? BUF : 0, BN = (MB == 2) ? (BUF ^ 1) : 0;
+    const unsigned c = c0 + (unsigned)(u / MB);
+    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes);
     wgmma_fence();
     #pragma unroll
-    for (int q = 0; q < 4; ++q) wg_mma<NT>(acc, a[BUF][q], desc + 2 * q);   // +32 bytes per k16 step
+    for (int q = 0; q < 4; ++q) wg_mma<NT>(acc[B], a[BUF][q], desc + 2 * q);   // +32 bytes per k16 step
     wgmma_commit();
-    if (more) r.wait_decode(it + 1, a[BUF ^ 1]);
-    wgmma_wait<0>();
-    wgmma_fence_acc(acc);
-    wgmma_fence_a(a[BUF]);
-    named_bar(r.bar_id, 128);                  // the whole warpgroup is done with the stage
-    if ((threadIdx.x & 127) == 0) mbar_arrive(smem_u32(&r.empty[s]));
-    ++it;
+    if constexpr (NEXT) {
+        wgmma_wait<1>();                       // unit u - 1 is done: its registers and, at a chunk's
+        wgmma_fence_a(a[BUF ^ 1]);             // end, its stage are free
+        if (B == 0 && u > 0) r.release(c - 1);
+        const unsigned cn = c0 + (unsigned)((u + 1) / MB);
+        if (BN == 0) r.wait_full(cn);
+        r.decode(cn, BN, a[BUF ^ 1]);
+    }
 }
 
-// Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue.
-template <int NT, int ST, bool L1, typename Store>
+// Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one m64 block.
+template <int NT, int MB, int ST, bool L1, typename Store>
 __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& amap, Store store)
 {
-    using S = WgShape<NT, ST>;
+    using S = WgShape<NT, MB, ST>;
     constexpr int BLK = S::BLK;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
@@ -458,9 +473,9 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     const unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
     const int R = L1 ? 2 * g.inter : g.h;
     const int K = L1 ? g.h : g.inter;
-    const int Rp = (R + 127) / 128 * 128;
+    const int groups = (R + 127) / 128;
     const int nch = K / 64;
-    const int G = blockIdx.y;
+    const int G0 = blockIdx.y * MB;
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
@@ -471,47 +486,78 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     }
     __syncthreads();
     if (wg == 0) {
+        setmaxnreg_dec<WG_PRODUCER_REGS>();
         if (threadIdx.x != 0) return;
+        // A CTA past an odd group count loads (and later stores) only the groups that exist.
+        const int ng = min(MB, groups - G0);
+        const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
         unsigned it = 0;
         for (int tile = blockIdx.x;; tile += gridDim.x) {
             int grp, m0, mend;
             if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;
-            const unsigned char* wsrc = g.wq + (size_t)grp * ((size_t)(Rp / 16) * nch * BLK) + (size_t)G * nch * 8 * BLK;
+            const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * nch * 8 * BLK;
             for (int c = 0; c < nch; ++c, ++it) {
                 const int s = it % ST;
                 const unsigned u = it / ST;
                 if (u > 0) mbar_wait(smem_u32(&empty[s]), (u - 1) & 1);
                 const unsigned fb = smem_u32(&full[s]);
-                mbar_arrive_expect_tx(fb, S::T_BYTES + S::W_BYTES);
-                tma_load_2d(base + s * S::STAGE, &amap, c * 64, m0, fb);
-                bulk_g2s(base + s * S::STAGE + S::T_BYTES, wsrc + (size_t)c * 8 * BLK, S::W_BYTES, fb);
+                const unsigned dst = base + s * S::STAGE;
+                mbar_arrive_expect_tx(fb, S::T_BYTES + ng * S::W_GROUP);
+                tma_load_2d(dst, &amap, c * 64, m0, fb);
+                for (int gi = 0; gi < ng; ++gi)
+                    bulk_g2s(dst + S::T_BYTES + gi * S::W_GROUP,
+                             wsrc + ((size_t)gi * nch + c) * S::W_GROUP, S::W_GROUP, fb);
             }
         }
     }
-    // Consumers: chunk c's four wgmma k16 steps run while chunk c + 1's A registers are decoded
-    // into the other buffer; then chunk c is waited for and its stage released.
+    setmaxnreg_inc<WG_CONSUMER_REGS>();
     const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const int slab = 4 * cw + warp;
-    const int wl_off = S::T_BYTES + slab * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
-    const int sc_off = S::T_BYTES + slab * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
-    WgRing ring{base, gbase, full, empty, ST, S::STAGE, wl_off, sc_off, 1u + (unsigned)cw};
+    WgRing ring{base, gbase, full, empty, ST, S::STAGE, {0, 0}, {0, 0}, 1u + (unsigned)cw};
+    #pragma unroll
+    for (int b = 0; b < MB; ++b) {
+        const int slab = 4 * (cw * MB + b) + warp;    // slab of the CTA = its block in the stage
+        ring.wl_off[b] = S::T_BYTES + slab * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
+        ring.sc_off[b] = S::T_BYTES + slab * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
+    }
+    const int U = nch * MB;
     unsigned it = 0;
     for (int tile = blockIdx.x;; tile += gridDim.x) {
         int grp, m0, mend;
         if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;
         const int mc = min(mend - m0, NT);
-        float acc[NT / 8][4];
+        float acc[MB][NT / 8][4];
         #pragma unroll
-        for (int i = 0; i < NT / 8; ++i)
+        for (int b = 0; b < MB; ++b)
             #pragma unroll
-            for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
+            for (int i = 0; i < NT / 8; ++i)
+                #pragma unroll
+                for (int v = 0; v < 4; ++v) acc[b][i][v] = 0.f;
         unsigned a[2][4][4];
-        ring.wait_decode(it, a[0]);
-        for (int c = 0; c < nch; c += 2) {
-            wg_step<NT, 0>(ring, acc, a, it, c + 1 < nch);
-            if (c + 1 < nch) wg_step<NT, 1>(ring, acc, a, it, c + 2 < nch);
+        ring.wait_full(it);
+        ring.decode(it, 0, a[0]);
+        #pragma unroll
+        for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
+        int u = 0;
+        for (; u + 2 < U; u += 2) {
+            wg_unit<NT, MB, 0, true>(ring, acc, a, it, u);
+            wg_unit<NT, MB, 1, true>(ring, acc, a, it, u + 1);
         }
-        store(acc, grp, m0, mc, G * 8 + slab);
+        if (u + 2 == U) {                      // the last pair (always, with MB = 2)
+            wg_unit<NT, MB, 0, true>(ring, acc, a, it, u);
+            wg_unit<NT, MB, 1, false>(ring, acc, a, it, u + 1);
+        } else {
+            wg_unit<NT, MB, 0, false>(ring, acc, a, it, u);
+        }
+        wgmma_wait<0>();
+        wgmma_fence_a(a[0]);
+        wgmma_fence_a(a[1]);
+        #pragma unroll
+        for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
+        it += nch;
+        if (MB == 1 && nch > 1) ring.release(it - 2);   // the last unit's predecessor's chunk
+        ring.release(it - 1);
+        #pragma unroll
+        for (int b = 0; b < MB; ++b) store(acc[b], grp, m0, mc, G0 * 8 + 4 * (cw * MB + b) + warp);
     }
 }
 #endif  // TC_WGMMA
@@ -540,17 +586,18 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     }
 
 #ifdef TC_WGMMA
-// wgmma entry points of token tile NT with ST stages (appended by the host like TC_KERNELS).
-#define WG_KERNELS(NT, ST)                                                                                \
-    extern "C" __global__ void __launch_bounds__(384, 1) moe_wg_l1_n##NT(const __grid_constant__ WgL1Params p) \
+// wgmma entry points of token tile NT over MB 128-row groups per CTA with ST stages (appended by
+// the host like TC_KERNELS). Min 1 CTA per SM: setmaxnreg needs the entry register count known.
+#define WG_KERNELS(NT, MB, ST)                                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1) moe_wg_l1_n##NT##_g##MB(const __grid_constant__ WgL1Params p) \
     {                                                                                                     \
-        wg_gemm<NT, ST, true>(p.l1.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        wg_gemm<NT, MB, ST, true>(p.l1.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
         });                                                                                               \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(384, 1) moe_wg_l2_n##NT(const __grid_constant__ WgL2Params p) \
+    extern "C" __global__ void __launch_bounds__(384, 1) moe_wg_l2_n##NT##_g##MB(const __grid_constant__ WgL2Params p) \
     {                                                                                                     \
-        wg_gemm<NT, ST, false>(p.l2.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        wg_gemm<NT, MB, ST, false>(p.l2.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
         });                                                                                               \
     }
