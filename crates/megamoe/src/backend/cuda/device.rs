@@ -42,7 +42,7 @@ core_kernels! {
     router_logits: RouterLogitsParams = "moe_router_logits", CORE_THREADS;
     router_topk: RouterTopkParams = "moe_router", CORE_THREADS;
     plan_count: PlanParams = "moe_plan_count", CORE_THREADS;
-    plan_offsets: PlanParams = "moe_plan_offsets", CORE_THREADS;
+    plan_offsets: PlanParams = "moe_plan_offsets", 1024;
     plan_scatter: PlanParams = "moe_plan_scatter", CORE_THREADS;
     /// The three plan steps in one CTA (decode-sized batches).
     plan_small: PlanParams = "moe_plan_small", 1024;

@@ -32,7 +32,11 @@ const ROUTER_EXPERTS_PER_CTA: u32 = 2;
 
 /// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
 /// three (count, offsets, scatter over many CTAs).
-const PLAN_SMALL_SLOTS: usize = 8192;
+const PLAN_SMALL_SLOTS: usize = 32 * PLAN_SMALL_CHUNK as usize;
+/// Local experts `moe_plan_small` holds in shared memory (32 x 384 u32 = 48 KB, the default limit).
+const PLAN_SMALL_EXPERTS: usize = 384;
+// The chunk kernels run one warp per chunk, PLAN_WARPS warps per CTA.
+const _: () = assert!(PLAN_WARPS as u32 * 32 == CORE_THREADS);
 
 /// A plan enqueued on a workspace: what the expert and combine stages need to know about it.
 #[derive(Clone, Copy, Debug)]
@@ -278,6 +282,7 @@ impl LayerWeights {
             counts: ws.counts.ptr(),
             offsets: ws.offsets.ptr(),
             tile_start: ws.tile_start.ptr(),
+            chunk_rows: ws.chunk_rows.ptr(),
             tiles: ws.tiles.ptr(),
             num_tiles: ws.num_tiles.ptr(),
             perm: ws.perm.ptr(),
@@ -285,15 +290,17 @@ impl LayerWeights {
             status: ws.status.ptr(),
         };
         let core = &self.device.core;
-        let groups = (el as u32).div_ceil(CORE_THREADS / 32);
-        // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] for these sizes.
+        // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] / the chunk table for
+        // these sizes; the shared memory is what each kernel's header asks for.
         unsafe {
-            if slots <= PLAN_SMALL_SLOTS {
-                core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
+            if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS {
+                core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 32 * el * 4), &p)?;
             } else {
-                core.plan_count.launch(s, &LaunchCfg::grid((groups, 1, 1), 0), &p)?;
+                let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;
+                let smem = PLAN_WARPS as usize * el * 4;
+                core.plan_count.launch(s, &LaunchCfg::grid((ctas, 1, 1), smem), &p)?;
                 core.plan_offsets.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
-                core.plan_scatter.launch(s, &LaunchCfg::grid((groups, 1, 1), 0), &p)?;
+                core.plan_scatter.launch(s, &LaunchCfg::grid((ctas, 1, 1), smem), &p)?;
             }
         }
         Ok(Plan { tokens: t, topk_ids, launch })
@@ -457,7 +464,15 @@ impl LayerWeights {
             y: y.ptr,
             y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },
         };
-        // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows.
-        unsafe { self.device.core.combine.launch(s, &LaunchCfg::grid((plan.tokens as u32, 1, 1), 0), &p) }
+        if !c.hidden_size.is_multiple_of(4) {
+            return Err(MegaError::Input(format!(
+                "combine: hidden size {} is not a multiple of 4 (the kernel adds 4 columns per thread)",
+                c.hidden_size
+            )));
+        }
+        let col_blocks = c.hidden_size.div_ceil(4 * CORE_THREADS as usize) as u32;
+        // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows (16-byte
+        // aligned rows: H % 4 == 0 and device allocations are 256-aligned).
+        unsafe { self.device.core.combine.launch(s, &LaunchCfg::grid((plan.tokens as u32, col_blocks, 1), 0), &p) }
     }
 }

@@ -88,6 +88,12 @@ kernel_abi! {
         STATUS_BAD_TOKEN_ID = 1;
         /// Status bit: a caller's top-k id was outside -1..E (the slot is ignored).
         STATUS_BAD_EXPERT_ID = 2;
+        /// Slots per warp chunk of the large plan (`moe_plan_count` / `moe_plan_scatter`).
+        PLAN_CHUNK = 512;
+        /// Warps per CTA of `moe_plan_count` / `moe_plan_scatter` (each one chunk).
+        PLAN_WARPS = 8;
+        /// Slots per warp chunk of `moe_plan_small` (32 warps: up to 8192 slots).
+        PLAN_SMALL_CHUNK = 256;
     }
 
     /// `moe_router_logits`: gate logits of every (token, expert) into `scores`.
@@ -161,6 +167,9 @@ kernel_abi! {
         offsets: DevPtr => "unsigned*",
         /// Scratch `[E_local + 1]` i32.
         tile_start: DevPtr => "int*",
+        /// Scratch `[ceil(S / PLAN_CHUNK)][E_local]` u32: slots of each (chunk, expert), then the
+        /// chunk's first plan row of the expert (large plan only).
+        chunk_rows: DevPtr => "unsigned*",
         /// Output `[max_tiles][2]` i32 = (local expert, first row).
         tiles: DevPtr => "int*",
         /// Output `[1]` i32 tile count.

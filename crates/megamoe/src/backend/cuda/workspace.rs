@@ -112,6 +112,7 @@ impl WorkspaceDims {
             bytes(&[mt, e, 4], "scores")?,
             bytes(&[s, 4 * 4], "slots")?,
             bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8], "tiles")?,
+            bytes(&[plan_chunks(s), el, 4], "plan chunk rows")?,
             bytes(&[s, i, 2], "activations")?,
             bytes(&[s, h, 4], "l2 rows")?,
             bytes(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
@@ -181,6 +182,8 @@ pub struct Workspace {
     pub(crate) offsets: DevBuf,
     /// Scratch of `moe_plan_offsets` `[E_local + 1]` i32.
     pub(crate) tile_start: DevBuf,
+    /// Scratch of the large plan `[ceil(S / PLAN_CHUNK)][E_local]` u32.
+    pub(crate) chunk_rows: DevBuf,
     /// GEMM tile table `[max_tiles][2]` i32 = (local expert, first row).
     pub(crate) tiles: DevBuf,
     /// The tile table's length `[1]` i32.
@@ -207,6 +210,11 @@ pub struct Workspace {
     /// L1 gate / up pre-activations `[S, I]` f32 (traced forwards; [`Self::prepare`]).
     pub(crate) gate_tr: Option<DevBuf>,
     pub(crate) up_tr: Option<DevBuf>,
+}
+
+/// Chunks of the large plan over `slots` slots (`moe_plan_count`).
+fn plan_chunks(slots: usize) -> usize {
+    slots.div_ceil(crate::backend::cuda::params::PLAN_CHUNK as usize).max(1)
 }
 
 /// The product of `dims` (a buffer's size), or an error naming the buffer when it overflows.
@@ -253,6 +261,7 @@ impl Workspace {
             counts: z(&[el, 4], "counts")?,
             offsets: z(&[el + 1, 4], "offsets")?,
             tile_start: z(&[el + 1, 4], "tile_start")?,
+            chunk_rows: z(&[plan_chunks(s), el, 4], "plan chunk rows")?,
             tiles: z(&[tiles, 8], "tiles")?,
             num_tiles: z(&[4], "num_tiles")?,
             perm: z(&[s, 4], "perm")?,
@@ -343,6 +352,7 @@ impl Workspace {
             &self.counts,
             &self.offsets,
             &self.tile_start,
+            &self.chunk_rows,
             &self.tiles,
             &self.num_tiles,
             &self.perm,

@@ -20,6 +20,9 @@ constexpr int OUT_F32 = 0;
 constexpr int OUT_BF16 = 1;
 constexpr int STATUS_BAD_TOKEN_ID = 1;
 constexpr int STATUS_BAD_EXPERT_ID = 2;
+constexpr int PLAN_CHUNK = 512;
+constexpr int PLAN_WARPS = 8;
+constexpr int PLAN_SMALL_CHUNK = 256;
 
 struct RouterLogitsParams {
     const bf16_t* x;
@@ -60,13 +63,14 @@ struct PlanParams {
     unsigned* counts;
     unsigned* offsets;
     int* tile_start;
+    unsigned* chunk_rows;
     int* tiles;
     int* num_tiles;
     unsigned* perm;
     unsigned* row_of_slot;
     unsigned* status;
 };
-static_assert(sizeof(PlanParams) == 96, "PlanParams mirrors params.rs");
+static_assert(sizeof(PlanParams) == 104, "PlanParams mirrors params.rs");
 
 struct QuantRowsParams {
     const bf16_t* src;

@@ -1,5 +1,5 @@
-// plan.cu — the per-expert token plan on the device (same result as plan::RoutingPlan::build over
-// the layer's local experts).
+// plan.cu — the per-expert token plan on the device (same result as plan::RoutingPlan::build_range
+// over the layer's local experts).
 //
 // Layouts: topk_ids [S = T*K] i32 global expert ids (slot s = t*K + j); -1 means "not here" (an
 // expert-parallel dispatch or a caller's router), and so does any id of another rank's range. A
@@ -9,14 +9,20 @@
 // rows grouped by expert, slots ascending within one: a stable counting sort); row_of_slot [S]
 // u32 (ROW_NONE = 0xFFFFFFFF for slots not planned); tiles [max_tiles][2] i32 = (local expert,
 // first row) of every bm-row tile of every expert with slots; num_tiles [1] i32.
-// Parameters: PlanParams (params.cuh), one struct for the three kernels of the stage.
-// Tiling: moe_plan_count and moe_plan_scatter give one warp to each local expert; the warp scans
-// the slots 32 at a time with a ballot, so ranks are exact and stable without atomics.
-// moe_plan_offsets is one CTA: a serial prefix over experts (a few hundred), then one thread per
-// expert writes its tiles, and all threads mark the slots not planned here. Experts with no slots
-// get no tiles, so the grouped GEMMs spend nothing on them.
-// moe_plan_small: the three steps in one CTA of 1024 threads (32 warps over the experts), for
-// decode-sized batches (the host uses it up to PLAN_SMALL_SLOTS slots): one launch instead of three.
+// Parameters: PlanParams (params.cuh), one struct for every kernel of the stage.
+//
+// Tiling: the slots are cut into chunks, one warp each. A warp loads its chunk's ids into registers
+// at once (one memory round trip), then walks them 32 at a time: __match_any_sync groups the lanes
+// of one expert, so a lane's rank among the chunk's slots of its expert is the running count of
+// that expert (in shared memory, updated by the group's lowest lane) plus its rank in the group.
+// Counts and ranks are integers: exact, stable, no atomics in the result.
+// - Large batches (three launches): moe_plan_count writes every chunk's per-expert counts
+//   (chunk_rows [chunks][E_local]); moe_plan_offsets (one CTA) sums them per expert, scans the
+//   experts (offsets, tile table) and turns chunk_rows into each chunk's first row per expert;
+//   moe_plan_scatter walks the chunks again from those rows and writes perm and row_of_slot.
+// - moe_plan_small: the same in one CTA of 32 warps with the chunk counts in shared memory, for
+//   decode-sized batches (up to 32 * PLAN_SMALL_CHUNK slots and 384 local experts): one launch.
+// Experts with no slots get no tiles, so the grouped GEMMs spend nothing on them.
 
 // The local expert of slot s's id, or -1.
 __device__ __forceinline__ int plan_local(const PlanParams& p, int id) {
@@ -24,21 +30,64 @@ __device__ __forceinline__ int plan_local(const PlanParams& p, int id) {
     return (l >= 0 && l < p.experts) ? l : -1;
 }
 
-// Slots of local expert e, counted by one warp.
-__device__ __forceinline__ void plan_count_expert(const PlanParams& p, int e, int lane)
+// The local experts of this lane's slots s0 + 32 i + lane (i < N) of chunk [s0, s1), -1 for
+// slots past the end or not planned here; `bad` records malformed ids.
+template <int N>
+__device__ __forceinline__ void plan_load_chunk(const PlanParams& p, int s0, int s1, int lane, int (&e)[N], bool& bad)
 {
-    unsigned c = 0;
-    for (int base = 0; base < p.slots; base += 32) {
-        const int s = base + lane;
-        const bool hit = (s < p.slots) && plan_local(p, p.topk_ids[s]) == e;
-        c += __popc(__ballot_sync(0xffffffffu, hit));
+    int id[N];
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int s = s0 + 32 * i + lane;
+        id[i] = s < s1 ? p.topk_ids[s] : -1;
     }
-    if (lane == 0) p.counts[e] = c;
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        bad |= id[i] < -1 || id[i] >= p.global_experts;
+        e[i] = plan_local(p, id[i]);
+    }
 }
 
-// Offsets, tile table and the rows of slots not planned here, by one whole CTA. The prefix over
-// the experts' counts (rows) and tile counts is a block-wide scan, blockDim experts at a time
-// (integers: the same result in any order), so it costs a few barriers, not E dependent loads.
+// Adds the chunk's slots per expert to cnt[E_local] (this warp's row of shared memory).
+template <int N>
+__device__ __forceinline__ void plan_count_chunk(const int (&e)[N], unsigned* cnt, int lane)
+{
+    const unsigned lt = (1u << lane) - 1u;
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const unsigned m = __match_any_sync(0xffffffffu, e[i]);
+        if (e[i] >= 0 && (m & lt) == 0) cnt[e[i]] += __popc(m);   // the group's lowest lane
+        __syncwarp();
+    }
+}
+
+// Writes perm / row_of_slot of the chunk's slots, from cur[E_local] = the chunk's next row per
+// expert (this warp's row of shared memory, advanced as it goes).
+template <int N>
+__device__ __forceinline__ void plan_scatter_chunk(const PlanParams& p, const int (&e)[N], int s0, int s1,
+                                                   unsigned* cur, int lane)
+{
+    const unsigned lt = (1u << lane) - 1u;
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int s = s0 + 32 * i + lane;
+        const unsigned m = __match_any_sync(0xffffffffu, e[i]);
+        if (e[i] >= 0) {
+            const unsigned row = cur[e[i]] + __popc(m & lt);
+            p.perm[row] = (unsigned)s;
+            p.row_of_slot[s] = row;
+        } else if (s < s1) {
+            p.row_of_slot[s] = 0xFFFFFFFFu;
+        }
+        __syncwarp();
+        if (e[i] >= 0 && (m & lt) == 0) cur[e[i]] += __popc(m);
+        __syncwarp();
+    }
+}
+
+// Offsets and the tile table from counts[E_local], by one whole CTA. The prefix over the experts'
+// counts (rows) and tile counts is a block-wide scan, blockDim experts at a time (integers: the
+// same result in any order), so it costs a few barriers, not E dependent loads.
 __device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
 {
     const int E = p.experts, BM = p.bm;
@@ -83,14 +132,7 @@ __device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
         p.tile_start[E] = (int)carry[1];
         *p.num_tiles = (int)carry[1];
     }
-    // Slots not planned here (and malformed ids) get no row.
-    bool bad = false;
-    for (int s = threadIdx.x; s < p.slots; s += blockDim.x) {
-        const int id = p.topk_ids[s];
-        bad |= id < -1 || id >= p.global_experts;
-        if (plan_local(p, id) < 0) p.row_of_slot[s] = 0xFFFFFFFFu;
-    }
-    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
+    __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         const int t0 = p.tile_start[e], t1 = p.tile_start[e + 1];
         unsigned r = p.offsets[e];
@@ -101,47 +143,99 @@ __device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
     }
 }
 
-// The stable scatter of local expert e's slots into its plan rows, by one warp.
-__device__ __forceinline__ void plan_scatter_expert(const PlanParams& p, int e, int lane)
+// Large plan, step 1: chunk_rows[c][e] = slots of expert e in chunk c (one warp per chunk).
+// Dynamic shared memory: PLAN_WARPS x E_local u32.
+extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
 {
-    unsigned cursor = p.offsets[e];
-    const unsigned lt = (1u << lane) - 1u;
-    for (int base = 0; base < p.slots; base += 32) {
-        const int s = base + lane;
-        const bool hit = (s < p.slots) && plan_local(p, p.topk_ids[s]) == e;
-        const unsigned b = __ballot_sync(0xffffffffu, hit);
-        if (hit) {
-            const unsigned row = cursor + __popc(b & lt);
-            p.perm[row] = (unsigned)s;
-            p.row_of_slot[s] = row;
+    extern __shared__ unsigned plan_cnt[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
+    for (int i = threadIdx.x; i < PLAN_WARPS * E; i += blockDim.x) plan_cnt[i] = 0u;
+    __syncthreads();
+    const int c = blockIdx.x * PLAN_WARPS + warp;
+    const int s0 = c * PLAN_CHUNK;
+    if (s0 >= p.slots) return;                         // uniform over the warp
+    int e[PLAN_CHUNK / 32];
+    bool bad = false;
+    plan_load_chunk(p, s0, min(s0 + PLAN_CHUNK, p.slots), lane, e, bad);
+    unsigned* cnt = plan_cnt + warp * E;
+    plan_count_chunk(e, cnt, lane);
+    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
+    for (int x = lane; x < E; x += 32) p.chunk_rows[(size_t)c * E + x] = cnt[x];
+}
+
+// Large plan, step 2 (one CTA): counts, offsets, tiles; chunk_rows becomes each chunk's first row
+// per expert (a running sum over the chunks in order).
+extern "C" __global__ void __launch_bounds__(1024) moe_plan_offsets(const __grid_constant__ PlanParams p)
+{
+    const int E = p.experts, chunks = (p.slots + PLAN_CHUNK - 1) / PLAN_CHUNK;
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        unsigned total = 0;
+        #pragma unroll 16
+        for (int c = 0; c < chunks; ++c) total += p.chunk_rows[(size_t)c * E + x];
+        p.counts[x] = total;
+    }
+    __syncthreads();
+    plan_offsets_cta(p);
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        unsigned r = p.offsets[x];
+        #pragma unroll 16
+        for (int c = 0; c < chunks; ++c) {
+            const size_t i = (size_t)c * E + x;
+            const unsigned n = p.chunk_rows[i];
+            p.chunk_rows[i] = r;
+            r += n;
         }
-        cursor += __popc(b);
     }
 }
 
-extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
-{
-    const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (e < p.experts) plan_count_expert(p, e, threadIdx.x & 31);
-}
-
-extern "C" __global__ void moe_plan_offsets(const __grid_constant__ PlanParams p)
-{
-    plan_offsets_cta(p);
-}
-
+// Large plan, step 3: perm and row_of_slot of every chunk (one warp per chunk).
+// Dynamic shared memory: PLAN_WARPS x E_local u32.
 extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p)
 {
-    const int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (e < p.experts) plan_scatter_expert(p, e, threadIdx.x & 31);
+    extern __shared__ unsigned plan_cur[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
+    const int c = blockIdx.x * PLAN_WARPS + warp;
+    const int s0 = c * PLAN_CHUNK;
+    if (s0 >= p.slots) return;                         // uniform over the warp (no CTA barrier below)
+    unsigned* cur = plan_cur + warp * E;
+    for (int x = lane; x < E; x += 32) cur[x] = p.chunk_rows[(size_t)c * E + x];
+    __syncwarp();
+    int e[PLAN_CHUNK / 32];
+    bool bad = false;
+    const int s1 = min(s0 + PLAN_CHUNK, p.slots);
+    plan_load_chunk(p, s0, s1, lane, e, bad);
+    plan_scatter_chunk(p, e, s0, s1, cur, lane);
 }
 
+// The whole plan in one CTA of 32 warps (one PLAN_SMALL_CHUNK chunk each), chunk counts in shared
+// memory: 32 x E_local u32 (the host keeps E_local <= 384: 48 KB).
 extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_constant__ PlanParams p)
 {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int e = warp; e < p.experts; e += nw) plan_count_expert(p, e, lane);
+    extern __shared__ unsigned plan_rows[];           // [32][E]: counts, then each chunk's next row
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
+    for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) plan_rows[i] = 0u;
+    __syncthreads();
+    const int s0 = warp * PLAN_SMALL_CHUNK, s1 = min(s0 + PLAN_SMALL_CHUNK, p.slots);
+    int e[PLAN_SMALL_CHUNK / 32];
+    bool bad = false;
+    plan_load_chunk(p, s0, s1, lane, e, bad);
+    plan_count_chunk(e, plan_rows + warp * E, lane);
+    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        unsigned total = 0;
+        for (int w = 0; w < 32; ++w) total += plan_rows[w * E + x];
+        p.counts[x] = total;
+    }
     __syncthreads();
     plan_offsets_cta(p);
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        unsigned r = p.offsets[x];
+        for (int w = 0; w < 32; ++w) {
+            const unsigned n = plan_rows[w * E + x];
+            plan_rows[w * E + x] = r;
+            r += n;
+        }
+    }
     __syncthreads();
-    for (int e = warp; e < p.experts; e += nw) plan_scatter_expert(p, e, lane);
+    plan_scatter_chunk(p, e, s0, s1, plan_rows + warp * E, lane);
 }
