@@ -41,7 +41,7 @@ act="$here/data/activations"
   --checkpoint "$here/data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
 if [ "${SANITIZE:-1}" != 0 ]; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    trace_records nan_and_inf repeat_runs external_routing
+    trace_records nan_and_inf repeat_runs external_routing large_batch
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
     trace_records external_routing
 fi

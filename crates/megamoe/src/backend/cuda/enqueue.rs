@@ -33,8 +33,11 @@ const ROUTER_EXPERTS_PER_CTA: u32 = 2;
 /// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
 /// three (count, offsets, scatter over many CTAs).
 const PLAN_SMALL_SLOTS: usize = 32 * PLAN_SMALL_CHUNK as usize;
-/// Local experts `moe_plan_small` holds in shared memory (32 x 384 u32 = 48 KB, the default limit).
-const PLAN_SMALL_EXPERTS: usize = 384;
+/// Local experts `moe_plan_small` holds in shared memory (32 x 512 u16 = 32 KB, under the 48 KB
+/// that needs no opt-in).
+const PLAN_SMALL_EXPERTS: usize = 512;
+// Its u16 rows hold every plan row.
+const _: () = assert!(32 * PLAN_SMALL_CHUNK as usize <= 1 << 16);
 // The chunk kernels run one warp per chunk, PLAN_WARPS warps per CTA.
 const _: () = assert!(PLAN_WARPS as u32 * 32 == CORE_THREADS);
 
@@ -294,7 +297,7 @@ impl LayerWeights {
         // these sizes; the shared memory is what each kernel's header asks for.
         unsafe {
             if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS {
-                core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 32 * el * 4), &p)?;
+                core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 32 * el * 2), &p)?;
             } else {
                 let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;
                 let smem = PLAN_WARPS as usize * el * 4;

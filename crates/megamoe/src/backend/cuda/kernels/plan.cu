@@ -48,9 +48,10 @@ __device__ __forceinline__ void plan_load_chunk(const PlanParams& p, int s0, int
     }
 }
 
-// Adds the chunk's slots per expert to cnt[E_local] (this warp's row of shared memory).
-template <int N>
-__device__ __forceinline__ void plan_count_chunk(const int (&e)[N], unsigned* cnt, int lane)
+// Adds the chunk's slots per expert to cnt[E_local] (this warp's row of shared memory; C = u32, or
+// u16 in moe_plan_small, whose rows stay below 65536).
+template <int N, typename C>
+__device__ __forceinline__ void plan_count_chunk(const int (&e)[N], C* cnt, int lane)
 {
     const unsigned lt = (1u << lane) - 1u;
     #pragma unroll
@@ -63,9 +64,9 @@ __device__ __forceinline__ void plan_count_chunk(const int (&e)[N], unsigned* cn
 
 // Writes perm / row_of_slot of the chunk's slots, from cur[E_local] = the chunk's next row per
 // expert (this warp's row of shared memory, advanced as it goes).
-template <int N>
+template <int N, typename C>
 __device__ __forceinline__ void plan_scatter_chunk(const PlanParams& p, const int (&e)[N], int s0, int s1,
-                                                   unsigned* cur, int lane)
+                                                   C* cur, int lane)
 {
     const unsigned lt = (1u << lane) - 1u;
     #pragma unroll
@@ -73,7 +74,7 @@ __device__ __forceinline__ void plan_scatter_chunk(const PlanParams& p, const in
         const int s = s0 + 32 * i + lane;
         const unsigned m = __match_any_sync(0xffffffffu, e[i]);
         if (e[i] >= 0) {
-            const unsigned row = cur[e[i]] + __popc(m & lt);
+            const unsigned row = (unsigned)cur[e[i]] + __popc(m & lt);
             p.perm[row] = (unsigned)s;
             p.row_of_slot[s] = row;
         } else if (s < s1) {
@@ -208,10 +209,11 @@ extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p
 }
 
 // The whole plan in one CTA of 32 warps (one PLAN_SMALL_CHUNK chunk each), chunk counts in shared
-// memory: 32 x E_local u32 (the host keeps E_local <= 384: 48 KB).
+// memory: 32 x E_local u16 (rows < 32 * PLAN_SMALL_CHUNK <= 65536; the host keeps E_local <= 512:
+// 32 KB).
 extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_constant__ PlanParams p)
 {
-    extern __shared__ unsigned plan_rows[];           // [32][E]: counts, then each chunk's next row
+    extern __shared__ unsigned short plan_rows[];     // [32][E]: counts, then each chunk's next row
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
     for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) plan_rows[i] = 0u;
     __syncthreads();
@@ -232,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_c
         unsigned r = p.offsets[x];
         for (int w = 0; w < 32; ++w) {
             const unsigned n = plan_rows[w * E + x];
-            plan_rows[w * E + x] = r;
+            plan_rows[w * E + x] = (unsigned short)r;
             r += n;
         }
     }
