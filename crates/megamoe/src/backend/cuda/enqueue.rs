@@ -16,7 +16,7 @@
 
 use super::buffer::{lazy, opt_ptr};
 use super::device::CORE_THREADS;
-use super::gemm::GemmLaunch;
+use super::gemm::{GemmLaunch, TileDemand};
 use super::io::{DType, DeviceTensor, ForwardIo, Routing};
 use super::launch::{self, LaunchCfg, StreamRef};
 use super::params::*;
@@ -268,7 +268,7 @@ impl LayerWeights {
         let local = slots as f64 * el as f64 / e as f64;
         let active = local.min(el as f64).max(1.0);
         let rows = (local / active).max(1.0);
-        let bm = self.experts.kernels.block_m(rows);
+        let bm = self.experts.kernels.block_m(TileDemand::routed(rows, slots));
         let launch = GemmLaunch {
             block_m: bm,
             grid_tiles: max_tiles(slots, el, bm) as u32,
@@ -417,7 +417,7 @@ impl LayerWeights {
     fn shared_raw(&self, ws: &Workspace, x: u64, t: usize, s: StreamRef) -> Result<u64> {
         let Some(sh) = &self.shared else { return Ok(0) };
         let c = &self.config;
-        let bm = sh.kernels.block_m(t as f64);
+        let bm = sh.kernels.block_m(TileDemand::dense(t));
         let tiles = t.div_ceil(bm);
         let launch = GemmLaunch { block_m: bm, grid_tiles: tiles as u32, expected_tiles: tiles, a_rows: t };
         let dense = |a: u64, side: &super::gemm::PackedSide| GemmOperands {
@@ -476,6 +476,8 @@ impl LayerWeights {
         let col_blocks = c.hidden_size.div_ceil(4 * CORE_THREADS as usize) as u32;
         // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows (16-byte
         // aligned rows: H % 4 == 0 and device allocations are 256-aligned).
-        unsafe { self.device.core.combine.launch(s, &LaunchCfg::grid((plan.tokens as u32, col_blocks, 1), 0), &p) }
+        unsafe {
+            self.device.core.combine.launch(s, &LaunchCfg::grid((plan.tokens as u32, col_blocks, 1), 0), &p)
+        }
     }
 }

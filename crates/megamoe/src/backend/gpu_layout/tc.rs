@@ -549,10 +549,14 @@ pub fn configs() -> impl Iterator<Item = (usize, usize)> {
     })
 }
 
-/// The token tile for `expected` rows per active expert: the smallest that holds them (128 at
-/// most; a hot expert simply gets more tiles).
-pub fn choose_token_tile(expected: f64) -> usize {
-    TOKEN_TILES.into_iter().find(|&nt| expected <= nt as f64).unwrap_or(128)
+/// The token tile for `expected` rows per active expert spread by `spread` (standard deviation):
+/// the smallest that holds `expected + 2 spread` (128 at most; a hot expert simply gets more
+/// tiles). The margin matters for the weight-streaming kernels: an expert with one row more than
+/// its tile streams all its weights twice (T=512 on a V4-Pro rank: 8.5 rows per expert). The
+/// wgmma kernels are given no spread (their tiles trade padding for tensor-core work).
+pub fn choose_token_tile(expected: f64, spread: f64) -> usize {
+    let want = expected + 2.0 * spread;
+    TOKEN_TILES.into_iter().find(|&nt| want <= nt as f64).unwrap_or(128)
 }
 
 /// Slabs per CTA for a launch whose work is `rows_total` packed rows (over all expected tiles):
@@ -647,9 +651,12 @@ mod tests {
 
     #[test]
     fn heuristics() {
-        assert_eq!(choose_token_tile(0.75), 8);
-        assert_eq!(choose_token_tile(9.0), 16);
-        assert_eq!(choose_token_tile(500.0), 128);
+        assert_eq!(choose_token_tile(0.75, 0.0), 8);
+        assert_eq!(choose_token_tile(9.0, 0.0), 16);
+        assert_eq!(choose_token_tile(500.0, 0.0), 128);
+        // A V4-Pro rank at T=512 (8.5 rows per expert, Poisson): 16-row tiles, one per expert.
+        assert_eq!(choose_token_tile(8.5, 8.5f64.sqrt()), 16);
+        assert_eq!(choose_token_tile(1.45, 1.45f64.sqrt()), 8);
         let all: Vec<_> = configs().collect();
         assert_eq!(all.len(), 11);
         assert!(all.contains(&(8, 1)) && all.contains(&(128, 8)) && !all.contains(&(16, 1)));

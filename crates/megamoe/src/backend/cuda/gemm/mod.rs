@@ -55,6 +55,30 @@ impl GemmWeights {
 /// CTAs exit), and the tiles expected to be busy (from the routing's expected counts; a family
 /// whose kernels loop over tiles sizes its grid for these; heuristics only, every choice is
 /// correct).
+/// What a GEMM's tile heuristic knows before the plan exists (heuristics only: every tile height
+/// is correct for every routing).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TileDemand {
+    /// Expected rows per active group (expert).
+    pub rows: f64,
+    /// Their spread (standard deviation): `sqrt(rows)` for routed experts (a Poisson count), 0 for
+    /// a dense GEMM whose rows are known.
+    pub spread: f64,
+    /// Rows of the whole launch (routing slots, or tokens of a dense GEMM).
+    pub slots: usize,
+}
+
+impl TileDemand {
+    /// Routed experts expecting `rows` rows each, `slots` slots in all.
+    pub fn routed(rows: f64, slots: usize) -> Self {
+        TileDemand { rows, spread: rows.max(0.0).sqrt(), slots }
+    }
+    /// A dense GEMM over exactly `rows` rows.
+    pub fn dense(rows: usize) -> Self {
+        TileDemand { rows: rows as f64, spread: 0.0, slots: rows }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GemmLaunch {
     pub block_m: usize,
@@ -77,8 +101,8 @@ impl GemmLaunch {
 pub(crate) trait GemmKernels: Send + Sync {
     /// The family's name (logs, bench rows).
     fn family(&self) -> &'static str;
-    /// The plan's tile height for groups that expect `rows` rows each.
-    fn block_m(&self, rows: f64) -> usize;
+    /// The plan's tile height for groups that expect `demand.rows` rows each.
+    fn block_m(&self, demand: TileDemand) -> usize;
     /// Whether the launch needs A as contiguous rows (no `a_rows` gather): the forward then stages
     /// the expert inputs first.
     fn needs_contiguous_a(&self, _l: &GemmLaunch) -> bool {

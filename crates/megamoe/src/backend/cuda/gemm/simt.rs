@@ -3,7 +3,7 @@
 //! bf16, and an FP8 shared expert with arbitrary block scales), so it is the fallback of every
 //! other family. Layout and heuristics: [`crate::backend::gpu_layout::simt`].
 
-use super::{GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide};
+use super::{GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::err;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::launch::{Kernel, LaunchCfg, StreamRef};
@@ -108,8 +108,8 @@ impl GemmKernels for SimtKernels {
     fn family(&self) -> &'static str {
         "simt"
     }
-    fn block_m(&self, rows: f64) -> usize {
-        layout::block_m_for(rows)
+    fn block_m(&self, demand: TileDemand) -> usize {
+        layout::block_m_for(demand.rows)
     }
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
         let kd = kind(l.block_m)?;

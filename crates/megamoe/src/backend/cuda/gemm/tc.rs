@@ -4,7 +4,7 @@
 //! MXFP4 whose scales fit one bf16 exponent window per expert and projection, bf16, and an FP8
 //! shared expert whose block scales are powers of two (converted to bf16 exactly).
 
-use super::{GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide};
+use super::{GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::err;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
@@ -176,8 +176,9 @@ impl GemmKernels for TcKernels {
     fn family(&self) -> &'static str {
         "tc"
     }
-    fn block_m(&self, rows: f64) -> usize {
-        layout::choose_token_tile(rows)
+    fn block_m(&self, d: TileDemand) -> usize {
+        let wgmma = !self.wg_l1.is_empty() && d.slots >= layout::WG_MIN_SLOTS;
+        layout::choose_token_tile(d.rows, if wgmma { 0.0 } else { d.spread })
     }
     fn needs_contiguous_a(&self, l: &GemmLaunch) -> bool {
         self.wgmma(l)
