@@ -177,8 +177,14 @@ impl GemmKernels for TcKernels {
         "tc"
     }
     fn block_m(&self, d: TileDemand) -> usize {
-        let wgmma = !self.wg_l1.is_empty() && d.slots >= layout::WG_MIN_SLOTS;
-        layout::choose_token_tile(d.rows, if wgmma { 0.0 } else { d.spread })
+        // Prefill tiles the wgmma kernels take keep no margin; the weight-streaming ones do.
+        let plain = layout::choose_token_tile(d.rows, 0.0);
+        let wgmma = d.slots >= layout::WG_MIN_SLOTS && self.wg_l1.contains_key(&(plain, 1));
+        if wgmma {
+            plain
+        } else {
+            layout::choose_token_tile(d.rows, d.spread)
+        }
     }
     fn needs_contiguous_a(&self, l: &GemmLaunch) -> bool {
         self.wgmma(l)
