@@ -466,21 +466,26 @@ pub fn stage_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
 }
 
 /// Pipeline depth of instantiation `(nt, spc)`: as deep as a shared-memory budget allows (up to
-/// [`MAX_STAGES`]; decode tiles keep to ~110 KB so two CTAs share an SM, prefill tiles take up to
-/// 200 KB): decode is bound by the weight bytes in flight, which only the ring's depth buys
-/// without spending registers.
+/// [`MAX_STAGES`]). Single-token-row tiles (8) keep to ~72 KB so three CTAs share an SM (one wave
+/// for a one-expert decode's 384 CTAs; the shallower ring also needs fewer registers: 66-71 instead
+/// of 88-113); 16 / 32 to ~110 KB (two CTAs); prefill tiles take up to 200 KB.
 pub fn stages(format: WeightFormat, nt: usize, spc: usize) -> usize {
-    let budget = if nt <= 32 { 110 * 1024 } else { 200 * 1024 };
+    let budget = match nt {
+        8 => 72 * 1024,
+        16 | 32 => 110 * 1024,
+        _ => 200 * 1024,
+    };
     (budget / stage_bytes(format, nt, spc)).clamp(2, MAX_STAGES)
 }
 
 /// CTAs per SM the registers of token tile `nt` must allow (`__launch_bounds__`' second
-/// argument): 2 up to 64 tokens (<= 128 registers), 1 for 128 (64 accumulators per lane).
+/// argument): 3 for 8 tokens (<= 85 registers), 2 up to 64 (<= 128), 1 for 128 (64 accumulators
+/// per lane).
 pub fn min_ctas_per_sm(nt: usize) -> usize {
-    if nt >= 128 {
-        1
-    } else {
-        2
+    match nt {
+        8 => 3,
+        128.. => 1,
+        _ => 2,
     }
 }
 
