@@ -171,6 +171,14 @@ impl EpRank {
         if !x.len().is_multiple_of(h) {
             return Err(MegaError::Input(format!("x has {} elements, not a multiple of H={h}", x.len())));
         }
+        let slice = c.moe_intermediate_size / topo.tp;
+        if mode == Mode::W4A8 && topo.tp > 1 && !slice.is_multiple_of(128) {
+            return Err(MegaError::Input(format!(
+                "--tp {}: mode w4a8 quantizes the activation in 128-element blocks of the intermediate \
+                 dimension, and a slice of {slice} (moe_intermediate_size {} / {}) breaks them",
+                topo.tp, c.moe_intermediate_size, topo.tp
+            )));
+        }
         let mut tm = RankTimings::default();
 
         let t0 = Instant::now();
