@@ -241,7 +241,7 @@ mod tests {
 
     #[test]
     fn combine_rows_round_trip() {
-        let row = [1.5f32, -0.0, 3.1415927, f32::INFINITY];
+        let row = [1.5f32, -0.0, 1.234_567_8, f32::INFINITY];
         let mut bytes = Vec::new();
         CombinePayload::F32.encode(&row, &mut bytes);
         CombinePayload::F32.encode(&row, &mut bytes);
@@ -251,6 +251,6 @@ mod tests {
         bytes.clear();
         CombinePayload::Bf16.encode(&row, &mut bytes);
         CombinePayload::Bf16.decode(&bytes, 0, &mut out);
-        assert_eq!(out[2], bf16::from_f32(3.1415927).to_f32());
+        assert_eq!(out[2], bf16::from_f32(1.234_567_8).to_f32());
     }
 }

@@ -143,7 +143,7 @@ impl RankEngine for CudaRankEngine {
         let t =
             self.shared_t.take().ok_or_else(|| MegaError::Input("shared_end without shared_begin".into()))?;
         let h = self.eng.weights.config().hidden_size;
-        if t == 0 || !self.eng.weights.shared.is_some() {
+        if t == 0 || self.eng.weights.shared.is_none() {
             return Ok(vec![0.0; t * h]);
         }
         self.eng.device.bind()?;
