@@ -177,7 +177,7 @@ mod tests {
         let ids = [0, 1, 2, 5, 6, 7, -1, 3, 4];
         let l = DispatchLayout::build(&ids, 3, 8, &topo).unwrap();
         assert_eq!(l.tokens, vec![vec![0, 2], vec![0, 2], vec![1, 2], vec![1, 2]]);
-        assert_eq!(l.slots, vec![3, 3, 3, 3]);
+        assert_eq!(l.slots, vec![4, 4, 4, 4]);
         let x: Vec<bf16> = (0..3 * 2).map(|v| bf16::from_f32(v as f32)).collect();
         let w: Vec<f32> = (0..9).map(|v| v as f32 / 10.0).collect();
         let bufs = l.encode(&x, &ids, &w, 2, 3, DispatchPayload::Bf16);
