@@ -35,6 +35,8 @@ enum Command {
     Doctor(commands::doctor::Args),
     /// Run a backend and the reference stage by stage and show where they diverge.
     Trace(commands::trace::Args),
+    /// Start one process per GPU, each a rank of an NCCL group running the given subcommand.
+    Launch(commands::launch::Args),
     /// Compile every CUDA kernel for an architecture (no GPU needed): resources and CUBINs.
     Kernels(commands::kernels::Args),
 }
@@ -54,6 +56,7 @@ fn main() {
         Command::Doctor(a) => commands::doctor::run(a),
         Command::Trace(a) => commands::trace::run(a),
         Command::Kernels(a) => commands::kernels::run(a),
+        Command::Launch(a) => commands::launch::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

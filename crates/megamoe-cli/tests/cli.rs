@@ -925,3 +925,46 @@ fn run_model_bad_arguments_are_clear_errors() {
     assert_eq!(run(&["run-model", "--checkpoint", s(&ck), "--synthetic", "tiny"]).code, 2);
     assert_eq!(run(&["run-model", "--checkpoint", s(&ck), "--layers", "2"]).code, 2);
 }
+
+// ---------------------------------------------------------------- expert parallelism
+
+#[test]
+fn verify_ep_on_cpu_ranks_is_bitwise_and_bench_reports_the_stages() {
+    run(&["verify", "--backend", "cpu", "--ep", "3", "--quick"]).expect_code(0).expect_output(&[
+        "ep 3 x tp 1",
+        "inproc rank 2/3",
+        "verify: all rows PASS",
+    ]);
+    run(&["bench", "forward", "--shape", "tiny", "--ep", "2", "--tp", "2", "--tokens", "5", "--runs", "1"])
+        .expect_code(0)
+        .expect_output(&["dispatch", "experts", "combine", "holds"]);
+    // TP that breaks W2's scale blocks is a clear error naming the block.
+    let r = run(&[
+        "bench", "forward", "--shape", "tiny", "--ep", "1", "--tp", "16", "--tokens", "1", "--runs", "1",
+    ]);
+    r.expect_error(&["--tp 16", "scale blocks"]);
+    run(&["verify", "--backend", "cpu", "--tp", "2", "--quick"]).expect_error(&["--tp needs --ep"]);
+}
+
+#[test]
+fn launch_propagates_a_failing_rank() {
+    // Every rank fails (NCCL needs the CUDA backend): the launcher reports it and exits non-zero.
+    let r = run(&[
+        "launch",
+        "--gpus",
+        "2",
+        "--grace-s",
+        "5",
+        "--",
+        "verify",
+        "--backend",
+        "cpu",
+        "--ep",
+        "2",
+        "--transport",
+        "nccl",
+        "--quick",
+    ]);
+    assert_ne!(r.code, 0, "{}", r.all());
+    assert!(r.all().contains("launch: rank"), "{}", r.all());
+}

@@ -96,6 +96,11 @@ pub struct ForwardBench {
     /// CUDA: also time the whole layer (all E experts, its own router) at each T, when it fits.
     #[arg(long)]
     pub whole_layer: bool,
+    /// Expert / tensor parallelism: with `--ep N`, time the forward of an EP group (dispatch,
+    /// experts and combine separately, per rank), on CPU engines or CUDA engines sharing this GPU
+    /// (`--transport inproc`), or as this process's rank of an NCCL group (`megamoe launch`).
+    #[command(flatten)]
+    pub par: super::parallel::EpArgs,
 }
 
 /// GEMM family of the CUDA backend.
@@ -221,6 +226,10 @@ fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
         anyhow::ensure!(a.rank == 0, "--rank needs --simulate-ep");
     }
     let cuda = super::wants_cuda(a.backend);
+    if let Some(topo) = a.par.topology()? {
+        anyhow::ensure!(a.simulate_ep.is_none(), "--simulate-ep and --ep do not combine");
+        return run_forward_ep(&a, &cfg, topo, cuda);
+    }
     if cuda {
         return run_forward_cuda(&a, &cfg);
     }
@@ -244,6 +253,95 @@ fn run_forward_cuda(_a: &ForwardBench, _cfg: &MoeConfig) -> anyhow::Result<i32> 
 #[cfg(feature = "cuda")]
 fn run_forward_cuda(a: &ForwardBench, cfg: &MoeConfig) -> anyhow::Result<i32> {
     cuda_bench::run(a, cfg)
+}
+
+/// `bench forward --ep N [--tp M]`: an EP group's forwards, each rank's layer generated alone
+/// (memory proportional to 1/N); per T the median over `--runs` of the slowest rank's stage
+/// times, the wall-clock of the group's forward and the bytes that crossed between ranks.
+fn run_forward_ep(
+    a: &ForwardBench,
+    cfg: &MoeConfig,
+    topo: megamoe::parallel::Topology,
+    cuda: bool,
+) -> anyhow::Result<i32> {
+    use super::parallel::{EpGroup, LayerSource};
+    let tokens = a.tokens.clone().unwrap_or_else(|| if cuda { vec![64, 512, 4096] } else { vec![64] });
+    let max_t = tokens.iter().copied().max().unwrap_or(1);
+    let format = a.format.weight_format();
+    let source =
+        LayerSource::Synthetic { cfg, format, index: cfg.num_hash_layers, hash: false, seed: LAYER_SEED };
+    let t0 = Instant::now();
+    let mut group = EpGroup::new(&a.par, topo, &source, cuda, max_t)?;
+    eprintln!("built {} rank(s) in {:.1} s", group.describe().len(), t0.elapsed().as_secs_f64());
+    println!(
+        "bench forward --ep {} --tp {} ({}), {:?} {:?} (H {}, I {}, {} experts, top-{}) {}",
+        topo.ep,
+        topo.tp,
+        a.par.label(&topo),
+        a.shape,
+        a.format,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        a.mode
+    );
+    // The routed experts' bytes of the whole layer, for the per-rank ratio.
+    let whole_experts =
+        3 * cfg.n_routed_experts * format.matrix_bytes(cfg.moe_intermediate_size, cfg.hidden_size);
+    for (d, held) in group.describe().iter().zip(group.held_bytes()) {
+        println!(
+            "  {d}: holds {:.1} MB ({:.3} of the whole layer's routed experts, {:.1} MB)",
+            held as f64 / 1e6,
+            held as f64 / whole_experts as f64,
+            whole_experts as f64 / 1e6
+        );
+    }
+    println!(
+        "{:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12}",
+        "T", "route_ms", "dispatch", "experts", "combine", "shared_wt", "rank_tot", "wall_ms", "exchanged_MB"
+    );
+    let med = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for &t in &tokens {
+        let x = synthetic::random_hidden(t, cfg.hidden_size, 2);
+        group.forward(&topo, cfg.hidden_size, &x, None, a.mode)?; // warm-up
+        let mut rows: Vec<[f64; 7]> = Vec::with_capacity(a.runs);
+        for _ in 0..a.runs {
+            let s = Instant::now();
+            let (_, tm) = group.forward(&topo, cfg.hidden_size, &x, None, a.mode)?;
+            let wall = s.elapsed().as_secs_f64();
+            let max = |f: fn(&megamoe::parallel::RankTimings) -> f64| tm.iter().map(f).fold(0.0, f64::max);
+            rows.push([
+                max(|r| r.route_s),
+                max(|r| r.dispatch_s),
+                max(|r| r.experts_s),
+                max(|r| r.combine_s),
+                max(|r| r.shared_wait_s),
+                max(|r| r.total_s),
+                wall,
+            ]);
+        }
+        let col = |i: usize| med(rows.iter().map(|r| r[i]).collect()) * 1e3;
+        let (_, tm) = group.forward(&topo, cfg.hidden_size, &x, None, a.mode)?;
+        let bytes: usize = tm.iter().map(|r| r.sent_bytes).sum();
+        println!(
+            "{:>6} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>12.2}",
+            t,
+            col(0),
+            col(1),
+            col(2),
+            col(3),
+            col(4),
+            col(5),
+            col(6),
+            bytes as f64 / 1e6
+        );
+    }
+    println!("(stage columns: the slowest rank's, median of {} runs; shared_wt: waiting for the shared expert after the exchange, 0 when it is fully overlapped)", a.runs);
+    Ok(0)
 }
 
 /// The CPU bench: host-slice forwards of the whole layer, wall-clock times.

@@ -9,6 +9,8 @@ pub mod forward;
 pub mod gpu;
 pub mod inspect;
 pub mod kernels;
+pub mod launch;
+pub mod parallel;
 pub mod quantize;
 pub mod run_model;
 pub mod trace;

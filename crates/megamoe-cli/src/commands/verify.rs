@@ -30,6 +30,10 @@ pub struct Args {
     /// Base random seed (each row derives its own).
     #[arg(long, default_value_t = 20261117)]
     pub seed: u64,
+    /// Expert / tensor parallelism: with `--ep N` every row runs as an EP group and is checked
+    /// against the single engine of the same backend (EP = 1) and the CPU reference.
+    #[command(flatten)]
+    pub par: super::parallel::EpArgs,
 }
 
 struct Case {
@@ -176,7 +180,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             .map_err(|e| anyhow::anyhow!("--timings needs a usable CUDA GPU: {e}"))?;
     }
     let mut failures = 0usize;
-    if !args.timings_only {
+    if let Some(topo) = args.par.topology()? {
+        anyhow::ensure!(!(args.timings || args.timings_only), "--timings does not combine with --ep");
+        failures += sweep_ep(kind, &args, topo)?;
+    } else if !args.timings_only {
         failures += sweep(kind, &args)?;
     }
     if args.timings || args.timings_only {
@@ -238,6 +245,156 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
                         continue;
                     }
                     failures += check_row(&case, &layer, format, t, mode, &input, dut.as_mut(), cpu.as_mut());
+                }
+            }
+        }
+    }
+    Ok(failures)
+}
+
+/// The sweep with every row run as an EP group (`--ep N [--tp M]`): each row's output against
+/// the single engine of the same backend (bitwise where the payloads are exact and tp = 1 on the
+/// CPU; within the mode's tolerance on a GPU, whose kernels may tile a rank's smaller batches
+/// differently) and against the CPU reference, and a repeat run bitwise.
+fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -> anyhow::Result<usize> {
+    use super::parallel::{EpGroup, LayerSource};
+    let cuda = super::wants_cuda(kind);
+    let dut_kind = if cuda { BackendKind::Cuda } else { BackendKind::Cpu };
+    println!("expert parallelism: {}", args.par.label(&topo));
+    println!(
+        "{:<11} {:>5} {:>5} {:>5} {:>4} {:>3} {:>5} {:<6} {:>10} {:>7} {:>10} {:>7} {:>8} {:>8} result",
+        "case",
+        "T",
+        "H",
+        "I",
+        "E",
+        "k",
+        "mode",
+        "format",
+        "vs_ep1",
+        "bitwise",
+        "vs_ref",
+        "repeat",
+        "ep_ms",
+        "ep1_ms"
+    );
+    let exact_payload = |mode: Mode| {
+        let x = args.par.exchange();
+        x.combine == megamoe::parallel::CombinePayload::F32
+            && (x.dispatch == megamoe::parallel::DispatchPayload::Bf16 || mode == Mode::W4A8)
+    };
+    let mut failures = 0;
+    let mut row = 0u64;
+    for case in cases(args.quick) {
+        for &format in &case.formats {
+            row += 1;
+            let seed = args.seed.wrapping_add(row * 1000);
+            let mut layer =
+                synthetic::random_layer(&case.cfg, format, if case.hash { 0 } else { 1 }, case.hash, seed);
+            if case.skew {
+                synthetic::skew_routing(&mut layer, 3, case.cfg.n_routed_experts / 8);
+            }
+            let layer = Arc::new(layer);
+            let max_t = *case.tokens.iter().max().unwrap();
+            let mut group = match EpGroup::new(&args.par, topo, &LayerSource::Whole(&layer), cuda, max_t) {
+                Ok(g) => g,
+                Err(e) => {
+                    println!("{:<11} FAIL (building the EP group: {e:#})", case.name);
+                    failures += 1;
+                    continue;
+                }
+            };
+            if row == 1 {
+                for d in group.describe() {
+                    println!("  {d}");
+                }
+            }
+            let mut single = create_engine(dut_kind, layer.clone(), max_t)?;
+            let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
+            let c = &layer.config;
+            for &t in &case.tokens {
+                let x = synthetic::random_hidden(t, c.hidden_size, seed + t as u64);
+                let ids = synthetic::random_input_ids(t, c.vocab_size, seed + 1 + t as u64);
+                let input = ForwardInput { x: &x, input_ids: Some(&ids) };
+                let span = group.home_tokens(&topo, t);
+                let (h, k) = (c.hidden_size, c.num_experts_per_tok);
+                for mode in Mode::ALL {
+                    if mode == Mode::W4A4 && format != WeightFormat::Nvfp4 {
+                        continue;
+                    }
+                    print!(
+                        "{:<11} {:>5} {:>5} {:>5} {:>4} {:>3} {:>5} {:<6} ",
+                        case.name,
+                        t,
+                        h,
+                        c.moe_intermediate_size,
+                        c.n_routed_experts,
+                        k,
+                        mode.name(),
+                        format.name()
+                    );
+                    if mode == Mode::W4A8 && !(c.moe_intermediate_size / topo.tp).is_multiple_of(128) {
+                        println!(
+                            "skip (--tp {} slices I into {}: not whole 128-blocks for w4a8)",
+                            topo.tp,
+                            c.moe_intermediate_size / topo.tp
+                        );
+                        continue;
+                    }
+                    let t0 = Instant::now();
+                    let a = group.forward(&topo, h, &x, Some(&ids), mode);
+                    let ep_ms = t0.elapsed().as_secs_f64() * 1e3;
+                    let b = group.forward(&topo, h, &x, Some(&ids), mode);
+                    let t1 = Instant::now();
+                    let s = single.forward(&input, mode, None);
+                    let ep1_ms = t1.elapsed().as_secs_f64() * 1e3;
+                    let r = cpu.forward(&input, mode, None);
+                    match (a, b, s, r) {
+                        (Ok((a, _)), Ok((b, _)), Ok(s), Ok(r)) => {
+                            let ys = &s.y[span.start * h..span.end * h];
+                            let yr = &r.y[span.start * h..span.end * h];
+                            let vs_ep1 = rel_l2(&a.y, ys);
+                            let vs_ref = rel_l2(&a.y, yr);
+                            let bitwise = bits(&a.y) == bits(ys);
+                            let repeat = bits(&a.y) == bits(&b.y);
+                            let routing_same = a.topk_ids == s.topk_ids[span.start * k..span.end * k];
+                            let must_be_bitwise = !cuda && topo.tp == 1 && exact_payload(mode);
+                            let ep_tol =
+                                if exact_payload(mode) { tolerance(mode) } else { 10.0 * tolerance(mode) };
+                            let pass = repeat
+                                && routing_same
+                                && vs_ref <= ep_tol
+                                && vs_ep1 <= ep_tol
+                                && (bitwise || !must_be_bitwise)
+                                && a.y.iter().all(|v| v.is_finite());
+                            println!(
+                                "{:>10.3e} {:>7} {:>10.3e} {:>7} {:>8.2} {:>8.2} {}{}",
+                                vs_ep1,
+                                if bitwise { "yes" } else { "no" },
+                                vs_ref,
+                                if repeat { "yes" } else { "NO" },
+                                ep_ms,
+                                ep1_ms,
+                                if pass { "PASS" } else { "FAIL" },
+                                if routing_same { "" } else { " (routing differs)" }
+                            );
+                            failures += usize::from(!pass);
+                        }
+                        (a, b, s, r) => {
+                            let msg = [
+                                a.err().map(|e| format!("ep: {e:#}")),
+                                b.err().map(|e| format!("ep repeat: {e:#}")),
+                                s.err().map(|e| format!("ep=1: {e}")),
+                                r.err().map(|e| format!("reference: {e}")),
+                            ]
+                            .into_iter()
+                            .flatten()
+                            .collect::<Vec<_>>()
+                            .join("; ");
+                            println!("FAIL ({msg})");
+                            failures += 1;
+                        }
+                    }
                 }
             }
         }

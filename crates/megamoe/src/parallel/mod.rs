@@ -1,171 +1,41 @@
-//! Expert parallelism: which rank owns which experts.
+//! Expert and tensor parallelism: sharding, the transport between ranks, dispatch and combine.
 //!
-//! Ranks own contiguous, balanced expert ranges (384 experts over 8 ranks = 48 each). Routing
-//! always produces *global* expert ids; a rank converts to *local* ids only for the experts it
-//! owns and never indexes another rank's experts (mixing the two is a classic EP bug).
+//! | file | responsibility |
+//! |---|---|
+//! | `shard.rs` | [`ExpertShard`] (contiguous expert ranges), [`GlobalExpert`] / [`LocalExpert`] ids, [`HeldBytes`] |
+//! | `topology.rs` | [`Topology`]: `ep x tp` ranks, each rank's experts, TP slice and home tokens |
+//! | `tp.rs` | Tensor-parallel slices of the experts' intermediate dimension |
+//! | `transport.rs` | [`Transport`]: the variable all-to-all every exchange goes through |
+//! | `inproc.rs` | The in-process transport (ranks = threads) |
+//! | `nccl.rs` | The NCCL transport (ranks = processes; `cuda` feature) and its unique-id bootstrap |
+//! | `payload.rs` | Wire formats: bf16 / fp8 hidden states, f32 / bf16 results |
+//! | `dispatch.rs` | Which tokens go where (once per destination rank) and their messages |
+//! | `combine.rs` | Results back and the home rank's fixed-order sum |
+//! | `engine.rs` | [`RankEngine`]: router, shared expert, per-slot experts; the CPU implementation |
+//! | `rank.rs` | [`EpRank`]: one rank's forward (counts, dispatch, experts, combine) |
+//! | `group.rs` | [`InProcGroup`]: a whole group as threads of this process |
+//!
+//! The reduction order (see `combine.rs`) makes an EP group's output bitwise equal to the single
+//! engine's with `tp = 1` and the default payloads, and bitwise reproducible in every case.
 
-use crate::checkpoint::{ExpertProj, MoeLayer, ProjData};
-use crate::error::{MegaError, Result};
-use std::ops::Range;
+pub mod combine;
+pub mod dispatch;
+pub mod engine;
+pub mod group;
+pub mod inproc;
+#[cfg(feature = "cuda")]
+pub mod nccl;
+pub mod payload;
+pub mod rank;
+pub mod shard;
+pub mod topology;
+pub mod tp;
+pub mod transport;
 
-/// The experts one rank owns.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExpertShard {
-    /// This rank.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world: usize,
-    /// Global ids of the experts this rank owns.
-    pub experts: Range<usize>,
-}
-
-impl ExpertShard {
-    /// The shard of `rank` when `n_experts` are split over `world` ranks. Earlier ranks take one
-    /// more expert when the split is uneven.
-    pub fn new(n_experts: usize, world: usize, rank: usize) -> Result<Self> {
-        if world == 0 || rank >= world {
-            return Err(MegaError::Input(format!("rank {rank} is outside a world of {world} ranks")));
-        }
-        if n_experts < world {
-            return Err(MegaError::Input(format!("{n_experts} experts cannot be split over {world} ranks")));
-        }
-        let (base, extra) = (n_experts / world, n_experts % world);
-        let start = rank * base + rank.min(extra);
-        let len = base + usize::from(rank < extra);
-        Ok(ExpertShard { rank, world, experts: start..start + len })
-    }
-
-    /// The local index of global expert `global`, if this rank owns it (`None` for negative ids,
-    /// i.e. dropped routes, and for other ranks' experts).
-    pub fn local(&self, global: i32) -> Option<usize> {
-        local_index(&self.experts, global)
-    }
-
-    /// The global id of local expert `local`.
-    pub fn global(&self, local: usize) -> usize {
-        debug_assert!(local < self.experts.len());
-        self.experts.start + local
-    }
-
-    /// The rank owning global expert `global` among `world` ranks splitting `n_experts`.
-    pub fn owner(n_experts: usize, world: usize, global: usize) -> usize {
-        let (base, extra) = (n_experts / world, n_experts % world);
-        let big = extra * (base + 1);
-        if global < big {
-            global / (base + 1)
-        } else {
-            extra + (global - big) / base
-        }
-    }
-
-    /// The routed experts of `layer` restricted to this shard (router and shared expert kept
-    /// whole). The shard must lie inside the experts the layer holds (`layer.expert_range`, which
-    /// need not start at 0: a layer loaded for a range is sliced relative to its start).
-    pub fn slice_layer(&self, layer: &MoeLayer) -> Result<MoeLayer> {
-        let held = &layer.expert_range;
-        crate::checkpoint::check_expert_range(layer.index, &self.experts, layer.config.n_routed_experts)?;
-        if self.experts.start < held.start || self.experts.end > held.end {
-            return Err(MegaError::Input(format!(
-                "layer {}: shard {:?} is not inside the experts {held:?} the layer holds",
-                layer.index, self.experts
-            )));
-        }
-        let local = self.experts.start - held.start..self.experts.end - held.start;
-        let mut out = layer.clone();
-        out.expert_range = self.experts.clone();
-        out.w1 = slice_proj(&layer.w1, &local);
-        out.w2 = slice_proj(&layer.w2, &local);
-        out.w3 = slice_proj(&layer.w3, &local);
-        Ok(out)
-    }
-}
-
-/// The local index of global expert `global` in the held range `held` (`None` for negative ids,
-/// i.e. dropped routes, and for experts outside it): the one global -> local conversion.
-pub fn local_index(held: &Range<usize>, global: i32) -> Option<usize> {
-    usize::try_from(global).ok().filter(|g| held.contains(g)).map(|g| g - held.start)
-}
-
-fn slice_proj(p: &ExpertProj, r: &Range<usize>) -> ExpertProj {
-    fn cut<T: Clone>(v: &[T], r: &Range<usize>, experts: usize) -> Vec<T> {
-        let per = v.len() / experts;
-        v[r.start * per..r.end * per].to_vec()
-    }
-    let e = p.experts;
-    let data = match &p.data {
-        ProjData::Nvfp4 { packed, scales, global_scale, input_scale } => ProjData::Nvfp4 {
-            packed: cut(packed, r, e),
-            scales: cut(scales, r, e),
-            global_scale: cut(global_scale, r, e),
-            input_scale: input_scale.as_ref().map(|s| cut(s, r, e)),
-        },
-        ProjData::Mxfp4 { packed, scales } => {
-            ProjData::Mxfp4 { packed: cut(packed, r, e), scales: cut(scales, r, e) }
-        }
-        ProjData::Bf16 { weight } => ProjData::Bf16 { weight: cut(weight, r, e) },
-    };
-    ExpertProj { experts: r.len(), rows: p.rows, cols: p.cols, data }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::formats::WeightFormat;
-    use crate::synthetic;
-
-    #[test]
-    fn shards_cover_all_experts_once() {
-        for (n, world) in [(384, 8), (16, 3), (257, 8), (5, 5)] {
-            let mut next = 0;
-            for rank in 0..world {
-                let s = ExpertShard::new(n, world, rank).unwrap();
-                assert_eq!(s.experts.start, next);
-                next = s.experts.end;
-                for g in s.experts.clone() {
-                    assert_eq!(ExpertShard::owner(n, world, g), rank);
-                    assert_eq!(s.global(s.local(g as i32).unwrap()), g);
-                }
-            }
-            assert_eq!(next, n);
-        }
-        let s = ExpertShard::new(384, 8, 1).unwrap();
-        assert_eq!(s.experts, 48..96);
-        assert_eq!(s.local(-1), None);
-        assert_eq!(s.local(47), None);
-        assert!(ExpertShard::new(4, 8, 0).is_err());
-        assert!(ExpertShard::new(16, 2, 2).is_err());
-    }
-
-    #[test]
-    fn slicing_keeps_the_owned_experts_bytes() {
-        let layer = synthetic::random_layer(&synthetic::tiny_config(), WeightFormat::Nvfp4, 1, false, 3);
-        let s = ExpertShard::new(16, 4, 2).unwrap();
-        let part = s.slice_layer(&layer).unwrap();
-        assert_eq!(part.w2.experts, 4);
-        let (
-            ProjData::Nvfp4 { packed: a, global_scale: ga, .. },
-            ProjData::Nvfp4 { packed: b, global_scale: gb, .. },
-        ) = (&layer.w2.data, &part.w2.data)
-        else {
-            panic!("format changed")
-        };
-        let per = a.len() / 16;
-        assert_eq!(&a[8 * per..12 * per], &b[..]);
-        assert_eq!(&ga[8..12], &gb[..]);
-    }
-
-    #[test]
-    fn slicing_a_partial_layer_is_relative_to_its_range() {
-        let cfg = synthetic::tiny_config();
-        let full = synthetic::random_layer(&cfg, WeightFormat::Mxfp4, 1, false, 4);
-        let held = ExpertShard::new(16, 2, 1).unwrap().slice_layer(&full).unwrap(); // experts 8..16
-        let s = ExpertShard::new(16, 4, 2).unwrap(); // experts 8..12
-        let (a, b) = (s.slice_layer(&full).unwrap(), s.slice_layer(&held).unwrap());
-        assert_eq!(b.expert_range, 8..12);
-        assert_eq!(format!("{:?}", a.w1), format!("{:?}", b.w1));
-        assert_eq!(format!("{:?}", a.w2), format!("{:?}", b.w2));
-        // Experts 0..4 are not held by the 8..16 layer: an error, not experts 8..11 relabelled.
-        let e = ExpertShard::new(16, 4, 0).unwrap().slice_layer(&held).unwrap_err().to_string();
-        assert!(e.contains("0..4") && e.contains("8..16"), "{e}");
-    }
-}
+pub use engine::{CpuRankEngine, RankEngine};
+pub use group::{cpu_engines, rank_layer, InProcGroup};
+pub use payload::{CombinePayload, DispatchPayload};
+pub use rank::{EpConfig, EpRank, ExchangeOptions, RankTimings};
+pub use shard::{local_index, ExpertShard, GlobalExpert, HeldBytes, LocalExpert};
+pub use topology::Topology;
+pub use transport::Transport;

@@ -32,6 +32,7 @@ mod io;
 pub mod launch;
 mod model;
 pub mod params;
+mod rank;
 pub mod runtime;
 mod trace_copy;
 mod weights;
@@ -45,6 +46,7 @@ pub use gemm::family_names;
 pub use io::{DType, DeviceTensor, ForwardIo, Routing};
 pub use launch::StreamRef;
 pub use model::CudaModel;
+pub use rank::CudaRankEngine;
 pub use weights::LayerWeights;
 pub use workspace::{Workspace, WorkspaceDims};
 

@@ -1,0 +1,292 @@
+//! Expert / tensor parallelism for the commands: the `--ep`, `--tp`, `--transport` flags and
+//! the group they build.
+//!
+//! - `--transport inproc` (default): all `ep x tp` ranks are threads of this process, on CPU
+//!   engines (`--backend cpu`) or CUDA engines sharing this process's GPU (a stream each).
+//! - `--transport nccl`: this process is one rank (`MEGAMOE_RANK`, default 0) of `MEGAMOE_WORLD`
+//!   (default 1) processes, one GPU each (`MEGAMOE_DEVICE`), the NCCL id read from
+//!   `MEGAMOE_NCCL_ID_FILE` (rank 0 writes it; not needed for a world of 1). `megamoe launch` sets
+//!   all of these.
+
+use megamoe::checkpoint::MoeLayer;
+use megamoe::config::MoeConfig;
+use megamoe::formats::WeightFormat;
+use megamoe::forward::{ForwardOutput, Mode};
+use megamoe::parallel::{
+    tp, CombinePayload, CpuRankEngine, DispatchPayload, EpConfig, EpRank, ExchangeOptions, InProcGroup,
+    RankEngine, RankTimings, Topology,
+};
+use megamoe::synthetic;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How the ranks talk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportKind {
+    /// Ranks are threads of this process.
+    Inproc,
+    /// One rank per process, NCCL (CUDA builds; `megamoe launch` starts the processes).
+    Nccl,
+}
+
+/// The parallelism flags shared by `verify` and `bench forward`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct EpArgs {
+    /// Expert parallelism: split the routed experts over N ranks (dispatch / combine between them).
+    #[arg(long, value_name = "N")]
+    pub ep: Option<usize>,
+    /// Tensor parallelism: split every expert's intermediate dimension over M ranks (with --ep).
+    #[arg(long, value_name = "M", default_value_t = 1)]
+    pub tp: usize,
+    /// How the ranks exchange data.
+    #[arg(long, value_enum, default_value = "inproc")]
+    pub transport: TransportKind,
+    /// Wire format of the hidden states sent to the expert ranks (bf16 or fp8).
+    #[arg(long, default_value = "bf16")]
+    pub dispatch_payload: DispatchPayload,
+    /// Wire format of the expert results sent back (f32: bitwise the single engine; bf16).
+    #[arg(long, default_value = "f32")]
+    pub combine_payload: CombinePayload,
+    /// Seconds a rank waits for the others before ending the group with an error.
+    #[arg(long, default_value_t = 300.0)]
+    pub ep_timeout_s: f64,
+}
+
+impl EpArgs {
+    /// The grid (`--ep` given), checked.
+    pub fn topology(&self) -> anyhow::Result<Option<Topology>> {
+        match self.ep {
+            None => {
+                anyhow::ensure!(
+                    self.tp == 1,
+                    "--tp needs --ep (use --ep 1 --tp M for tensor parallelism alone)"
+                );
+                Ok(None)
+            }
+            Some(ep) => Ok(Some(Topology::new(ep, self.tp)?)),
+        }
+    }
+
+    /// The payload options.
+    pub fn exchange(&self) -> ExchangeOptions {
+        ExchangeOptions { dispatch: self.dispatch_payload, combine: self.combine_payload }
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.ep_timeout_s.max(0.001))
+    }
+
+    /// A one-line label (`ep 3 x tp 1, inproc, bf16/f32`).
+    pub fn label(&self, topo: &Topology) -> String {
+        format!(
+            "ep {} x tp {}, {:?}, dispatch {} / combine {}",
+            topo.ep,
+            topo.tp,
+            self.transport,
+            self.dispatch_payload.name(),
+            self.combine_payload.name()
+        )
+        .to_lowercase()
+    }
+}
+
+/// Where the ranks' layers come from.
+pub enum LayerSource<'a> {
+    /// Slices of a whole layer in memory.
+    Whole(&'a MoeLayer),
+    /// Each rank's experts generated alone (memory proportional to 1/N), as
+    /// `synthetic::random_layer_experts(cfg, format, index, hash, seed, ..)`.
+    Synthetic { cfg: &'a MoeConfig, format: WeightFormat, index: usize, hash: bool, seed: u64 },
+}
+
+impl LayerSource<'_> {
+    fn config(&self) -> (usize, MoeConfig) {
+        match self {
+            LayerSource::Whole(l) => (l.index, l.config.clone()),
+            LayerSource::Synthetic { cfg, index, .. } => (*index, (*cfg).clone()),
+        }
+    }
+
+    /// The layer rank `rank` of `topo` holds.
+    pub fn rank_layer(&self, topo: &Topology, rank: usize) -> anyhow::Result<MoeLayer> {
+        Ok(match self {
+            LayerSource::Whole(l) => megamoe::parallel::rank_layer(l, topo, rank)?,
+            LayerSource::Synthetic { cfg, format, index, hash, seed } => {
+                let shard = topo.shard(cfg.n_routed_experts, rank)?;
+                let part = synthetic::random_layer_experts(cfg, *format, *index, *hash, *seed, shard.experts);
+                tp::slice_inter(&part, topo.tp, topo.coords(rank).1)?
+            }
+        })
+    }
+}
+
+/// An EP group as one process sees it.
+pub enum EpGroup {
+    /// Every rank, as threads of this process.
+    InProc(InProcGroup),
+    /// This process's rank of a multi-process group.
+    Single(Box<EpRank>),
+}
+
+fn engine(cuda: bool, layer: MoeLayer, max_tokens: usize) -> anyhow::Result<Box<dyn RankEngine>> {
+    if cuda {
+        cuda_engine(layer, max_tokens)
+    } else {
+        Ok(Box::new(CpuRankEngine::new(Arc::new(layer))?))
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_engine(layer: MoeLayer, max_tokens: usize) -> anyhow::Result<Box<dyn RankEngine>> {
+    Ok(Box::new(megamoe::backend::cuda::CudaRankEngine::new(Arc::new(layer), max_tokens)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_engine(_layer: MoeLayer, _max_tokens: usize) -> anyhow::Result<Box<dyn RankEngine>> {
+    anyhow::bail!("this build has no CUDA support (built without the `cuda` feature)")
+}
+
+fn env_usize(name: &str, default: usize) -> anyhow::Result<usize> {
+    match std::env::var(name) {
+        Ok(v) => v.trim().parse().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a non-negative integer")),
+        Err(_) => Ok(default),
+    }
+}
+
+/// This process's rank and world under `--transport nccl` (from `megamoe launch`'s environment).
+pub fn process_rank() -> anyhow::Result<(usize, usize)> {
+    let world = env_usize("MEGAMOE_WORLD", 1)?;
+    let rank = env_usize("MEGAMOE_RANK", 0)?;
+    anyhow::ensure!(rank < world, "MEGAMOE_RANK={rank} is outside MEGAMOE_WORLD={world}");
+    Ok((rank, world))
+}
+
+impl EpGroup {
+    /// Builds the group for `topo` over `source` on CPU or CUDA engines able to take `max_tokens`
+    /// tokens per stage (the whole batch: the most one rank can receive).
+    pub fn new(
+        args: &EpArgs,
+        topo: Topology,
+        source: &LayerSource<'_>,
+        cuda: bool,
+        max_tokens: usize,
+    ) -> anyhow::Result<Self> {
+        let (layer, config) = source.config();
+        let cfg = EpConfig { layer, config, topo, exchange: args.exchange() };
+        match args.transport {
+            TransportKind::Inproc => {
+                let engines = (0..topo.world())
+                    .map(|r| engine(cuda, source.rank_layer(&topo, r)?, max_tokens.max(1)))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                Ok(EpGroup::InProc(InProcGroup::new(engines, cfg, args.timeout())?))
+            }
+            TransportKind::Nccl => {
+                anyhow::ensure!(cuda, "--transport nccl needs the CUDA backend (--backend cuda)");
+                let (rank, world) = process_rank()?;
+                anyhow::ensure!(
+                    world == topo.world(),
+                    "--transport nccl: {world} processes (MEGAMOE_WORLD) but ep {} x tp {} needs {}",
+                    topo.ep,
+                    topo.tp,
+                    topo.world()
+                );
+                let eng = engine(cuda, source.rank_layer(&topo, rank)?, max_tokens.max(1))?;
+                let t = nccl_transport(rank, world, args.timeout())?;
+                Ok(EpGroup::Single(Box::new(EpRank::new(eng, t, cfg)?)))
+            }
+        }
+    }
+
+    /// The home tokens of this process among `tokens` (all of them in-process).
+    pub fn home_tokens(&self, topo: &Topology, tokens: usize) -> Range<usize> {
+        match self {
+            EpGroup::InProc(_) => 0..tokens,
+            EpGroup::Single(r) => topo.tokens_of(tokens, r.rank()),
+        }
+    }
+
+    /// One forward of the batch `x` `[T, H]`: the output of this process's home tokens
+    /// ([`Self::home_tokens`]) and every local rank's timings.
+    pub fn forward(
+        &mut self,
+        topo: &Topology,
+        h: usize,
+        x: &[half::bf16],
+        input_ids: Option<&[i64]>,
+        mode: Mode,
+    ) -> anyhow::Result<(ForwardOutput, Vec<RankTimings>)> {
+        match self {
+            EpGroup::InProc(g) => Ok(g.forward(x, input_ids, mode)?),
+            EpGroup::Single(r) => {
+                let span = self_span(topo, r.rank(), x.len() / h);
+                let ids = input_ids.map(|v| &v[span.clone()]);
+                let (o, t) = r.forward(&x[span.start * h..span.end * h], ids, mode)?;
+                Ok((o, vec![t]))
+            }
+        }
+    }
+
+    /// Weight bytes each local rank's engine holds.
+    pub fn held_bytes(&self) -> Vec<usize> {
+        match self {
+            EpGroup::InProc(g) => g.ranks().iter().map(|r| r.engine().held_bytes()).collect(),
+            EpGroup::Single(r) => vec![r.engine().held_bytes()],
+        }
+    }
+
+    /// One line per local rank.
+    pub fn describe(&self) -> Vec<String> {
+        match self {
+            EpGroup::InProc(g) => g.ranks().iter().map(|r| r.describe()).collect(),
+            EpGroup::Single(r) => vec![r.describe()],
+        }
+    }
+}
+
+fn self_span(topo: &Topology, rank: usize, tokens: usize) -> Range<usize> {
+    topo.tokens_of(tokens, rank)
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_transport(
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> anyhow::Result<Box<dyn megamoe::parallel::Transport>> {
+    use megamoe::parallel::nccl::{NcclId, NcclTransport};
+    let id = match std::env::var_os("MEGAMOE_NCCL_ID_FILE") {
+        Some(path) => {
+            let path = std::path::PathBuf::from(path);
+            if rank == 0 {
+                let id = NcclId::new()?;
+                id.publish(&path)?;
+                id
+            } else {
+                NcclId::wait_for(&path, timeout)?
+            }
+        }
+        None => {
+            anyhow::ensure!(
+                world == 1,
+                "--transport nccl with {world} ranks needs MEGAMOE_NCCL_ID_FILE (use `megamoe launch`)"
+            );
+            NcclId::new()?
+        }
+    };
+    let ordinal = env_usize("MEGAMOE_DEVICE", 0)?;
+    eprintln!(
+        "rank {rank}/{world}: NCCL {} on GPU {ordinal}",
+        megamoe::parallel::nccl::version().map_or_else(|e| e.to_string(), |v| v.to_string())
+    );
+    Ok(Box::new(NcclTransport::new(rank, world, id, ordinal, timeout)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_transport(
+    _rank: usize,
+    _world: usize,
+    _timeout: Duration,
+) -> anyhow::Result<Box<dyn megamoe::parallel::Transport>> {
+    anyhow::bail!("--transport nccl: this build has no CUDA support (built without the `cuda` feature)")
+}

@@ -1,0 +1,54 @@
+//! The one interface between ranks: a variable all-to-all of byte buffers.
+//!
+//! Dispatch and combine ([`super::dispatch`], [`super::combine`]) are written once against
+//! [`Transport`]; [`super::inproc`] (ranks = threads of one process) and `super::nccl` (ranks =
+//! processes, NCCL grouped send/recv) implement it. Every call is a collective: all ranks of the
+//! group call [`Transport::exchange`] the same number of times, in the same order. A rank that
+//! fails calls [`Transport::abort`] (dropping a transport mid-protocol does too), after which every
+//! other rank's pending and later exchanges return an error naming the failed rank instead of
+//! waiting forever; waits are also bounded by a timeout.
+
+use crate::error::{MegaError, Result};
+
+/// A group of ranks exchanging byte buffers.
+pub trait Transport: Send {
+    /// This rank.
+    fn rank(&self) -> usize;
+
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+
+    /// One variable all-to-all round: `send[d]` goes to rank `d` (this rank included, `send.len()
+    /// == world`); returns the buffers every rank `s` sent to this one, in rank order, where
+    /// `recv_lens[s]` bytes are expected from `s` (a different length is an error naming `s`).
+    fn exchange(&mut self, send: &[Vec<u8>], recv_lens: &[usize]) -> Result<Vec<Vec<u8>>>;
+
+    /// Ends the group with `reason`: every rank's pending and later exchanges fail.
+    fn abort(&mut self, reason: &str);
+
+    /// A one-line description (`inproc rank 1/3`, `nccl rank 0/8 on GPU 0`).
+    fn describe(&self) -> String;
+}
+
+/// Checks the shape of one exchange's arguments (shared by the implementations).
+pub(crate) fn check_args(rank: usize, world: usize, send: &[Vec<u8>], recv_lens: &[usize]) -> Result<()> {
+    if send.len() != world || recv_lens.len() != world {
+        return Err(MegaError::Input(format!(
+            "rank {rank}: an exchange needs one send buffer and one receive length per rank of {world} \
+             (got {} and {})",
+            send.len(),
+            recv_lens.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Exchanges one `u64` vector with every rank (the same length `n` from all): `send[d]` to rank `d`.
+pub fn exchange_u64(t: &mut dyn Transport, send: &[Vec<u64>], n: usize) -> Result<Vec<Vec<u64>>> {
+    let bytes: Vec<Vec<u8>> = send.iter().map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let got = t.exchange(&bytes, &vec![8 * n; t.world()])?;
+    Ok(got
+        .iter()
+        .map(|b| b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+        .collect())
+}
