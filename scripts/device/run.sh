@@ -4,7 +4,8 @@
 # compute-sanitizer memcheck/racecheck, timings per GEMM family and an ncu summary of the decode
 # kernels; logs go to $OUT; a summary table is printed last.
 # Env: VERIFY_ARGS (default: the full sweep), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
-# SANITIZE=0, BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings).
+# SANITIZE=0, BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
+# EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
@@ -56,6 +57,22 @@ if [ "${BENCH:-0}" != 0 ]; then
   step bench_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --whole-layer \
     --tokens "${FLASH_TOKENS:-1,64,4096}" --json "$OUT/bench_flash.json" ${BENCH_ARGS:-}
 fi
+if [ "${EP:-0}" != 0 ]; then
+  # Expert / tensor parallelism with in-process ranks sharing this GPU (a stream each), each row
+  # against EP=1 and the CPU reference; per-rank device memory of a V4-Pro layer at EP=8 vs EP=1;
+  # the NCCL transport on a 1-rank communicator (libnccl from the Python environment).
+  step ep2 timeout 300 "$bin" verify --backend cuda --ep 2 --quick
+  step ep8 timeout 300 "$bin" verify --backend cuda --ep 8 --quick
+  step ep2tp2 timeout 300 "$bin" verify --backend cuda --ep 2 --tp 2 --quick
+  step ep_mem8 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 8 --tokens 64 --runs 3
+  step ep_mem1 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 1 --tokens 64 --runs 3
+  nccl_lib="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)"
+  [ -f "$nccl_lib" ] || nccl_lib="$(find / -name 'libnccl.so.2' 2>/dev/null | head -1)"
+  step nccl1 timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" verify --backend cuda --ep 1 \
+    --transport nccl --quick
+  step launch1 timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" launch --gpus 1 -- verify \
+    --backend cuda --ep 1 --transport nccl --quick
+fi
 if [ "${RUN_MODEL:-0}" != 0 ]; then
   # The model runtime: a 61-layer V4-Pro-shaped stack (16 experts a layer) on one device, one stream,
   # one workspace; eager per-layer times, whole-model graph replay (bitwise vs eager), memory, drift.
@@ -93,6 +110,7 @@ grep -h "first divergence:" "$LOGS"/trace_*.log 2>/dev/null
 for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|generated" "$LOGS/$f.log" | tail -n 9; }; done
 [ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
 [ -f "$LOGS/ncu_bench.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|issue_active|grid_size" "$LOGS/ncu_bench.log" | head -150
+for f in ep2 ep8 ep2tp2 ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
 for f in run_model bench bench_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0
