@@ -459,10 +459,22 @@ pub fn pack_dense_l2(w: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
 /// The deepest pipeline of any instantiation.
 pub const MAX_STAGES: usize = 8;
 
-/// Bytes of one pipeline stage of instantiation `(nt, spc)`: the 8 weight blocks plus the token
-/// tile (`nt` rows x `64 * 8/spc` bf16).
+/// 64-k chunks each warp takes per pipeline stage of instantiation `(nt, spc)`: two for the
+/// weight-streaming tiles whose token tile is small (<= 16 tokens, >= 4 slabs per CTA), halving the
+/// CTA barriers and loop overhead per weight byte; one otherwise.
+pub fn chunks_per_stage(nt: usize, spc: usize) -> usize {
+    if nt <= 16 && spc >= 4 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Bytes of one pipeline stage of instantiation `(nt, spc)`: the warps' weight blocks (8 per chunk
+/// set) plus the token tile (`nt` rows x `64 * 8/spc` bf16 per chunk set), for
+/// [`chunks_per_stage`] chunk sets.
 pub fn stage_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
-    GROUP_SLABS * block_bytes(format) + nt * (GROUP_SLABS / spc) * 128
+    chunks_per_stage(nt, spc) * (GROUP_SLABS * block_bytes(format) + nt * (GROUP_SLABS / spc) * 128)
 }
 
 /// Pipeline depth of instantiation `(nt, spc)`: as deep as a shared-memory budget allows (up to
@@ -681,7 +693,11 @@ mod tests {
                 assert!(smem <= 227 * 1024 && stages(f, nt, s) >= 2, "{f} {nt} {s}: {smem}");
             }
         }
-        assert_eq!(stages(WeightFormat::Nvfp4, 8, 8), 8);
+        // Decode rings: at least 8 chunks in flight per warp, and three 8-token CTAs per SM.
+        assert!(stages(WeightFormat::Nvfp4, 8, 8) * chunks_per_stage(8, 8) >= 8);
+        for s in [1, 2, 4, 8] {
+            assert!(3 * smem_bytes(WeightFormat::Nvfp4, 8, s) <= 227 * 1024, "spc {s}");
+        }
         for f in WeightFormat::ALL {
             for (nt, g) in wg_configs() {
                 assert!(wg_smem_bytes(f, nt, g) <= 227 * 1024, "{f} {nt} {g}");

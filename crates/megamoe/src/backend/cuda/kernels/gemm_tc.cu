@@ -24,12 +24,14 @@
 // expert and tiles of NT tokens (grid: y = 16*SPC-row block, x = tiles blockIdx.x, +gridDim.x, ...:
 // the host sizes grid.x for the tiles it expects busy, not the worst case, so decode launches no
 // idle CTAs; a skewed routing with more tiles loops). Warp (s, p) owns
-// slab s and, in stage j, chunk j*KS + p: the K split inside the CTA gives a one-expert decode
-// enough CTAs (SPC 1: 384 for V4-Pro's L1) while SPC 8 reuses each token tile 8 times.
+// slab s and, in stage j, chunks (j*CH + h)*KS + p for h < CH (CH = gpu_layout::tc::chunks_per_stage:
+// 2 for small token tiles): the K split inside the CTA gives a one-expert decode enough CTAs (SPC 1:
+// 384 for V4-Pro's L1) while SPC 8 reuses each token tile 8 times.
 // Pipeline: ST-deep cp.async ring in dynamic shared memory (gpu_layout::tc::stages, up to 8; the ring
-// is unrolled so every offset is an immediate); stage j holds the 8 (part,
-// slab) weight blocks (one contiguous 8*BLK run when SPC = 8) and the token tile [NT][KS*64] bf16,
-// 16-byte chunks XOR-swizzled by row (conflict-free ldmatrix). One __syncthreads per stage.
+// is unrolled so every offset is an immediate); stage j holds CH sets of the 8 (part, slab) weight
+// blocks (one contiguous 8*BLK run when SPC = 8) and the token tile [NT][CH*KS*64] bf16, 16-byte
+// chunks XOR-swizzled by row (conflict-free ldmatrix). One __syncthreads per stage. Each warp adds
+// its chunks in ascending k order whatever CH is, so CH changes no bit of the result.
 // Per k16 step a warp decodes its A registers (FP4: 9 integer ops + 4 bf16x2 FMAs per 8 values),
 // ldmatrix.x4's the token fragments and issues NT/8 MMAs.
 // Reduction: the KS partial accumulators of a slab meet in shared memory and are added in part
@@ -46,15 +48,15 @@ template <> struct TcFmt<WF_NVFP4> { static constexpr int BLK = 576; };
 template <> struct TcFmt<WF_MXFP4> { static constexpr int BLK = 544; };
 template <> struct TcFmt<WF_BF16> { static constexpr int BLK = 2048; };
 
-template <int NT, int SPC, int ST>
+template <int NT, int SPC, int CH>
 struct TcShape {
     static constexpr int KS = 8 / SPC;                 // K parts per CTA
+    static constexpr int KC = KS * CH;                 // chunks per stage (CH per warp)
     static constexpr int BLK = TcFmt<MM_WF>::BLK;
-    static constexpr int W_STAGE = 8 * BLK;            // weight bytes per stage
-    static constexpr int T_PITCH = KS * 128;           // bytes per token row of a stage
+    static constexpr int W_STAGE = 8 * CH * BLK;       // weight bytes per stage
+    static constexpr int T_PITCH = KC * 128;           // bytes per token row of a stage
     static constexpr int T_STAGE = NT * T_PITCH;       // token bytes per stage
-    static constexpr int STAGE = W_STAGE + T_STAGE;
-    static constexpr int SMEM = ST * STAGE;          // = gpu_layout::tc::smem_bytes
+    static constexpr int STAGE = W_STAGE + T_STAGE;    // = gpu_layout::tc::stage_bytes
 };
 
 // One lane's slice of a (slab, chunk) block, loaded from shared memory once per stage: FP4 codes
@@ -134,12 +136,12 @@ __device__ __forceinline__ bool tc_tile(const GemmOperands& g, int t, int& grp, 
 
 // The accumulators of this warp's slab over all of K for the tile (expert grp, rows m0.. m0+mc)
 // (valid in the part-0 warps after the reduction; returns whether this warp holds them).
-template <int NT, int SPC, int TC_STAGES, bool L1>
+template <int NT, int SPC, int TC_STAGES, int CH, bool L1>
 __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[NT / 8][4], int grp, int m0,
                                             int mc, int& gslab)
 {
-    using S = TcShape<NT, SPC, TC_STAGES>;
-    constexpr int KS = S::KS, BLK = S::BLK;
+    using S = TcShape<NT, SPC, CH>;
+    constexpr int KS = S::KS, KC = S::KC, BLK = S::BLK;
     extern __shared__ __align__(128) unsigned char smem[];
     const int R = L1 ? 2 * g.inter : g.h;
     const int K = L1 ? g.h : g.inter;
@@ -154,14 +156,15 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
     gslab = row0 / 16 + ws;
 
     // Loader roles, fixed for the whole K loop (per stage only a stride is added):
-    // - weights: warp w copies its own (part, slab) block w = wp * SPC + ws, BLK / 16 units of 16 B,
-    //   lane l units l, l + 32, ...; the block of stage j is `j * KS * 8 * BLK` bytes further on;
-    // - tokens: unit u = tid + 256 i of the [NT][KS * 8] 16-byte chunks of the stage's token tile:
-    //   row r = u / (KS * 8), chunk cc = u % (KS * 8) (powers of two), from A row a_rows[m0 + r] /
-    //   a_div (gathered once here); the tile of stage j is `j * KS * 128` bytes further along K.
+    // - weights: warp w copies its own (part, slab) blocks w = wp * SPC + ws of the stage's CH
+    //   chunk sets h (chunk (j * CH + h) * KS + wp, to (h * 8 + w) * BLK), BLK / 16 units of 16 B
+    //   each, lane l units l, l + 32, ...; chunk set j * CH + h is `(j * CH + h) * KS * 8 * BLK` on;
+    // - tokens: unit u = tid + 256 i of the [NT][KC * 8] 16-byte chunks of the stage's token tile:
+    //   row r = u / (KC * 8), chunk cc = u % (KC * 8) (powers of two), from A row a_rows[m0 + r] /
+    //   a_div (gathered once here); the tile of stage j is `j * KC * 128` bytes further along K.
     constexpr int WU = BLK / 16;                       // 16-byte units per weight block
     constexpr int WPL = (WU + 31) / 32;                // per lane
-    constexpr int TU = NT * KS * 8;                    // 16-byte units per token tile
+    constexpr int TU = NT * KC * 8;                    // 16-byte units per token tile
     constexpr int TPT = (TU + TC_THREADS - 1) / TC_THREADS;
     const unsigned char* wsrc = wgrp + ((size_t)wp * 8 + s0 + ws) * BLK + lane * 16;
     const size_t wstride = (size_t)KS * 8 * BLK;
@@ -172,27 +175,30 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
     #pragma unroll
     for (int i = 0; i < TPT; ++i) {
         const int u = threadIdx.x + i * TC_THREADS;
-        const int r = u / (KS * 8), cc = u % (KS * 8);
+        const int r = u / (KC * 8), cc = u % (KC * 8);
         const bool live = u < TU && r < mc;
         const unsigned arow = live ? (g.a_rows ? g.a_rows[m0 + r] / (unsigned)g.a_div : (unsigned)(m0 + r)) : 0u;
         tsrc[i] = (const unsigned char*)g.a + ((size_t)arow * K + (cc >> 3) * 64 + (cc & 7) * 8) * 2;
         tdst[i] = (unsigned)(S::W_STAGE + r * S::T_PITCH + ((cc ^ (r & 7)) << 4));
-        tpart[i] = live ? (cc >> 3) : (1 << 30);       // chunk of stage j: j * KS + part (< nch to load)
+        tpart[i] = live ? (cc >> 3) : (1 << 30);       // chunk of stage j: j * KC + tpart (< nch to load)
     }
-    const int nstages = (nch + KS - 1) / KS;
+    const int nstages = (nch + KC - 1) / KC;
     // Shared-space addresses are formed once from the base (no per-access address conversion).
     const unsigned sbase = smem_u32(smem);
     auto load_stage = [&](int j, int slot) {
         const unsigned st = sbase + slot * S::STAGE;
-        if (j * KS + wp < nch) {
-            const unsigned char* src = wsrc + (size_t)j * wstride;
-            #pragma unroll
-            for (int i = 0; i < WPL; ++i)
-                if (i * 32 + lane < WU) cp_async16(st + wdst + i * 512, src + i * 512);
+        #pragma unroll
+        for (int h = 0; h < CH; ++h) {
+            if ((j * CH + h) * KS + wp < nch) {
+                const unsigned char* src = wsrc + (size_t)(j * CH + h) * wstride;
+                #pragma unroll
+                for (int i = 0; i < WPL; ++i)
+                    if (i * 32 + lane < WU) cp_async16(st + h * 8 * BLK + wdst + i * 512, src + i * 512);
+            }
         }
         #pragma unroll
         for (int i = 0; i < TPT; ++i)
-            if (j * KS + tpart[i] < nch) cp_async16(st + tdst[i], tsrc[i] + (size_t)j * KS * 128);
+            if (j * KC + tpart[i] < nch) cp_async16(st + tdst[i], tsrc[i] + (size_t)j * KC * 128);
     };
 
     #pragma unroll
@@ -223,37 +229,39 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
             __syncthreads();
             load_stage(j + TC_STAGES - 1, (sl + TC_STAGES - 1) % TC_STAGES);
             cp_async_commit();
-            if (j * KS + wp >= nch) continue;   // uniform over the warp
-            const unsigned char* st = smem + sl * S::STAGE;
-            const unsigned char* wl = st + wl_off;
-            const unsigned char* scl = st + sc_off;
-            const unsigned tk = sbase + sl * S::STAGE + tk_lane;
-            const TcLane ln = tc_load_lane(wl, scl);
-            unsigned a[4][4];
-            tc_decode<0>(a[0], ln);
-            tc_decode<1>(a[1], ln);
-            tc_decode<2>(a[2], ln);
-            tc_decode<3>(a[3], ln);
-            if constexpr (NT == 8) {
-                // One n8 tile: each x4 brings the B fragments of two k16 steps.
-                #pragma unroll
-                for (int q = 0; q < 4; q += 2) {
-                    const int cc = wp * 8 + 2 * q + mi;   // matrices: (q lo, q hi, q+1 lo, q+1 hi)
-                    unsigned b0, b1, b2, b3;
-                    ldmatrix_x4(b0, b1, b2, b3, tk + ((cc ^ li) << 4));
-                    mma_bf16_16816(acc[0], a[q], b0, b1);
-                    mma_bf16_16816(acc[0], a[q + 1], b2, b3);
-                }
-            } else {
-                #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int cc = wp * 8 + 2 * q + (mi & 1);
+            #pragma unroll
+            for (int h = 0; h < CH; ++h) {
+                const int kc = h * KS + wp;          // this warp's chunk within the stage
+                if (j * KC + kc >= nch) break;      // uniform over the warp
+                const unsigned char* st = smem + sl * S::STAGE + h * 8 * BLK;
+                const unsigned tk = sbase + sl * S::STAGE + tk_lane;
+                const TcLane ln = tc_load_lane(st + wl_off, st + sc_off);
+                unsigned a[4][4];
+                tc_decode<0>(a[0], ln);
+                tc_decode<1>(a[1], ln);
+                tc_decode<2>(a[2], ln);
+                tc_decode<3>(a[3], ln);
+                if constexpr (NT == 8) {
+                    // One n8 tile: each x4 brings the B fragments of two k16 steps.
                     #pragma unroll
-                    for (int jn = 0; jn < NT / 8; jn += 2) {
+                    for (int q = 0; q < 4; q += 2) {
+                        const int cc = kc * 8 + 2 * q + mi;   // matrices: (q lo, q hi, q+1 lo, q+1 hi)
                         unsigned b0, b1, b2, b3;
-                        ldmatrix_x4(b0, b1, b2, b3, tk + jn * 8 * S::T_PITCH + ((cc ^ li) << 4));
-                        mma_bf16_16816(acc[jn], a[q], b0, b1);
-                        mma_bf16_16816(acc[jn + 1], a[q], b2, b3);
+                        ldmatrix_x4(b0, b1, b2, b3, tk + ((cc ^ li) << 4));
+                        mma_bf16_16816(acc[0], a[q], b0, b1);
+                        mma_bf16_16816(acc[0], a[q + 1], b2, b3);
+                    }
+                } else {
+                    #pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int cc = kc * 8 + 2 * q + (mi & 1);
+                        #pragma unroll
+                        for (int jn = 0; jn < NT / 8; jn += 2) {
+                            unsigned b0, b1, b2, b3;
+                            ldmatrix_x4(b0, b1, b2, b3, tk + jn * 8 * S::T_PITCH + ((cc ^ li) << 4));
+                            mma_bf16_16816(acc[jn], a[q], b0, b1);
+                            mma_bf16_16816(acc[jn + 1], a[q], b2, b3);
+                        }
                     }
                 }
             }
@@ -339,7 +347,7 @@ __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (
 
 // The tiles of a launch: blockIdx.x, + gridDim.x, ... (the host sizes grid.x for the tiles it expects
 // busy, so decode launches no idle CTAs; a skewed routing with more tiles loops).
-template <int NT, int SPC, int ST, bool TRACE>
+template <int NT, int SPC, int ST, int CH, bool TRACE>
 __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
 {
     for (int tile = blockIdx.x;; tile += gridDim.x) {
@@ -348,12 +356,12 @@ __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, flo
         const int mc = min(mend - m0, NT);
         __syncthreads();                                      // the previous tile is done with smem
         float acc[NT / 8][4];
-        if (tc_mainloop<NT, SPC, ST, true>(p.g, acc, grp, m0, mc, gslab))
+        if (tc_mainloop<NT, SPC, ST, CH, true>(p.g, acc, grp, m0, mc, gslab))
             tc_store_l1<NT, TRACE>(p, acc, grp, m0, mc, gslab, gate_tr, up_tr);
     }
 }
 
-template <int NT, int SPC, int ST>
+template <int NT, int SPC, int ST, int CH>
 __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 {
     for (int tile = blockIdx.x;; tile += gridDim.x) {
@@ -362,7 +370,7 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
         const int mc = min(mend - m0, NT);
         __syncthreads();                                      // the previous tile is done with smem
         float acc[NT / 8][4];
-        if (tc_mainloop<NT, SPC, ST, false>(p.g, acc, grp, m0, mc, gslab)) tc_store_l2<NT>(p, acc, grp, m0, mc, gslab);
+        if (tc_mainloop<NT, SPC, ST, CH, false>(p.g, acc, grp, m0, mc, gslab)) tc_store_l2<NT>(p, acc, grp, m0, mc, gslab);
     }
 }
 
@@ -562,27 +570,27 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
 }
 #endif  // TC_WGMMA
 
-// Entry points of one configuration: NT tokens per tile, SPC slabs per CTA, ST pipeline stages,
-// MINB CTAs per SM the registers must allow (2 for the register-light decode tiles keeps ptxas
-// from spilling at 64; 1 for 128-token tiles, whose 64 accumulators need more than 128).
+// Entry points of one configuration: NT tokens per tile, SPC slabs per CTA, ST pipeline stages of
+// CH chunks per warp, MINB CTAs per SM the registers must allow (3 for 8-token tiles, 2 up to 64,
+// 1 for 128-token tiles, whose 64 accumulators need more than 128 registers).
 // The host (gemm/tc.rs) appends one line per configuration of gpu_layout::tc::configs().
-#define TC_KERNELS(NT, SPC, ST, MINB)                                                                           \
+#define TC_KERNELS(NT, SPC, ST, CH, MINB)                                                                       \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB) moe_tc_l1_n##NT##_s##SPC(                    \
         const __grid_constant__ GemmL1Params p)                                                           \
     {                                                                                                     \
-        tc_l1<NT, SPC, ST, false>(p, nullptr, nullptr);                                                   \
+        tc_l1<NT, SPC, ST, CH, false>(p, nullptr, nullptr);                                               \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB) moe_tc_l2_n##NT##_s##SPC(                    \
         const __grid_constant__ GemmL2Params p)                                                           \
     {                                                                                                     \
-        tc_l2<NT, SPC, ST>(p);                                                                            \
+        tc_l2<NT, SPC, ST, CH>(p);                                                                        \
     }
 // The trace variant (gate/up pre-activations kept) of each token tile, at 8 slabs per CTA.
-#define TC_TRACE_KERNEL(NT, ST, MINB)                                                                           \
+#define TC_TRACE_KERNEL(NT, ST, CH, MINB)                                                                       \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB) moe_tc_l1_trace_n##NT(                       \
         const __grid_constant__ GemmL1TraceParams p)                                                      \
     {                                                                                                     \
-        tc_l1<NT, 8, ST, true>(p.l1, p.gate_tr, p.up_tr);                                                 \
+        tc_l1<NT, 8, ST, CH, true>(p.l1, p.gate_tr, p.up_tr);                                             \
     }
 
 #ifdef TC_WGMMA
