@@ -138,6 +138,8 @@ pub enum Elem {
     I32,
     /// int64.
     I64,
+    /// uint32 (four e4m3 scales per word).
+    U32,
     /// uint8, and the 8-bit float formats that cross as bytes (FP8 e4m3fn, e8m0).
     U8,
 }
@@ -156,6 +158,7 @@ impl Elem {
             (FLOAT, 64) => Elem::F64,
             (INT, 32) => Elem::I32,
             (INT, 64) => Elem::I64,
+            (UINT, 32) => Elem::U32,
             (UINT, 8) | (FLOAT8_E4M3FN, 8) | (FLOAT8_E8M0FNU, 8) => Elem::U8,
             _ => return None,
         })
@@ -166,7 +169,7 @@ impl Elem {
         match self {
             Elem::U8 => 1,
             Elem::Bf16 | Elem::F16 => 2,
-            Elem::F32 | Elem::I32 => 4,
+            Elem::F32 | Elem::I32 | Elem::U32 => 4,
             Elem::F64 | Elem::I64 => 8,
         }
     }
@@ -180,6 +183,7 @@ impl Elem {
             Elem::F64 => "float64",
             Elem::I32 => "int32",
             Elem::I64 => "int64",
+            Elem::U32 => "uint32",
             Elem::U8 => "uint8",
         }
     }

@@ -107,7 +107,7 @@ fn per_expert(b: &Borrowed, el: usize, col: usize, pair_max: bool) -> PyResult<V
 
 /// Row-major scale bytes `[E_l, rows, cols/16]` from a scale tensor in `layout`.
 fn scales_row_major(b: &Borrowed, el: usize, rows: usize, cols: usize, layout: ScaleLayout) -> PyResult<Vec<u8>> {
-    b.dtype(&[Elem::U8, Elem::I32])?;
+    b.dtype(&[Elem::U8, Elem::I32, Elem::U32])?;
     let sc = cols / 16;
     let src = bytes(b)?;
     let per = match layout {
