@@ -33,7 +33,8 @@ impl Borrowed {
 
     /// Checks the shape against `dims` exactly.
     pub fn shape(&self, dims: &[Dim]) -> PyResult<()> {
-        let ok = self.desc.shape.len() == dims.len() && self.desc.shape.iter().zip(dims).all(|(&s, d)| s == d.1);
+        let ok =
+            self.desc.shape.len() == dims.len() && self.desc.shape.iter().zip(dims).all(|(&s, d)| s == d.1);
         if ok {
             Ok(())
         } else {

@@ -18,7 +18,7 @@ pub enum Backend {
     Cpu(CpuBackend),
     /// megamoe's CUDA runtime.
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::CudaBackend),
+    Cuda(Box<crate::cuda::CudaBackend>),
 }
 
 /// A loaded model: every layer on one device, run in one mode.
@@ -89,10 +89,12 @@ impl Loaded {
 
 #[cfg(feature = "cuda")]
 fn cuda_backend(ordinal: usize, layers: Vec<MoeLayer>, max_tokens: usize, mode: Mode) -> PyResult<Backend> {
-    Ok(Backend::Cuda(crate::cuda::CudaBackend::load(ordinal, layers, max_tokens, mode)?))
+    Ok(Backend::Cuda(Box::new(crate::cuda::CudaBackend::load(ordinal, layers, max_tokens, mode)?)))
 }
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_backend(_: usize, _: Vec<MoeLayer>, _: usize, _: Mode) -> PyResult<Backend> {
-    Err(pyo3::exceptions::PyRuntimeError::new_err("device: this build of megamoe has no CUDA support (built without the `cuda` feature)"))
+    Err(pyo3::exceptions::PyRuntimeError::new_err(
+        "device: this build of megamoe has no CUDA support (built without the `cuda` feature)",
+    ))
 }

@@ -105,6 +105,7 @@ fn check_input_ids<'a>(
 /// A checked whole forward: `y = routed(x) + shared(x)` with the layer's own router.
 pub struct ForwardCall<'a> {
     /// Tokens T.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub tokens: usize,
     /// `[T, H]` bf16 (CPU: or f32).
     pub x: &'a Borrowed,
@@ -146,6 +147,7 @@ impl<'a> ForwardCall<'a> {
 /// A checked router call.
 pub struct RouteCall<'a> {
     /// Tokens T.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub tokens: usize,
     /// `[T, H]`.
     pub x: &'a Borrowed,
@@ -179,6 +181,7 @@ impl<'a> RouteCall<'a> {
 /// A checked experts call under the caller's routing (vLLM's convention).
 pub struct ExpertsCall<'a> {
     /// Tokens T.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub tokens: usize,
     /// `[T, H]`.
     pub x: &'a Borrowed,

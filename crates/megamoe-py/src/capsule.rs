@@ -83,7 +83,8 @@ fn read_capsule(capsule: &Bound<'_, PyAny>, name: &str) -> PyResult<TensorDesc> 
     // SAFETY: `raw` is a live object; the capsule API checks the type and the name.
     let desc = unsafe {
         if pyo3::ffi::PyCapsule_IsValid(raw, VERSIONED.as_ptr()) == 1 {
-            let m = pyo3::ffi::PyCapsule_GetPointer(raw, VERSIONED.as_ptr()) as *const DLManagedTensorVersioned;
+            let m =
+                pyo3::ffi::PyCapsule_GetPointer(raw, VERSIONED.as_ptr()) as *const DLManagedTensorVersioned;
             if m.is_null() {
                 return Err(PyValueError::new_err(format!("{name}: empty DLPack capsule")));
             }

@@ -143,7 +143,10 @@ unsafe fn ids32(ids: &Borrowed) -> PyResult<Vec<i32>> {
         .enumerate()
         .map(|(i, &v)| {
             i32::try_from(v).map_err(|_| {
-                pyo3::exceptions::PyValueError::new_err(format!("{}[{i}] = {v} is not an expert id", ids.name))
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "{}[{i}] = {v} is not an expert id",
+                    ids.name
+                ))
             })
         })
         .collect()

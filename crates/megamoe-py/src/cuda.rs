@@ -67,7 +67,12 @@ fn dev(b: &Borrowed, rows: usize, cols: usize) -> DeviceTensor {
 impl CudaBackend {
     /// Uploads `layers` to GPU `ordinal` (each host copy dropped after its upload) with one
     /// workspace for up to `max_tokens` tokens, prepared for `mode`.
-    pub fn load(ordinal: usize, layers: Vec<MoeLayer>, max_tokens: usize, mode: Mode) -> PyResult<CudaBackend> {
+    pub fn load(
+        ordinal: usize,
+        layers: Vec<MoeLayer>,
+        max_tokens: usize,
+        mode: Mode,
+    ) -> PyResult<CudaBackend> {
         let device = CudaDevice::open(ordinal).map_err(to_py)?;
         let mut model =
             CudaModel::load(&device, layers.into_iter().map(Ok), max_tokens, None, |_| {}).map_err(to_py)?;
@@ -96,8 +101,14 @@ impl CudaBackend {
         let s = stream as sys::CUstream;
         if !captured && order.last.is_some_and(|l| l != stream) {
             // SAFETY: both handles are live.
-            unsafe { cudarc::driver::result::stream::wait_event(s, order.done.cu_event(), sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                .map_err(|e| cuda_err("cuStreamWaitEvent", e))?;
+            unsafe {
+                cudarc::driver::result::stream::wait_event(
+                    s,
+                    order.done.cu_event(),
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| cuda_err("cuStreamWaitEvent", e))?;
         }
         // SAFETY: `stream` is a live stream of the primary context (the caller's current stream).
         enqueue(unsafe { StreamRef::from_raw(s) }).map_err(to_py)?;
@@ -140,7 +151,8 @@ impl CudaBackend {
     pub fn experts(&self, pos: usize, c: &ExpertsCall<'_>, mode: Mode, stream: u64) -> PyResult<()> {
         let w = &self.model.layers()[pos];
         let (t, h, k) = (c.tokens, w.config().hidden_size, w.config().num_experts_per_tok);
-        let (x, ti, tw, y) = (dev(c.x, t, h), dev(c.topk_ids, t, k), dev(c.topk_weights, t, k), dev(c.y, t, h));
+        let (x, ti, tw, y) =
+            (dev(c.x, t, h), dev(c.topk_ids, t, k), dev(c.topk_weights, t, k), dev(c.y, t, h));
         let ws = self.model.workspace();
         self.ordered(stream, |s| {
             let plan = w.enqueue_plan(ws, &ti, s)?;

@@ -11,7 +11,9 @@ pub fn to_py(e: MegaError) -> PyErr {
     let msg = e.to_string();
     match e {
         MegaError::Input(_) | MegaError::Tensor { .. } | MegaError::Config(_) => PyValueError::new_err(msg),
-        MegaError::File { path, .. } if !std::path::Path::new(&path).exists() => PyFileNotFoundError::new_err(msg),
+        MegaError::File { path, .. } if !std::path::Path::new(&path).exists() => {
+            PyFileNotFoundError::new_err(msg)
+        }
         MegaError::File { .. } => PyOSError::new_err(msg),
         MegaError::Backend { .. } => PyRuntimeError::new_err(msg),
     }

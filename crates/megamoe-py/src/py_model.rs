@@ -289,7 +289,9 @@ impl NativeLayer {
             // SAFETY: checked host, contiguous, int32.
             Backend::Cpu(_) => check_expert_map(info, unsafe { m.host_slice::<i32>()? }),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(b) => b.check_expert_map(m.desc.ptr, info.experts, stream, |v| check_expert_map(info, v)),
+            Backend::Cuda(b) => {
+                b.check_expert_map(m.desc.ptr, info.experts, stream, |v| check_expert_map(info, v))
+            }
         }
     }
 }

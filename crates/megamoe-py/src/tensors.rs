@@ -23,7 +23,9 @@ use crate::capsule::Borrowed;
 use crate::dlpack::{Device, Elem};
 use crate::errors::to_py;
 use half::bf16;
-use megamoe::checkpoint::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert};
+use megamoe::checkpoint::{
+    DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert,
+};
 use megamoe::config::MoeConfig;
 use megamoe::formats::scale_layout::{self, ScaleLayout};
 use pyo3::exceptions::{PyKeyError, PyValueError};
@@ -98,15 +100,21 @@ fn per_expert(b: &Borrowed, el: usize, col: usize, pair_max: bool) -> PyResult<V
     match b.desc.shape.as_slice() {
         [n] if *n == el => Ok(v.to_vec()),
         [] if el == 1 => Ok(v.to_vec()),
-        [n, 2] if *n == el => Ok((0..el)
-            .map(|e| if pair_max { v[2 * e].max(v[2 * e + 1]) } else { v[2 * e + col] })
-            .collect()),
+        [n, 2] if *n == el => {
+            Ok((0..el).map(|e| if pair_max { v[2 * e].max(v[2 * e + 1]) } else { v[2 * e + col] }).collect())
+        }
         s => Err(PyValueError::new_err(format!("{}: shape {s:?}, expected [E={el}] or [E={el}, 2]", b.name))),
     }
 }
 
 /// Row-major scale bytes `[E_l, rows, cols/16]` from a scale tensor in `layout`.
-fn scales_row_major(b: &Borrowed, el: usize, rows: usize, cols: usize, layout: ScaleLayout) -> PyResult<Vec<u8>> {
+fn scales_row_major(
+    b: &Borrowed,
+    el: usize,
+    rows: usize,
+    cols: usize,
+    layout: ScaleLayout,
+) -> PyResult<Vec<u8>> {
     b.dtype(&[Elem::U8, Elem::I32, Elem::U32])?;
     let sc = cols / 16;
     let src = bytes(b)?;
@@ -143,7 +151,15 @@ fn split_rows(v: &[u8], el: usize, rows: usize, width: usize) -> (Vec<u8>, Vec<u
 }
 
 /// One NVFP4 projection of every held expert.
-fn proj(el: usize, rows: usize, cols: usize, packed: Vec<u8>, scales: Vec<u8>, gs: Vec<f32>, is: Option<Vec<f32>>) -> ExpertProj {
+fn proj(
+    el: usize,
+    rows: usize,
+    cols: usize,
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+    gs: Vec<f32>,
+    is: Option<Vec<f32>>,
+) -> ExpertProj {
     ExpertProj {
         experts: el,
         rows,
@@ -160,7 +176,13 @@ fn packed(b: &Borrowed, el: usize, rows: usize, cols: usize) -> PyResult<Vec<u8>
 }
 
 /// W1, W3 from `w13_*` or `w1_*` + `w3_*`.
-fn gate_up(t: &Tensors, el: usize, i: usize, h: usize, layout: ScaleLayout) -> PyResult<(ExpertProj, ExpertProj)> {
+fn gate_up(
+    t: &Tensors,
+    el: usize,
+    i: usize,
+    h: usize,
+    layout: ScaleLayout,
+) -> PyResult<(ExpertProj, ExpertProj)> {
     if let Some(w13) = t.get("w13_weight") {
         let p = packed(w13, el, 2 * i, h)?;
         let s = scales_row_major(t.req("w13_weight_scale")?, el, 2 * i, h, layout)?;
@@ -189,10 +211,15 @@ fn dense(t: &Tensors, w: &str, rows: usize, cols: usize) -> PyResult<DenseProj> 
     let data = match b.dtype(&[Elem::Bf16, Elem::F32, Elem::U8])? {
         // SAFETY: checked host, contiguous, dtype.
         Elem::Bf16 => DenseData::Bf16(unsafe { b.host_slice::<bf16>()? }.to_vec()),
-        Elem::F32 => DenseData::Bf16(unsafe { b.host_slice::<f32>()? }.iter().map(|&v| bf16::from_f32(v)).collect()),
+        Elem::F32 => {
+            DenseData::Bf16(unsafe { b.host_slice::<f32>()? }.iter().map(|&v| bf16::from_f32(v)).collect())
+        }
         _ => {
             let s = t.req(&format!("shared.{w}.weight_scale_inv"))?;
-            let scale = floats(s, &[Dim("ceil(rows/128)", rows.div_ceil(128)), Dim("ceil(cols/128)", cols.div_ceil(128))])?;
+            let scale = floats(
+                s,
+                &[Dim("ceil(rows/128)", rows.div_ceil(128)), Dim("ceil(cols/128)", cols.div_ceil(128))],
+            )?;
             DenseData::Fp8Block { weight: bytes(b)?.to_vec(), scale }
         }
     };
@@ -224,7 +251,12 @@ pub fn layer_from_tensors(
         serde_json::from_str(config).map_err(|e| PyValueError::new_err(format!("config: not JSON: {e}")))?;
     let config = MoeConfig::from_json(&json).map_err(to_py)?;
     let t = Tensors::new(dict)?;
-    let (h, i, e, k) = (config.hidden_size, config.moe_intermediate_size, config.n_routed_experts, config.num_experts_per_tok);
+    let (h, i, e, k) = (
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.n_routed_experts,
+        config.num_experts_per_tok,
+    );
     let weight = floats(t.req("gate.weight")?, &[Dim("E", e), Dim("H", h)])?;
     let bias = t.get("gate.bias").map(|b| floats(b, &[Dim("E", e)])).transpose()?;
     let tid2eid = match t.get("gate.tid2eid") {
@@ -237,14 +269,18 @@ pub fn layer_from_tensors(
             Some(unsafe {
                 match el {
                     Elem::I32 => b.host_slice::<i32>()?.to_vec(),
-                    _ => b.host_slice::<i64>()?.iter().map(|&v| v.clamp(i32::MIN as i64, i32::MAX as i64) as i32).collect(),
+                    _ => b
+                        .host_slice::<i64>()?
+                        .iter()
+                        .map(|&v| v.clamp(i32::MIN as i64, i32::MAX as i64) as i32)
+                        .collect(),
                 }
             })
         }
     };
-    let (_, first) = t
-        .first(&["w13_weight", "w1_weight"])
-        .ok_or_else(|| PyKeyError::new_err("tensors: \"w13_weight\" (or \"w1_weight\" and \"w3_weight\") is required"))?;
+    let (_, first) = t.first(&["w13_weight", "w1_weight"]).ok_or_else(|| {
+        PyKeyError::new_err("tensors: \"w13_weight\" (or \"w1_weight\" and \"w3_weight\") is required")
+    })?;
     let el = first.rows(3, "[E_local, rows, cols/2]")?;
     let (w1, w3) = gate_up(&t, el, i, h, layout)?;
     let w2 = proj(
@@ -260,7 +296,11 @@ pub fn layer_from_tensors(
         None => None,
         Some(b) => {
             let is = b.rows(2, &format!("[I_s, H={h}]"))?;
-            Some(SharedExpert { w1: dense(&t, "w1", is, h)?, w2: dense(&t, "w2", h, is)?, w3: dense(&t, "w3", is, h)? })
+            Some(SharedExpert {
+                w1: dense(&t, "w1", is, h)?,
+                w2: dense(&t, "w2", h, is)?,
+                w3: dense(&t, "w3", is, h)?,
+            })
         }
     };
     let layer = MoeLayer {
