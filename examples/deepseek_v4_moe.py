@@ -21,6 +21,7 @@ import json
 import os
 import struct
 import time
+import warnings
 from typing import Dict, Optional
 
 import torch
@@ -210,6 +211,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--iters", type=int, default=10)
     a = ap.parse_args()
+    # The fixture's W1/W3 global scales differ on purpose (a field failure mode the loader reports).
+    warnings.filterwarnings("ignore", message=r"megamoe: .*weight_scale_2")
     dev = "cuda:0" if a.device == "cuda" else a.device
     r = compare(a.checkpoint, a.layer, dev, a.tokens, a.iters)
     print(f"layer {a.layer}, {a.tokens} tokens on {dev}")

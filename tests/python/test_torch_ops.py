@@ -92,3 +92,19 @@ def test_example_module_equals_megamoe():
     for layer in (0, 1):
         r = ex.compare(ex.FIXTURE, layer, "cpu", tokens=16, iters=1)
         assert r["rel_l2"] < 2e-3, r
+
+
+@pytest.mark.parametrize("layout", ["row_major", "swizzled_128x4", "packed_u32"])
+def test_prequantized_nvfp4_torch_tensors(golden, layout):
+    from test_nvfp4_input import in_layout, quantize
+
+    g = golden["nvfp4-tiny"]
+    m = megamoe.MoELayer.from_checkpoint(fixture_dir("nvfp4-tiny"), 1, device="cpu", mode="w4a4")
+    x = st.bf16_to_f32(g["1.x"])
+    gs = m._native.input_scales[0]
+    packed, s = quantize(x, gs)
+    acts = megamoe.NVFP4Activations(torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(in_layout(s, layout))), gs, layout)
+    ids, w = torch.from_numpy(g["1.topk_ids"]), torch.from_numpy(g["1.topk_weights"])
+    got = m.experts(acts, ids, w)
+    want = m.experts(torch.from_numpy(x).to(torch.bfloat16), ids, w)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -33,6 +33,9 @@ pub struct LayerInfo {
     pub shared: bool,
     /// Expert weight format (`nvfp4`, `mxfp4`, `bf16`).
     pub format: String,
+    /// W1's `input_scale` per held expert (NVFP4 checkpoints that have one): the global scale
+    /// W4A4 quantizes each expert's input under.
+    pub w1_input_scale: Option<Vec<f32>>,
 }
 
 impl LayerInfo {
@@ -50,6 +53,10 @@ impl LayerInfo {
             vocab: layer.router.tid2eid.as_ref().map_or(0, |t| t.len() / c.num_experts_per_tok.max(1)),
             shared: layer.shared.is_some(),
             format: format!("{:?}", layer.format()).to_lowercase(),
+            w1_input_scale: match &layer.w1.data {
+                megamoe::checkpoint::ProjData::Nvfp4 { input_scale, .. } => input_scale.clone(),
+                _ => None,
+            },
         }
     }
 }
@@ -255,6 +262,7 @@ mod tests {
             vocab: 0,
             shared: true,
             format: "nvfp4".into(),
+            w1_input_scale: None,
         }
     }
 

@@ -276,6 +276,12 @@ impl NativeLayer {
     fn mode(&self) -> &'static str {
         self.loaded.mode.name()
     }
+    /// W1's `input_scale` per held expert (None without one): the global scale the W4A4 experts
+    /// quantize their input under.
+    #[getter]
+    fn input_scales(&self) -> Option<Vec<f32>> {
+        self.info().w1_input_scale.clone()
+    }
 }
 
 impl NativeLayer {

@@ -17,13 +17,23 @@ enqueued on the caller's current stream and never synchronises the host.
 from __future__ import annotations
 
 import json
+import struct
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _arrays
 from ._megamoe import NativeLayer, NativeModel, __version__, has_cuda_support
+from ._nvfp4 import NVFP4Activations
 
-__all__ = ["MoELayer", "Model", "has_cuda_support", "__version__", "STATUS_BAD_TOKEN_ID", "STATUS_BAD_EXPERT_ID"]
+__all__ = [
+    "MoELayer",
+    "Model",
+    "NVFP4Activations",
+    "has_cuda_support",
+    "__version__",
+    "STATUS_BAD_TOKEN_ID",
+    "STATUS_BAD_EXPERT_ID",
+]
 
 #: Status bit: a token id outside `tid2eid`'s rows reached a hash layer on the GPU.
 STATUS_BAD_TOKEN_ID = 1
@@ -136,6 +146,11 @@ class MoELayer:
         [T, H] array of `out_dtype` from the library of `x`). `topk_ids_out` / `topk_weights_out`
         ([T, k] int32 / float32) receive the routing when given. CUDA: enqueued on `stream`
         (default: the current stream of the library of `x`), asynchronously."""
+        if isinstance(x, NVFP4Activations):
+            raise TypeError(
+                "x: the whole forward's router and shared expert read bf16 hidden states; pass NVFP4 "
+                "activations to experts() (with the server's routing)"
+            )
         s = _arrays.stream_handle(x, stream)
         y = out if out is not None else self._empty(x, self.hidden_size, out_dtype, "out")
         self._native.forward(x, input_ids, y, topk_ids_out, topk_weights_out, s)
@@ -168,7 +183,13 @@ class MoELayer:
         elsewhere; ids of experts this layer does not hold are skipped (another rank computes
         them). `expert_map` [E] int32 (global -> local id, -1 elsewhere), when given, must agree
         with the experts held. `apply_router_weight_on_input` multiplies `x` by the weight before
-        the experts (vLLM allows it for top-1 only). No shared expert: it returns the routed sum."""
+        the experts (vLLM allows it for top-1 only). No shared expert: it returns the routed sum.
+
+        `x` may also be :class:`NVFP4Activations` (pre-quantized packed E2M1 + e4m3 scales + global
+        scale) on a layer in mode ``w4a4`` whose W1 ``input_scale`` equals that global scale: the
+        result is then exactly the W4A4 experts of those activations."""
+        if isinstance(x, NVFP4Activations):
+            x = self._from_nvfp4(x)
         if apply_router_weight_on_input:
             if self.top_k != 1:
                 raise ValueError(
@@ -181,6 +202,28 @@ class MoELayer:
         y = out if out is not None else self._empty(x, self.hidden_size, out_dtype, "out")
         self._native.experts(x, topk_ids, topk_weights, y, expert_map, s)
         return y
+
+    def _from_nvfp4(self, acts: NVFP4Activations) -> Any:
+        """The bf16 activations whose W4A4 quantization is exactly `acts` (see `_nvfp4.py`)."""
+        if acts.hidden != self.hidden_size:
+            raise ValueError(f"x: NVFP4 activations of H={acts.hidden}, expected H={self.hidden_size}")
+        if self.mode != "w4a4":
+            raise ValueError(
+                f"x: pre-quantized NVFP4 activations need a layer in mode 'w4a4' (this one runs {self.mode!r}): "
+                "megamoe runs them as the W4A4 experts of the activations they encode"
+            )
+        g = struct.unpack("f", struct.pack("f", acts.global_scale))[0]
+        scales = self._native.input_scales
+        start = self.expert_range[0]
+        for e, s in enumerate(scales or []):
+            if s != g:
+                raise ValueError(
+                    f"x: NVFP4 activations quantized under global_scale {acts.global_scale!r}, but expert {start + e} "
+                    f"of layer {self.index} quantizes its input under input_scale {s!r}; megamoe's W4A4 experts "
+                    "requantize under the checkpoint's input_scale, so only activations quantized under it "
+                    "are taken (pass the multiplier, not its reciprocal)"
+                )
+        return acts.dequantize()
 
     def _empty(self, x: Any, cols: int, dtype: Any, name: str) -> Any:
         return _arrays.empty_like(x, (_rows(x), cols), _dtype_name(dtype), name)
