@@ -12,8 +12,7 @@ venv="$PWD/target/pyvenv-test"
 rm -rf "$venv"
 python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check maturin numpy pytest
-# The `test` profile (optimised, as `cargo test` just built it) reuses the workspace's compiled
-# crates instead of a second, release build; `pip install .` without it builds a release wheel.
-MATURIN_PEP517_ARGS="--profile test" "$venv/bin/pip" install --quiet --disable-pip-version-check .
+# What a user runs: a release build of the extension (maturin, via pip's PEP 517 build).
+"$venv/bin/pip" install --quiet --disable-pip-version-check .
 (cd /tmp && "$venv/bin/python" -c "import megamoe; print('megamoe', megamoe.__version__, 'imported from', megamoe.__file__)")
 "$venv/bin/python" -m pytest tests/python -q -rs -p no:cacheprovider

@@ -16,14 +16,34 @@ enqueued on the caller's current stream and never synchronises the host.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import struct
+import sys
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import _arrays
-from ._megamoe import NativeLayer, NativeModel, __version__, has_cuda_support
-from ._nvfp4 import NVFP4Activations
+
+def _nvrtc_from_wheels() -> None:
+    """Points megamoe at the NVRTC of NVIDIA's pip wheels (which torch's CUDA builds install) when
+    `MEGAMOE_NVRTC_LIB_DIR` is unset: kernels are compiled at run time, and a Python environment
+    often has NVRTC only there, not on the system library path."""
+    if os.environ.get("MEGAMOE_NVRTC_LIB_DIR"):
+        return
+    for base in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia/cu12/lib"):
+            d = os.path.join(base, sub)
+            if glob.glob(os.path.join(d, "libnvrtc.so*")):
+                os.environ["MEGAMOE_NVRTC_LIB_DIR"] = d
+                return
+
+
+_nvrtc_from_wheels()
+
+from . import _arrays  # noqa: E402
+from ._megamoe import NativeLayer, NativeModel, __version__, has_cuda_support  # noqa: E402
+from ._nvfp4 import NVFP4Activations  # noqa: E402
 
 __all__ = [
     "MoELayer",

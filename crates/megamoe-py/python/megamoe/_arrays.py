@@ -6,7 +6,7 @@ torch tensors). Nothing here imports torch, cupy or jax unless the caller's arra
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
 # DLPack device types.
 _DL_CPU = 1
@@ -129,8 +129,3 @@ def ones_like(w: Any) -> Any:
     if mod is None:
         raise TypeError(f"topk_weights: not supported for {type(w).__name__} (use torch or numpy)")
     return mod.ones_like(w)
-
-
-def optional(x: Optional[Any]) -> Optional[Any]:
-    """`x`, with None kept (a readability helper for optional tensors)."""
-    return x
