@@ -127,3 +127,22 @@ def test_a_rank_of_experts_from_tensors(golden):
     x = st.bf16_to_f32(g["1.x"])
     ids, w = g["1.topk_ids"], g["1.topk_weights"]
     np.testing.assert_array_equal(rank.experts(x, ids, w), ref.experts(x, ids, w))
+
+
+def top1_layer():
+    cfg = dict(config(), num_experts_per_tok=1)
+    return megamoe.MoELayer.from_tensors(cfg, tensors_of(1, True, "row_major"), layer=1, device="cpu")
+
+
+def test_apply_router_weight_on_input_top1():
+    m = top1_layer()
+    assert m.top_k == 1
+    rng = np.random.default_rng(3)
+    x = st.bf16_to_f32(st.f32_to_bf16(rng.standard_normal((9, 256)).astype(np.float32)))
+    ids = rng.integers(0, 16, (9, 1)).astype(np.int32)
+    w = rng.uniform(0.2, 2.0, (9, 1)).astype(np.float32)
+    got = m.experts(x, ids, w, apply_router_weight_on_input=True)
+    scaled = st.bf16_to_f32(st.f32_to_bf16(x * w))
+    want = m.experts(scaled, ids, np.ones_like(w))
+    np.testing.assert_allclose(got, want, rtol=0, atol=0)
+    assert np.abs(got - m.experts(x, ids, w)).max() > 0

@@ -108,3 +108,16 @@ def test_prequantized_nvfp4_torch_tensors(golden, layout):
     got = m.experts(acts, ids, w)
     want = m.experts(torch.from_numpy(x).to(torch.bfloat16), ids, w)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_apply_router_weight_on_input_through_the_op():
+    from test_from_tensors import top1_layer
+
+    m = top1_layer()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 256, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 16, (9, 1), generator=g, dtype=torch.int32)
+    w = torch.rand(9, 1, generator=g) + 0.2
+    got = ops.moe_experts(m, x, ids, w, None, True)
+    want = ops.moe_experts(m, (x.float() * w).to(torch.bfloat16), ids, torch.ones_like(w))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

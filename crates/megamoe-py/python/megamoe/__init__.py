@@ -211,17 +211,20 @@ class MoELayer:
         if isinstance(x, NVFP4Activations):
             x = self._from_nvfp4(x)
         if apply_router_weight_on_input:
-            if self.top_k != 1:
-                raise ValueError(
-                    f"apply_router_weight_on_input: needs top-1 routing (as vLLM requires); layer "
-                    f"{self.index} routes top-{self.top_k}"
-                )
-            x = _arrays.scaled_rows(x, topk_weights)
-            topk_weights = _arrays.ones_like(topk_weights)
+            x, topk_weights = self._weight_on_input(x, topk_weights)
         s = _arrays.stream_handle(x, stream)
         y = out if out is not None else self._empty(x, self.hidden_size, out_dtype, "out")
         self._native.experts(x, topk_ids, topk_weights, y, expert_map, s)
         return y
+
+    def _weight_on_input(self, x: Any, topk_weights: Any) -> Tuple[Any, Any]:
+        """vLLM's `apply_router_weight_on_input`: `x * w` row by row and weights of 1 (top-1 only)."""
+        if self.top_k != 1:
+            raise ValueError(
+                f"apply_router_weight_on_input: needs top-1 routing (as vLLM requires); layer "
+                f"{self.index} routes top-{self.top_k}"
+            )
+        return _arrays.scaled_rows(x, topk_weights), _arrays.ones_like(topk_weights)
 
     def _from_nvfp4(self, acts: NVFP4Activations) -> Any:
         """The bf16 activations whose W4A4 quantization is exactly `acts` (see `_nvfp4.py`)."""

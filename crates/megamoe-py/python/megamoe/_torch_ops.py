@@ -55,6 +55,19 @@ def _plain(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.detach().contiguous()
 
 
+def _dl(t: Optional[torch.Tensor]):
+    """`t` for the native call. CUDA tensors go as DLPack capsules exported with ``stream=-1``
+    (no synchronisation by torch: the ops enqueue on torch's current stream, where the tensors
+    are ready), so no event is created per call, inside CUDA-graph capture neither; the capsule
+    keeps the tensor alive."""
+    if t is None or not t.is_cuda:
+        return t
+    try:
+        return t.__dlpack__(stream=-1, max_version=(1, 0))
+    except TypeError:  # torch without DLPack 1.0 export
+        return t.__dlpack__(stream=-1)
+
+
 @torch.library.custom_op("megamoe::moe_forward", mutates_args=())
 def _moe_forward(
     x: torch.Tensor, input_ids: Optional[torch.Tensor], handle: int, out_dtype: torch.dtype
@@ -62,7 +75,7 @@ def _moe_forward(
     layer = layer_of(handle)
     x = _plain(x)
     y = torch.empty((x.shape[0], layer.hidden_size), dtype=out_dtype, device=x.device)
-    layer._native.forward(x, _plain(input_ids), y, None, None, _stream(x))
+    layer._native.forward(_dl(x), _dl(_plain(input_ids)), _dl(y), None, None, _stream(x))
     return y
 
 
@@ -80,7 +93,7 @@ def _moe_route(
     k = layer.top_k
     ids = torch.empty((x.shape[0], k), dtype=torch.int32, device=x.device)
     w = torch.empty((x.shape[0], k), dtype=torch.float32, device=x.device)
-    layer._native.route(x, _plain(input_ids), ids, w, _stream(x))
+    layer._native.route(_dl(x), _dl(_plain(input_ids)), _dl(ids), _dl(w), _stream(x))
     return ids, w
 
 
@@ -105,15 +118,11 @@ def _moe_experts(
 ) -> torch.Tensor:
     layer = layer_of(handle)
     x, topk_ids, topk_weights = _plain(x), _plain(topk_ids), _plain(topk_weights)
+    if apply_router_weight_on_input:
+        x, topk_weights = layer._weight_on_input(x, topk_weights)
     y = torch.empty((x.shape[0], layer.hidden_size), dtype=out_dtype, device=x.device)
-    layer.experts(
-        x,
-        topk_ids,
-        topk_weights,
-        expert_map=_plain(expert_map),
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        out=y,
-        stream=_stream(x),
+    layer._native.experts(
+        _dl(x), _dl(topk_ids), _dl(topk_weights), _dl(y), _dl(_plain(expert_map)), _stream(x)
     )
     return y
 
