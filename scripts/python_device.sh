@@ -33,7 +33,9 @@ fi
 OUT="${OUT:-$PWD/target/python-device-out}"
 mkdir -p "$OUT"
 py="${PYTHON:-python3}"
-wheel=$(ls -t "$wheels"/megamoe-*.whl 2>/dev/null | head -1)
+# The manylinux wheel of `stage` (a plain linux_x86_64 one may also be left by a local `pip install .`).
+wheel=$(ls -t "$wheels"/megamoe-*manylinux*.whl 2>/dev/null | head -1)
+[ -n "$wheel" ] || wheel=$(ls -t "$wheels"/megamoe-*.whl 2>/dev/null | head -1)
 if [ -z "$wheel" ]; then
   echo "no megamoe wheel in $wheels: run 'bash scripts/python_device.sh stage' here first and carry target/wheels" >&2
   exit 2
