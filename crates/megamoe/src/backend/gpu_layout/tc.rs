@@ -459,11 +459,12 @@ pub fn pack_dense_l2(w: &[u16], rows: usize, cols: usize) -> Result<Vec<u8>> {
 /// The deepest pipeline of any instantiation.
 pub const MAX_STAGES: usize = 8;
 
-/// 64-k chunks each warp takes per pipeline stage of instantiation `(nt, spc)`: two for the
-/// weight-streaming tiles whose token tile is small (<= 16 tokens, >= 4 slabs per CTA), halving the
-/// CTA barriers and loop overhead per weight byte; one otherwise.
+/// 64-k chunks each warp takes per pipeline stage of instantiation `(nt, spc)`: two for 8-token
+/// tiles on >= 4 slabs per CTA, halving the CTA barriers and loop overhead per weight byte (T=64
+/// rank 0.487 -> 0.468 ms); one otherwise (16-token tiles measured slower with two: their doubled
+/// stage leaves two CTAs per SM instead of three, T=512 rank 0.78 -> 0.85 ms).
 pub fn chunks_per_stage(nt: usize, spc: usize) -> usize {
-    if nt <= 16 && spc >= 4 {
+    if nt == 8 && spc >= 4 {
         2
     } else {
         1

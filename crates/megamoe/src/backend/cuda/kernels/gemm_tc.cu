@@ -25,7 +25,7 @@
 // the host sizes grid.x for the tiles it expects busy, not the worst case, so decode launches no
 // idle CTAs; a skewed routing with more tiles loops). Warp (s, p) owns
 // slab s and, in stage j, chunks (j*CH + h)*KS + p for h < CH (CH = gpu_layout::tc::chunks_per_stage:
-// 2 for small token tiles): the K split inside the CTA gives a one-expert decode enough CTAs (SPC 1:
+// 2 for 8-token tiles): the K split inside the CTA gives a one-expert decode enough CTAs (SPC 1:
 // 384 for V4-Pro's L1) while SPC 8 reuses each token tile 8 times.
 // Pipeline: ST-deep cp.async ring in dynamic shared memory (gpu_layout::tc::stages, up to 8; the ring
 // is unrolled so every offset is an immediate); stage j holds CH sets of the 8 (part, slab) weight
