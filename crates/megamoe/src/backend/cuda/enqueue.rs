@@ -174,6 +174,9 @@ impl LayerWeights {
         topk_weights.check("topk_weights", t, k, &[DType::F32], 4)?;
         self.check_mode(mode)?;
         ws.check_fits(self, t, mode, false)?;
+        if t == 0 {
+            return Ok(());
+        }
         self.device.bind()?;
         self.experts_raw(ws, plan, x.ptr, topk_weights.ptr, mode, false, stream)
     }
@@ -182,6 +185,9 @@ impl LayerWeights {
     pub fn enqueue_shared(&self, ws: &Workspace, x: &DeviceTensor, stream: StreamRef) -> Result<()> {
         x.check("x", x.rows, self.config.hidden_size, &[DType::Bf16], 16)?;
         ws.check_fits(self, x.rows, Mode::W4A16, false)?;
+        if x.rows == 0 {
+            return Ok(());
+        }
         self.device.bind()?;
         self.shared_raw(ws, x.ptr, x.rows, stream).map(|_| ())
     }
@@ -198,6 +204,9 @@ impl LayerWeights {
     ) -> Result<()> {
         y.check("y", plan.tokens, self.config.hidden_size, &[DType::F32, DType::Bf16], 4)?;
         ws.check_fits(self, plan.tokens, Mode::W4A16, false)?;
+        if plan.tokens == 0 {
+            return Ok(());
+        }
         self.device.bind()?;
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
         self.combine_raw(ws, plan, y, shared, stream)
@@ -293,13 +302,17 @@ impl LayerWeights {
             status: ws.status.ptr(),
         };
         let core = &self.device.core;
+        if slots == 0 {
+            // Nothing to plan (and no grid of zero CTAs to launch); experts and combine skip too.
+            return Ok(Plan { tokens: t, topk_ids, launch });
+        }
         // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] / the chunk table for
         // these sizes; the shared memory is what each kernel's header asks for.
         unsafe {
             if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS {
                 core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 32 * el * 2), &p)?;
             } else {
-                let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;
+                let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize).max(1) as u32;
                 let smem = PLAN_WARPS as usize * el * 4;
                 core.plan_count.launch(s, &LaunchCfg::grid((ctas, 1, 1), smem), &p)?;
                 core.plan_offsets.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
