@@ -372,18 +372,24 @@ fn prefill_two_group_ctas_match_host_model() {
     };
     // ~96 rows per expert: one 128-token tile each, 64 tiles x 5 CTAs of two groups.
     let t = 1024;
-    let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, 21));
+    w4a16_matches_host_model(&cfg, t, 21, "prefill two-group");
+}
+
+/// A random NVFP4 layer of `cfg` at `t` tokens (score routing) on the tensor-core family: W4A16
+/// against the host model, and a repeat bitwise equal.
+fn w4a16_matches_host_model(cfg: &megamoe::config::MoeConfig, t: usize, seed: u64, what: &str) {
+    let layer = Arc::new(synthetic::random_layer(cfg, WeightFormat::Nvfp4, 0, false, seed));
     let Some(mut eng) = engine_with(&layer, t, Some("tc")) else { return };
-    let x = synthetic::random_hidden(t, cfg.hidden_size, 23);
+    let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 2);
     let input = ForwardInput { x: &x, input_ids: None };
     eng.poison(0xFF).unwrap();
     let out = eng.forward(&input, Mode::W4A16, None).unwrap();
     let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
     let err = rel_l2(&out.y, &want);
-    eprintln!("prefill two-group T={t}: rel L2 {err:.2e}");
-    assert!(err < tol(Mode::W4A16), "rel L2 {err:.3e}");
+    eprintln!("{what} T={t}: rel L2 {err:.2e}");
+    assert!(err < tol(Mode::W4A16), "{what}: rel L2 {err:.3e}");
     let again = eng.forward(&input, Mode::W4A16, None).unwrap();
-    assert_eq!(out.y, again.y, "repeat differs");
+    assert_eq!(out.y, again.y, "{what}: repeat differs");
 }
 
 /// The plan's large-batch path (chunk counts, one offsets CTA, chunk scatter): more slots than the
@@ -393,16 +399,7 @@ fn prefill_two_group_ctas_match_host_model() {
 fn large_batch_and_many_expert_plans_match_host_model() {
     check_case(WeightFormat::Nvfp4, false, true, &[3000], 31);
     let cfg = megamoe::config::MoeConfig { n_routed_experts: 640, ..synthetic::tiny_config() };
-    let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, 33));
-    let Some(mut eng) = engine(&layer, 40) else { return };
-    let x = synthetic::random_hidden(40, cfg.hidden_size, 35);
-    let input = ForwardInput { x: &x, input_ids: None };
-    eng.poison(0xFF).unwrap();
-    let out = eng.forward(&input, Mode::W4A16, None).unwrap();
-    let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
-    let err = rel_l2(&out.y, &want);
-    eprintln!("640 experts T=40: rel L2 {err:.2e}");
-    assert!(err < tol(Mode::W4A16), "rel L2 {err:.3e}");
+    w4a16_matches_host_model(&cfg, 40, 33, "640 experts");
 }
 
 #[test]

@@ -224,12 +224,7 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
         for &format in &case.formats {
             row += 1;
             let seed = args.seed.wrapping_add(row * 1000);
-            let mut layer =
-                synthetic::random_layer(&case.cfg, format, if case.hash { 0 } else { 1 }, case.hash, seed);
-            if case.skew {
-                synthetic::skew_routing(&mut layer, 3, case.cfg.n_routed_experts / 8);
-            }
-            let layer = Arc::new(layer);
+            let layer = case_layer(&case, format, seed);
             let max_t = *case.tokens.iter().max().unwrap();
             let mut dut = create_engine(kind, layer.clone(), max_t)?;
             let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
@@ -250,6 +245,17 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
         }
     }
     Ok(failures)
+}
+
+/// The random layer of a sweep row: `case`'s shape in `format`, hash-routed (layer 0) or scored
+/// (layer 1), skewed routing when the case asks for it.
+fn case_layer(case: &Case, format: WeightFormat, seed: u64) -> Arc<MoeLayer> {
+    let mut layer =
+        synthetic::random_layer(&case.cfg, format, if case.hash { 0 } else { 1 }, case.hash, seed);
+    if case.skew {
+        synthetic::skew_routing(&mut layer, 3, case.cfg.n_routed_experts / 8);
+    }
+    Arc::new(layer)
 }
 
 /// The sweep with every row run as an EP group (`--ep N [--tp M]`): each row's output against
@@ -289,12 +295,7 @@ fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -
         for &format in &case.formats {
             row += 1;
             let seed = args.seed.wrapping_add(row * 1000);
-            let mut layer =
-                synthetic::random_layer(&case.cfg, format, if case.hash { 0 } else { 1 }, case.hash, seed);
-            if case.skew {
-                synthetic::skew_routing(&mut layer, 3, case.cfg.n_routed_experts / 8);
-            }
-            let layer = Arc::new(layer);
+            let layer = case_layer(&case, format, seed);
             let max_t = *case.tokens.iter().max().unwrap();
             let mut group = match EpGroup::new(&args.par, topo, &LayerSource::Whole(&layer), cuda, max_t) {
                 Ok(g) => g,

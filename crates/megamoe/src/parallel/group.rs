@@ -1,5 +1,5 @@
 //! An in-process group: the ranks of `ep x tp` as threads of this process, each with its own
-//! engine and an [`inproc`](super::inproc) endpoint; the batch is split into the ranks' home
+//! engine and an [`inproc`] endpoint; the batch is split into the ranks' home
 //! tokens and the outputs put back together in token order.
 
 use super::engine::{CpuRankEngine, RankEngine};

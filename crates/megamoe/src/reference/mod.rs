@@ -564,7 +564,7 @@ fn routed_experts(
 }
 
 /// The shared expert's output `[T, H]` (zeros when the layer has none): weight 1, activations
-/// never quantized, in chunks of [`TOKEN_CHUNK`] tokens. `x` is `[T, H]` (the caller checks it;
+/// never quantized, in chunks of `TOKEN_CHUNK` tokens. `x` is `[T, H]` (the caller checks it;
 /// expert parallelism runs it on the home rank, beside the exchange).
 pub fn shared_expert(layer: &MoeLayer, x: &[bf16]) -> Vec<f32> {
     let h = layer.config.hidden_size;
