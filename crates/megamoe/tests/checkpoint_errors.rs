@@ -322,7 +322,7 @@ fn file_level_errors() {
     std::fs::write(d.path().join("model.safetensors"), b"not a safetensors file").unwrap();
     assert_has(
         &Checkpoint::open(d.path()).unwrap_err().to_string(),
-        &["model.safetensors", "not a valid safetensors"],
+        &["model.safetensors", "not a safetensors file"],
     );
     std::fs::write(d.path().join("config.json"), b"{ nope").unwrap();
     assert_has(&Checkpoint::open(d.path()).unwrap_err().to_string(), &["config.json", "invalid JSON"]);
@@ -371,4 +371,37 @@ fn config_json_names_and_defaults() {
     v.as_object_mut().unwrap().remove("moe_inter_dim");
     let err = MoeConfig::from_json(&v).unwrap_err().to_string();
     assert_has(&err, &["moe_intermediate_size", "moe_inter_dim"]);
+}
+
+/// A shard cut short (an interrupted download or copy), a file shorter than the 8-byte header
+/// length, and a header length past the end: each error names the file and says it is truncated,
+/// with the sizes, instead of only what the parser reports.
+#[test]
+fn truncated_shards_say_so_with_the_sizes() {
+    let dir = broken("nvfp4-tiny", |_, _, _| {});
+    let shard = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .expect("a shard");
+    let bytes = std::fs::read(&shard).unwrap();
+    let name = shard.file_name().unwrap().to_string_lossy().to_string();
+    let open_err = |content: &[u8]| {
+        std::fs::write(&shard, content).unwrap();
+        match Checkpoint::open(dir.path()) {
+            Ok(_) => panic!("a broken {name} opened"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let data = bytes.len() - 8 - n;
+    let msg = open_err(&bytes[..bytes.len() - 100]);
+    assert_has(
+        &msg,
+        &[&name, "truncated", &format!("describes {data} bytes"), &format!("holds {}", data - 100)],
+    );
+    let msg = open_err(&bytes[..5]);
+    assert_has(&msg, &[&name, "truncated", "5 bytes", "8-byte header length"]);
+    let msg = open_err(&bytes[..8 + n / 2]);
+    assert_has(&msg, &[&name, "truncated", &format!("says {n} bytes")]);
 }
