@@ -1,0 +1,5 @@
+//! libFuzzer target: `megamoe_fuzz::checkpoint` (see that crate for what the bytes mean).
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    megamoe_fuzz::checkpoint(data);
+});
