@@ -34,20 +34,20 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Name of the single-file checkpoint.
 pub const SINGLE_FILE: &str = "model.safetensors";
 
-/// The size checks a user can act on, before the safetensors parser: a file too short for its
-/// 8-byte header length, a header longer than the file, and data offsets past its end (a
-/// truncated download or copy) each say so with the sizes.
-fn check_sizes(path: &Path, file: &[u8]) -> Result<()> {
+/// Why a file the safetensors parser refused is unusable, when the reason is one a user can act
+/// on: too short for its 8-byte header length, a header longer than the file, or tensor data past
+/// its end (a truncated download or copy) — each with the sizes. `None`: not a truncation.
+fn truncation(path: &Path, file: &[u8]) -> Option<MegaError> {
     let len = file.len();
     let Some(head) = file.get(..8) else {
-        return Err(MegaError::file(
+        return Some(MegaError::file(
             path,
             format!("is truncated: {len} bytes, but a safetensors file starts with an 8-byte header length"),
         ));
     };
     let n = u64::from_le_bytes(head.try_into().expect("8 bytes"));
     if n > (len as u64).saturating_sub(8) {
-        return Err(MegaError::file(
+        return Some(MegaError::file(
             path,
             format!(
                 "is truncated or not a safetensors file: its header length says {n} bytes, but only {} \
@@ -58,23 +58,21 @@ fn check_sizes(path: &Path, file: &[u8]) -> Result<()> {
     }
     // The data section must hold every tensor's byte range (the header's largest end offset).
     let header = &file[8..8 + n as usize];
-    let Ok(serde_json::Value::Object(meta)) = serde_json::from_slice::<serde_json::Value>(header) else {
-        return Ok(()); // malformed JSON: the parser's own message names the problem
+    let serde_json::Value::Object(meta) = serde_json::from_slice::<serde_json::Value>(header).ok()? else {
+        return None;
     };
     let end = meta
         .iter()
         .filter(|(k, _)| k.as_str() != "__metadata__")
         .filter_map(|(_, v)| v.get("data_offsets")?.as_array()?.get(1)?.as_u64())
-        .max()
-        .unwrap_or(0);
+        .max()?;
     let data = (len - 8 - n as usize) as u64;
-    if end > data {
-        return Err(MegaError::file(
+    (end > data).then(|| {
+        MegaError::file(
             path,
             format!("is truncated: its header describes {end} bytes of tensor data, the file holds {data}"),
-        ));
-    }
-    Ok(())
+        )
+    })
 }
 
 impl TensorStore {
@@ -148,9 +146,11 @@ impl TensorStore {
             // truncated by another process while mapped.
             let map =
                 unsafe { Mmap::map(&file) }.map_err(|e| MegaError::file(path, format!("cannot map: {e}")))?;
-            check_sizes(path, &map)?;
-            let (n, meta) = SafeTensors::read_metadata(&map)
-                .map_err(|e| MegaError::file(path, format!("not a valid safetensors file: {e}")))?;
+            // The parser's verdict first; only a file it refuses is measured for a truncation.
+            let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
+                truncation(path, &map)
+                    .unwrap_or_else(|| MegaError::file(path, format!("not a valid safetensors file: {e}")))
+            })?;
             let base = 8 + n;
             for (name, info) in meta.tensors() {
                 let e = Entry {

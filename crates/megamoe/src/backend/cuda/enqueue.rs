@@ -312,7 +312,7 @@ impl LayerWeights {
             if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS {
                 core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 32 * el * 2), &p)?;
             } else {
-                let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize).max(1) as u32;
+                let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;
                 let smem = PLAN_WARPS as usize * el * 4;
                 core.plan_count.launch(s, &LaunchCfg::grid((ctas, 1, 1), smem), &p)?;
                 core.plan_offsets.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
