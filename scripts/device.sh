@@ -25,6 +25,7 @@ cp "$CARGO_TARGET_DIR/release/megamoe" "$carry/bin/"
 while read -r name exe; do [ -n "$name" ] && cp "$exe" "$carry/bin/$name"; done <<<"$tests"
 strip --strip-debug "$carry"/bin/* 2>/dev/null || true
 cp scripts/device/run.sh "$carry/run.sh"
+cp scripts/device/fp8_rate.py "$carry/fp8_rate.py"
 cp -r crates/megamoe/tests/data/* "$carry/data/"
 # The peers (torch baselines, triton_kernels' MXFP4 MoE) travel beside the binaries when present.
 if [ -d ../shared/peers ]; then rm -rf .peers && cp -r ../shared/peers .peers; fi

@@ -5,7 +5,8 @@
 # kernels; logs go to $OUT; a summary table is printed last.
 # Env: VERIFY_ARGS (default: the full sweep), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
 # SANITIZE=0, BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
-# EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank).
+# EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), W4A8=1 (the FP8 W4A8
+# bench rows on MXFP4 beside W4A16 on the same weights, and ncu of the FP8 kernels).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
@@ -42,9 +43,11 @@ act="$here/data/activations"
   --checkpoint "$here/data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
 if [ "${SANITIZE:-1}" != 0 ]; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    trace_records nan_and_inf repeat_runs external_routing large_batch
+    trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    trace_records external_routing
+    trace_records external_routing w4a8_fp8
+  [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
+    --test-threads 1 w4a8_fp8 prefill_tiles decode_path
 fi
 if [ "${TIMINGS:-1}" != 0 ]; then
   step timings_tc env MEGAMOE_GEMM=tc "$bin" verify --backend cuda --timings-only
@@ -56,6 +59,23 @@ if [ "${BENCH:-0}" != 0 ]; then
     --tokens "${BENCH_TOKENS:-1,8,64,512,4096,16384}" --json "$OUT/bench.json" ${BENCH_ARGS:-}
   step bench_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --whole-layer \
     --tokens "${FLASH_TOKENS:-1,64,4096}" --json "$OUT/bench_flash.json" ${BENCH_ARGS:-}
+fi
+if [ "${W4A8:-0}" != 0 ]; then
+  # W4A8 (DeepSeek's act_quant activations) on MXFP4 experts: the FP8 kernels take the prefill
+  # rows; W4A16 on the same MXFP4 weights beside them; then the FP8 kernels under ncu at T=4096.
+  w8t="${W4A8_TOKENS:-1,64,512,4096,16384}"
+  step fp8_rate timeout 120 python3 "$here/fp8_rate.py" --json "$OUT/fp8_rate.json"
+  step bench_w4a8 timeout 400 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --format mxfp4 \
+    --mode w4a8 --tokens "$w8t" --json "$OUT/bench_w4a8.json"
+  step bench_mx16 timeout 400 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --format mxfp4 \
+    --mode w4a16 --tokens "$w8t" --json "$OUT/bench_mx16.json"
+  step bench_w4a8_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --format mxfp4 --mode w4a8 \
+    --tokens 4096 --json "$OUT/bench_w4a8_flash.json"
+  if command -v ncu >/dev/null; then
+    step ncu_w4a8 timeout 300 ncu --clock-control none -k "regex:moe_(w8|quant)" --launch-count 6 \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread \
+      "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --format mxfp4 --mode w4a8 --tokens 4096 --iters 1
+  fi
 fi
 if [ "${EP:-0}" != 0 ]; then
   # Expert / tensor parallelism with in-process ranks sharing this GPU (a stream each), each row
@@ -102,7 +122,7 @@ if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
 fi
 echo; echo "================ SUMMARY ================"
 for k in "${order[@]}"; do printf "%-13s %s\n" "$k" "${status[$k]}"; done
-grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS"/memcheck.log "$LOGS"/racecheck.log 2>/dev/null
+grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS"/memcheck.log "$LOGS"/racecheck.log "$LOGS"/initcheck.log 2>/dev/null
 grep -hE "^test result" "$LOGS"/tests.log "$LOGS"/fixtures.log 2>/dev/null
 grep -hE "panicked|FAILED" "$LOGS"/tests.log 2>/dev/null | head -20
 [ -f "$LOGS/verify.log" ] && grep -E "backend under test|FAIL|all rows" "$LOGS/verify.log" | head -12
@@ -111,6 +131,8 @@ for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; g
 [ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
 [ -f "$LOGS/ncu_bench.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|issue_active|grid_size" "$LOGS/ncu_bench.log" | head -150
 for f in ep2 ep8 ep2tp2 ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
-for f in run_model bench bench_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
+[ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
+grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
+for f in fp8_rate run_model bench bench_flash bench_w4a8 bench_mx16 bench_w4a8_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0

@@ -16,13 +16,15 @@
 
 use super::buffer::{lazy, opt_ptr};
 use super::device::CORE_THREADS;
-use super::gemm::{GemmLaunch, TileDemand};
+use super::gemm::w4a8::{Fp8Rows, W4a8Experts};
+use super::gemm::{GemmLaunch, PackedSide, TileDemand};
 use super::io::{DType, DeviceTensor, ForwardIo, Routing};
 use super::launch::{self, LaunchCfg, StreamRef};
 use super::params::*;
 use super::weights::{router_smem, LayerWeights};
 use super::workspace::Workspace;
 use crate::backend::gpu_layout::max_tiles;
+use crate::backend::gpu_layout::w4a8 as w4a8_layout;
 use crate::config::ScoringFunc;
 use crate::error::{MegaError, Result};
 use crate::forward::Mode;
@@ -323,7 +325,8 @@ impl LayerWeights {
     }
 
     /// `moe_quant_rows` over the planned rows: the expert inputs (`input`: gather x) or the L1
-    /// output, quantize-dequantized for `mode` (W4A8 / W4A4).
+    /// output, quantize-dequantized for `mode` into `dst` (W4A8 / W4A4) or, with `fp8`, kept as
+    /// e4m3 bytes at `dst` with their block scales (the FP8 kernels' input).
     #[allow(clippy::too_many_arguments)]
     fn quant_rows(
         &self,
@@ -333,6 +336,7 @@ impl LayerWeights {
         dst: u64,
         input: bool,
         mode: Mode,
+        fp8: Option<&Fp8Rows>,
         s: StreamRef,
     ) -> Result<()> {
         let c = &self.config;
@@ -347,16 +351,47 @@ impl LayerWeights {
             offsets: ws.offsets.ptr(),
             experts: self.local_experts() as i32,
             cols: if input { c.hidden_size } else { c.moe_intermediate_size } as i32,
-            mode: match mode {
-                Mode::W4A16 => QUANT_COPY,
-                Mode::W4A8 => QUANT_FP8_ACT,
-                Mode::W4A4 => QUANT_NVFP4_ACT,
+            mode: match (mode, fp8) {
+                (_, Some(_)) => QUANT_FP8_E4M3,
+                (Mode::W4A16, _) => QUANT_COPY,
+                (Mode::W4A8, _) => QUANT_FP8_ACT,
+                (Mode::W4A4, _) => QUANT_NVFP4_ACT,
             },
             in_scale: if mode == Mode::W4A4 { opt_ptr(if input { &self.in1 } else { &self.in2 }) } else { 0 },
+            scales: fp8.map_or(0, |f| f.scales),
+            scale_pitch: fp8.map_or(0, |f| f.pitch as i32),
         };
         let slots = (plan.tokens * c.num_experts_per_tok) as u32;
-        // SAFETY: src/dst hold the planned rows; the grid covers every slot.
+        // SAFETY: src/dst (and the scales) hold the planned rows; the grid covers every slot.
         unsafe { self.device.core.quant_rows.launch(s, &LaunchCfg::grid((slots, 1, 1), 0), &p) }
+    }
+
+    /// The operands of one routed-expert GEMM over `a` (rows gathered through `a_rows` when
+    /// non-zero) and the weights `side`.
+    fn routed_operands(
+        &self,
+        ws: &Workspace,
+        a: u64,
+        a_rows: u64,
+        side: &PackedSide,
+        alpha_in: u64,
+    ) -> GemmOperands {
+        let c = &self.config;
+        GemmOperands {
+            a,
+            a_rows,
+            wq: side.wq.ptr(),
+            ws: opt_ptr(&side.ws),
+            alpha_w: opt_ptr(&side.alpha),
+            alpha_in,
+            tiles: ws.tiles.ptr(),
+            num_tiles: ws.num_tiles.ptr(),
+            offsets: ws.offsets.ptr(),
+            a_div: c.num_experts_per_tok as i32,
+            dense_rows: 0,
+            h: c.hidden_size as i32,
+            inter: self.experts.inter as i32,
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -372,6 +407,11 @@ impl LayerWeights {
     ) -> Result<()> {
         let c = &self.config;
         let ex = &self.experts;
+        if mode == Mode::W4A8 && !trace {
+            if let Some(w8) = self.w4a8.as_ref().filter(|w| w.applies(&plan.launch)) {
+                return self.experts_fp8(ws, plan, x, topk_w, w8, s);
+            }
+        }
         let w4a4 = mode == Mode::W4A4;
         // W4A16 gathers the token rows straight from x in the L1 producer (unless the kernel needs
         // contiguous rows, as the TMA-fed prefill kernels do); quantized modes stage the
@@ -380,26 +420,11 @@ impl LayerWeights {
             (x, ws.perm.ptr())
         } else {
             let xin = lazy(&ws.xin, "quantized expert inputs")?.ptr();
-            self.quant_rows(ws, plan, x, xin, true, mode, s)?;
+            self.quant_rows(ws, plan, x, xin, true, mode, None, s)?;
             (xin, 0)
         };
-        let operands = |a: u64, a_rows: u64, side: &super::gemm::PackedSide, alpha_in: u64| GemmOperands {
-            a,
-            a_rows,
-            wq: side.wq.ptr(),
-            ws: opt_ptr(&side.ws),
-            alpha_w: opt_ptr(&side.alpha),
-            alpha_in,
-            tiles: ws.tiles.ptr(),
-            num_tiles: ws.num_tiles.ptr(),
-            offsets: ws.offsets.ptr(),
-            a_div: c.num_experts_per_tok as i32,
-            dense_rows: 0,
-            h: c.hidden_size as i32,
-            inter: ex.inter as i32,
-        };
         let l1 = GemmL1Params {
-            g: operands(a, a_rows, &ex.l1, if w4a4 { opt_ptr(&self.in1) } else { 0 }),
+            g: self.routed_operands(ws, a, a_rows, &ex.l1, if w4a4 { opt_ptr(&self.in1) } else { 0 }),
             perm: ws.perm.ptr(),
             topk_w,
             limit: c.swiglu_limit,
@@ -415,14 +440,51 @@ impl LayerWeights {
             ws.act.ptr()
         } else {
             let actq = lazy(&ws.actq, "quantized activations")?.ptr();
-            self.quant_rows(ws, plan, ws.act.ptr(), actq, false, mode, s)?;
+            self.quant_rows(ws, plan, ws.act.ptr(), actq, false, mode, None, s)?;
             actq
         };
         let l2 = GemmL2Params {
-            g: operands(l2_in, 0, &ex.l2, if w4a4 { opt_ptr(&self.in2) } else { 0 }),
+            g: self.routed_operands(ws, l2_in, 0, &ex.l2, if w4a4 { opt_ptr(&self.in2) } else { 0 }),
             out: ws.l2.ptr(),
         };
         ex.kernels.l2(s, &plan.launch, &l2)
+    }
+
+    /// The routed experts of a W4A8 prefill forward on the FP8 kernels: act_quant of the gathered
+    /// inputs into e4m3 rows + block scales (in the staged-input buffer), L1, act_quant of its
+    /// output (in the quantized-activation buffer), L2.
+    fn experts_fp8(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        x: u64,
+        topk_w: u64,
+        w8: &W4a8Experts,
+        s: StreamRef,
+    ) -> Result<()> {
+        let c = &self.config;
+        let slots = plan.tokens * c.num_experts_per_tok;
+        // e4m3 rows [slots, K] then their scales [slots][pitch] f32 (pitch * 4 <= K bytes): both fit
+        // the bf16 buffer of [max slots, K].
+        let rows_in = |buf: u64, k: usize| Fp8Rows {
+            codes: buf,
+            scales: buf + (slots * k) as u64,
+            pitch: w4a8_layout::scale_pitch(k),
+        };
+        let xin = rows_in(lazy(&ws.xin, "quantized expert inputs")?.ptr(), c.hidden_size);
+        self.quant_rows(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin), s)?;
+        let l1 = GemmL1Params {
+            g: self.routed_operands(ws, xin.codes, 0, &w8.l1, 0),
+            perm: ws.perm.ptr(),
+            topk_w,
+            limit: c.swiglu_limit,
+            act: ws.act.ptr(),
+        };
+        w8.l1(s, &plan.launch, &l1, &xin)?;
+        let actq = rows_in(lazy(&ws.actq, "quantized activations")?.ptr(), c.moe_intermediate_size);
+        self.quant_rows(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq), s)?;
+        let l2 = GemmL2Params { g: self.routed_operands(ws, actq.codes, 0, &w8.l2, 0), out: ws.l2.ptr() };
+        w8.l2(s, &plan.launch, &l2, &actq)
     }
 
     /// The shared expert over all `t` tokens (bf16 activations in every mode). Returns its output

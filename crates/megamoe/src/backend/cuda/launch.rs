@@ -60,6 +60,27 @@ pub(crate) fn wait(stream: StreamRef, event: &cudarc::driver::CudaEvent) -> Resu
     .map_err(derr("cuStreamWaitEvent"))
 }
 
+/// The element type of a TMA tensor map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TmaElem {
+    /// bf16 (2 bytes).
+    Bf16,
+    /// Raw bytes (e4m3).
+    U8,
+    /// f32.
+    F32,
+}
+
+impl TmaElem {
+    fn bytes(self) -> usize {
+        match self {
+            TmaElem::Bf16 => 2,
+            TmaElem::U8 => 1,
+            TmaElem::F32 => 4,
+        }
+    }
+}
+
 /// The TMA tensor map of a row-major bf16 matrix `[rows, cols]` at `ptr`, read in boxes of
 /// `box_rows` rows x 64 columns (128 bytes) with the 128-byte swizzle that `wgmma`'s K-major
 /// shared-memory descriptors expect; rows past `rows` read as zeros.
@@ -69,40 +90,73 @@ pub(crate) fn tma_2d_bf16(
     cols: usize,
     box_rows: usize,
 ) -> Result<super::params::TmaDesc> {
+    tma_2d(ptr, TmaElem::Bf16, rows, cols, cols, (64, box_rows), true)
+}
+
+/// The TMA tensor map of a row-major `[rows, cols]` matrix of `elem` at `ptr` with a row pitch of
+/// `pitch` elements, read in boxes of `boxes = (columns, rows)`; `swizzle128`: the 128-byte
+/// swizzle of `wgmma`'s K-major tiles (the box must then be 128 bytes wide). Out-of-range
+/// elements read as zeros.
+pub(crate) fn tma_2d(
+    ptr: u64,
+    elem: TmaElem,
+    rows: usize,
+    cols: usize,
+    pitch: usize,
+    boxes: (usize, usize),
+    swizzle128: bool,
+) -> Result<super::params::TmaDesc> {
     use sys::{
         CUtensorMapDataType as Dt, CUtensorMapFloatOOBfill as Oob, CUtensorMapInterleave as Il,
         CUtensorMapL2promotion as L2, CUtensorMapSwizzle as Sw,
     };
-    if !ptr.is_multiple_of(16) || !cols.is_multiple_of(64) || rows == 0 || box_rows == 0 || box_rows > 256 {
+    let eb = elem.bytes();
+    let (bc, br) = boxes;
+    let ok = ptr.is_multiple_of(16)
+        && (pitch * eb).is_multiple_of(16)
+        && pitch >= cols
+        && rows > 0
+        && cols > 0
+        && (1..=256).contains(&br)
+        && (1..=256).contains(&bc)
+        && (bc * eb).is_multiple_of(16)
+        && (!swizzle128 || bc * eb == 128);
+    if !ok {
         return Err(err(format!(
-            "tensor map of a [{rows}, {cols}] bf16 matrix at 0x{ptr:x} (box {box_rows} x 64): needs a 16-byte \
-             aligned address, cols % 64 == 0 and 1..=256 box rows"
+            "tensor map of a [{rows}, {cols}] {elem:?} matrix (pitch {pitch}) at 0x{ptr:x}, box {bc} x {br}: needs a \
+             16-byte aligned address and pitch, boxes of 1..=256 with 16-byte rows (128 bytes when swizzled)"
         )));
     }
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     let dims: [u64; 2] = [cols as u64, rows as u64];
-    let strides: [u64; 1] = [(cols * 2) as u64];
-    let boxes: [u32; 2] = [64, box_rows as u32];
-    let elem: [u32; 2] = [1, 1];
+    let strides: [u64; 1] = [(pitch * eb) as u64];
+    let box_dims: [u32; 2] = [bc as u32, br as u32];
+    let step: [u32; 2] = [1, 1];
+    let dt = match elem {
+        TmaElem::Bf16 => Dt::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        TmaElem::U8 => Dt::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        TmaElem::F32 => Dt::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+    };
+    let sw = if swizzle128 { Sw::CU_TENSOR_MAP_SWIZZLE_128B } else { Sw::CU_TENSOR_MAP_SWIZZLE_NONE };
     // SAFETY: the arrays have the lengths rank 2 needs; encoding only writes `map`.
     unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
-            Dt::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            dt,
             2,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
+            box_dims.as_ptr(),
+            step.as_ptr(),
             Il::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            Sw::CU_TENSOR_MAP_SWIZZLE_128B,
+            sw,
             L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             Oob::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     }
     .result()
-    .map_err(|e| err(format!("cuTensorMapEncodeTiled ([{rows}, {cols}] bf16, box {box_rows} x 64): {e}")))?;
+    .map_err(|e| err(format!("cuTensorMapEncodeTiled ([{rows}, {cols}] {elem:?}, box {bc} x {br}): {e}")))?;
     Ok(super::params::TmaDesc(map.opaque))
 }
 

@@ -56,6 +56,7 @@ pub use workspace::{Workspace, WorkspaceDims};
 pub fn module_catalogue(arch: &str) -> Vec<(runtime::ModuleSpec, Vec<String>)> {
     let mut v = vec![(device::core_spec(), device::core_kernel_names())];
     v.extend(gemm::tc::modules(arch));
+    v.extend(gemm::w4a8::modules(arch));
     v.extend(gemm::simt::modules());
     v
 }

@@ -74,6 +74,9 @@ kernel_abi! {
         QUANT_FP8_ACT = 1;
         /// ModelOpt NVFP4 activations under the expert's input_scale, quantize-dequantized.
         QUANT_NVFP4_ACT = 2;
+        /// DeepSeek's FP8 `act_quant` kept quantized: e4m3 bytes and f32 power-of-two block scales
+        /// (the input of the FP8 W4A8 kernels).
+        QUANT_FP8_E4M3 = 3;
         /// `RouterTopkParams::score_func`: sqrt(softplus(logit)).
         SCORE_SQRT_SOFTPLUS = 0;
         /// sigmoid(logit).
@@ -186,8 +189,8 @@ kernel_abi! {
     struct QuantRowsParams {
         /// Source rows bf16 (x `[T, H]` when gathering, else `[rows, cols]`).
         src: DevPtr => "const bf16_t*",
-        /// Destination `[rows, cols]` bf16.
-        dst: DevPtr => "bf16_t*",
+        /// Destination `[rows, cols]`: bf16, or e4m3 bytes (QUANT_FP8_E4M3).
+        dst: DevPtr => "void*",
         /// Plan row -> slot `[S]`.
         perm: DevPtr => "const unsigned*",
         /// `[S]` global expert ids (W4A4: the row's input scale).
@@ -208,6 +211,11 @@ kernel_abi! {
         mode: i32 => "int",
         /// `[E_local]` f32 activation global scales (QUANT_NVFP4_ACT), nullable otherwise.
         in_scale: DevPtr => "const float*",
+        /// QUANT_FP8_E4M3: the block scales `[rows][scale_pitch]` f32 (row r's block b at
+        /// `r * scale_pitch + b`); nullable otherwise.
+        scales: DevPtr => "float*",
+        /// Row pitch of `scales` (elements, a multiple of 4).
+        scale_pitch: i32 => "int",
     }
 
     /// `moe_combine`: per token the sum of its planned slots in slot order, plus the shared expert.
@@ -321,6 +329,28 @@ kernel_abi! {
         l2: GemmL2Params => "GemmL2Params",
         /// Tensor map of A (`[rows, I]` bf16).
         amap: TmaDesc => "TmaDesc",
+    }
+
+    /// The Hopper FP8 (W4A8) L1 kernel (`gemm_w4a8.cu`): `l1.g.wq` in the W4A8 layout,
+    /// `l1.g.alpha_w` its per-row alphas `[G][R_pad]`, A e4m3 bytes through `amap` (boxes of 128
+    /// columns x the token tile, 128B-swizzled) and their block scales through `smap`.
+    struct W8L1Params {
+        /// The L1 parameters (`g.a` is the map's tensor; `g.a_rows` must be null).
+        l1: GemmL1Params => "GemmL1Params",
+        /// Tensor map of A (`[rows, H]` e4m3).
+        amap: TmaDesc => "TmaDesc",
+        /// Tensor map of A's block scales (`[rows][pitch]` f32, boxes of 4 blocks x the token tile).
+        smap: TmaDesc => "TmaDesc",
+    }
+
+    /// The Hopper FP8 (W4A8) L2 kernel.
+    struct W8L2Params {
+        /// The L2 parameters (W4A8 layout, per-row alphas).
+        l2: GemmL2Params => "GemmL2Params",
+        /// Tensor map of A (`[rows, I]` e4m3).
+        amap: TmaDesc => "TmaDesc",
+        /// Tensor map of A's block scales (`[rows][pitch]` f32).
+        smap: TmaDesc => "TmaDesc",
     }
 }
 

@@ -29,14 +29,22 @@ pub const GEMM_SIMT: &str = include_str!("kernels/gemm_simt.cu");
 /// The tensor-core GEMM family's source (compiled per weight format).
 pub const GEMM_TC: &str = include_str!("kernels/gemm_tc.cu");
 
+/// Device code shared by the tensor-core and W4A8 GEMM sources (prepended to both).
+pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
+
+/// The Hopper FP8 W4A8 GEMM source (MXFP4 experts, e4m3 activations).
+pub const GEMM_W4A8: &str = include_str!("kernels/gemm_w4a8.cu");
+
 /// Every source with its name (for the layout-comment check and the compile test).
-pub const ALL_SOURCES: [(&str, &str); 6] = [
+pub const ALL_SOURCES: [(&str, &str); 8] = [
     CORE_SOURCES[0],
     CORE_SOURCES[1],
     CORE_SOURCES[2],
     CORE_SOURCES[3],
     ("gemm_simt", GEMM_SIMT),
     ("gemm_tc", GEMM_TC),
+    ("gemm_common", GEMM_COMMON),
+    ("gemm_w4a8", GEMM_W4A8),
 ];
 
 /// One NVRTC compilation unit: `COMMON + PARAMS + sources`, with extra `-D` definitions (a GEMM

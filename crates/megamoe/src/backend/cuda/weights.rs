@@ -37,6 +37,8 @@ pub struct LayerWeights {
     pub(crate) router: RouterDev,
     pub(crate) experts: GemmWeights,
     pub(crate) shared: Option<GemmWeights>,
+    /// The routed experts again in the FP8 W4A8 layout (MXFP4 on sm_90a), for W4A8 prefill.
+    pub(crate) w4a8: Option<gemm::w4a8::W4a8Experts>,
     /// NVFP4 activation global scales of the L1 / L2 inputs `[E_local]` f32 (W4A4).
     pub(crate) in1: Option<DevBuf>,
     pub(crate) in2: Option<DevBuf>,
@@ -112,6 +114,7 @@ impl LayerWeights {
         let c = &layer.config;
         let t0 = std::time::Instant::now();
         let experts = gemm::choose_experts(device, layer, family)?.upload_experts(device, layer)?;
+        let w4a8 = gemm::w4a8::upload(device, layer)?;
         let shared = match &layer.shared {
             Some(s) => {
                 Some(gemm::choose_shared(device, s, family)?.upload_shared(device, s, c.hidden_size)?)
@@ -143,6 +146,7 @@ impl LayerWeights {
             in2_host,
             experts,
             shared,
+            w4a8,
             modes,
         };
         tracing::info!(
@@ -198,6 +202,11 @@ impl LayerWeights {
     pub fn families(&self) -> (&'static str, Option<&'static str>) {
         (self.experts.kernels.family(), self.shared.as_ref().map(|s| s.kernels.family()))
     }
+    /// Whether W4A8 prefill launches run the FP8 kernels (MXFP4 experts on sm_90a whose rows fit
+    /// e4m3 exactly); otherwise W4A8 runs on the bf16 tensor-core path.
+    pub fn w4a8_on_fp8(&self) -> bool {
+        self.w4a8.is_some()
+    }
     /// [`Self::families`] as a label: `tc`, or `tc/simt` when the shared expert's differs.
     pub fn family_label(&self) -> String {
         match self.families() {
@@ -212,6 +221,7 @@ impl LayerWeights {
             + opt(&self.router.bias)
             + opt(&self.router.tid2eid)
             + self.experts.bytes()
+            + self.w4a8.as_ref().map_or(0, |w| w.bytes())
             + self.shared.as_ref().map_or(0, GemmWeights::bytes)
             + opt(&self.in1)
             + opt(&self.in2)

@@ -308,12 +308,12 @@ fn pack_experts<'a>(
 }
 
 /// L1 slab rows: slab j holds gate rows 8j..8j+7 (source 0) then up rows 8j..8j+7 (source 1).
-fn l1_row(rows: usize) -> impl Fn(usize) -> Option<(usize, usize)> + Sync {
+pub(crate) fn l1_row(rows: usize) -> impl Fn(usize) -> Option<(usize, usize)> + Sync {
     move |r: usize| (r < rows).then(|| (usize::from(r % 16 >= 8), 8 * (r / 16) + r % 8))
 }
 
 /// One expert's source matrix of an expert-stacked projection.
-fn expert_source(p: &ExpertProj, e: usize) -> (MatrixSource<'_>, Option<&[u8]>) {
+pub(crate) fn expert_source(p: &ExpertProj, e: usize) -> (MatrixSource<'_>, Option<&[u8]>) {
     let n = p.rows * p.cols;
     match &p.data {
         ProjData::Nvfp4 { packed, scales, .. } => {

@@ -5,10 +5,13 @@
 //! here plus one line in [`FAMILIES`].
 //!
 //! - [`tc`]: tensor cores (`mma.sync` m16n8k16, weights as the M side, FP4 decoded in registers);
-//! - [`simt`]: SIMT-FMA tiles plus the decode GEMV (the correct-first family and the fallback).
+//! - [`simt`]: SIMT-FMA tiles plus the decode GEMV (the correct-first family and the fallback);
+//! - [`w4a8`]: beside a family, not one: FP8 `wgmma` kernels for the prefill tiles of W4A8 forwards
+//!   on MXFP4 experts (their own copy of the weights, exact in e4m3).
 
 pub(crate) mod simt;
 pub(crate) mod tc;
+pub(crate) mod w4a8;
 
 use super::buffer::DevBuf;
 use super::device::CudaDevice;

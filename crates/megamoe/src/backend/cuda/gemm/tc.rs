@@ -84,7 +84,7 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     }
     ModuleSpec {
         name: format!("gemm_tc-{}", f.name()),
-        sources: vec![runtime::GEMM_TC.into(), inst.into()],
+        sources: vec![runtime::GEMM_COMMON.into(), runtime::GEMM_TC.into(), inst.into()],
         defines,
     }
 }

@@ -116,24 +116,6 @@ __device__ __forceinline__ void tc_decode(unsigned (&a)[4], const TcLane& l)
     }
 }
 
-// Tile t: expert grp, rows [m0, mend) of A; false past the last tile.
-template <int NT>
-__device__ __forceinline__ bool tc_tile(const GemmOperands& g, int t, int& grp, int& m0, int& mend)
-{
-    if (g.tiles) {
-        if (t >= *g.num_tiles) return false;
-        grp = g.tiles[2 * t];
-        m0 = g.tiles[2 * t + 1];
-        mend = (int)g.offsets[grp + 1];
-    } else {
-        grp = 0;
-        m0 = t * NT;
-        if (m0 >= g.dense_rows) return false;
-        mend = g.dense_rows;
-    }
-    return true;
-}
-
 // The accumulators of this warp's slab over all of K for the tile (expert grp, rows m0.. m0+mc)
 // (valid in the part-0 warps after the reduction; returns whether this warp holds them).
 template <int NT, int SPC, int TC_STAGES, int CH, bool L1>
@@ -352,7 +334,7 @@ __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, flo
 {
     for (int tile = blockIdx.x;; tile += gridDim.x) {
         int grp, m0, mend, gslab;
-        if (!tc_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
+        if (!gemm_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
         const int mc = min(mend - m0, NT);
         __syncthreads();                                      // the previous tile is done with smem
         float acc[NT / 8][4];
@@ -366,7 +348,7 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 {
     for (int tile = blockIdx.x;; tile += gridDim.x) {
         int grp, m0, mend, gslab;
-        if (!tc_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
+        if (!gemm_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
         const int mc = min(mend - m0, NT);
         __syncthreads();                                      // the previous tile is done with smem
         float acc[NT / 8][4];
@@ -502,7 +484,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
         unsigned it = 0;
         for (int tile = blockIdx.x;; tile += gridDim.x) {
             int grp, m0, mend;
-            if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;
+            if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
             const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * nch * 8 * BLK;
             for (int c = 0; c < nch; ++c, ++it) {
                 const int s = it % ST;
@@ -531,7 +513,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     unsigned it = 0;
     for (int tile = blockIdx.x;; tile += gridDim.x) {
         int grp, m0, mend;
-        if (!tc_tile<NT>(g, tile, grp, m0, mend)) return;
+        if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
         const int mc = min(mend - m0, NT);
         float acc[MB][NT / 8][4];
         #pragma unroll

@@ -13,6 +13,7 @@ constexpr int WF_FP8 = 3;
 constexpr int QUANT_COPY = 0;
 constexpr int QUANT_FP8_ACT = 1;
 constexpr int QUANT_NVFP4_ACT = 2;
+constexpr int QUANT_FP8_E4M3 = 3;
 constexpr int SCORE_SQRT_SOFTPLUS = 0;
 constexpr int SCORE_SIGMOID = 1;
 constexpr int SCORE_SOFTMAX = 2;
@@ -74,7 +75,7 @@ static_assert(sizeof(PlanParams) == 104, "PlanParams mirrors params.rs");
 
 struct QuantRowsParams {
     const bf16_t* src;
-    bf16_t* dst;
+    void* dst;
     const unsigned* perm;
     const int* topk_ids;
     int expert_base;
@@ -85,8 +86,10 @@ struct QuantRowsParams {
     int cols;
     int mode;
     const float* in_scale;
+    float* scales;
+    int scale_pitch;
 };
-static_assert(sizeof(QuantRowsParams) == 80, "QuantRowsParams mirrors params.rs");
+static_assert(sizeof(QuantRowsParams) == 96, "QuantRowsParams mirrors params.rs");
 
 struct CombineParams {
     const float* l2;
@@ -159,3 +162,17 @@ struct WgL2Params {
     TmaDesc amap;
 };
 static_assert(sizeof(WgL2Params) == 256, "WgL2Params mirrors params.rs");
+
+struct W8L1Params {
+    GemmL1Params l1;
+    TmaDesc amap;
+    TmaDesc smap;
+};
+static_assert(sizeof(W8L1Params) == 384, "W8L1Params mirrors params.rs");
+
+struct W8L2Params {
+    GemmL2Params l2;
+    TmaDesc amap;
+    TmaDesc smap;
+};
+static_assert(sizeof(W8L2Params) == 384, "W8L2Params mirrors params.rs");

@@ -6,6 +6,10 @@
 // (the L1 output). Parameters: QuantRowsParams, CombineParams (params.cuh).
 // QUANT_COPY (W4A16): copy. QUANT_FP8_ACT (W4A8): DeepSeek act_quant, 128-element blocks,
 // s = 2^ceil(log2(max(amax,1e-4)/448)), value = e4m3(clamp(x/s)) * s — exact in bf16.
+// QUANT_FP8_E4M3 (W4A8 on the FP8 kernels): the same act_quant kept quantized: dst [rows, cols] e4m3
+// bytes, scales [rows][scale_pitch] f32 (cols / 128 blocks, pitch padded to 4: 16-byte rows for the
+// kernels' TMA boxes); a block with a NaN or Inf gets a NaN scale (so every output
+// it feeds is NaN, as the bf16 rule's all-NaN block). One warp per block, 4 values per lane.
 // QUANT_NVFP4_ACT (W4A4): ModelOpt NVFP4 with global scale gs = in_scale[local expert of row]: block scale
 // bs = e4m3(clamp(amax16 / (6 gs), 2^-9, 448)) (a quotient of 0 -> 1), q = e2m1(x / (bs*gs)) (ties to even);
 // the stored value is q*bs (exact in bf16), gs is applied later as an fp32 alpha in the GEMM.
@@ -30,18 +34,61 @@ __device__ __forceinline__ float block_amax(const bf16_t* sb, int n, bool& nan) 
     return amax;
 }
 
+// The e4m3 byte of a value already on the e4m3 grid (|v| <= 448, round_e4m3's output; NaN -> 0x7f).
+__device__ __forceinline__ unsigned e4m3_bits(float v) {
+    const unsigned u = __float_as_uint(v), s = (u >> 24) & 0x80u;
+    const float a = fabsf(v);
+    if (!(a == a)) return 0x7fu;
+    if (a < 0.015625f) return s | (unsigned)(a * 512.f);              // subnormal: m * 2^-9
+    return s | ((((u >> 23) & 0xffu) - 120u) << 3) | ((u >> 20) & 7u);
+}
+
+// One row in QUANT_FP8_E4M3: warp w takes blocks w, w + 8, ...; lane l values 4l .. 4l + 3.
+__device__ __forceinline__ void quant_fp8_e4m3_row(const QuantRowsParams& p, const bf16_t* s, int r)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u8* d = (u8*)p.dst + (size_t)r * p.cols;
+    for (int b = warp; b < p.cols / 128; b += blockDim.x >> 5) {
+        const uint2 raw = *(const uint2*)(s + b * 128 + 4 * lane);
+        const float v[4] = {bf2f((bf16_t)raw.x), bf2f((bf16_t)(raw.x >> 16)), bf2f((bf16_t)raw.y),
+                            bf2f((bf16_t)(raw.y >> 16))};
+        bool bad = false;
+        float amax = 0.f;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float a = fabsf(v[i]);
+            bad |= !(a <= 3.402823466e38f);             // NaN or Inf
+            amax = fmaxf(amax, a);
+        }
+        amax = warp_max(amax);
+        bad = __any_sync(0xffffffffu, bad);
+        const float sc = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+        unsigned q = 0;
+        if (!bad) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) q |= e4m3_bits(round_e4m3(fminf(fmaxf(v[i] / sc, -448.f), 448.f))) << (8 * i);
+        }
+        *(unsigned*)(d + b * 128 + 4 * lane) = q;
+        if (lane == 0) p.scales[(size_t)r * p.scale_pitch + b] = bad ? MM_NAN : sc;
+    }
+}
+
 extern "C" __global__ void moe_quant_rows(const __grid_constant__ QuantRowsParams p)
 {
     const int r = blockIdx.x;
     if (r >= (int)p.offsets[p.experts]) return;
     const int K = p.k, cols = p.cols, mode = p.mode;
     const bf16_t* __restrict__ src = p.src;
-    bf16_t* __restrict__ dst = p.dst;
+    bf16_t* __restrict__ dst = (bf16_t*)p.dst;
     const unsigned slot = p.perm[r];
     const int e = p.topk_ids[slot] - p.expert_base;
     const int srow = p.gather ? (int)(slot / (unsigned)K) : r;
     const bf16_t* s = src + (size_t)srow * cols;
     bf16_t* d = dst + (size_t)r * cols;
+    if (mode == QUANT_FP8_E4M3) {
+        quant_fp8_e4m3_row(p, s, r);
+        return;
+    }
     if (mode == QUANT_COPY) {
         const uint4* s4 = (const uint4*)s;
         uint4* d4 = (uint4*)d;
