@@ -61,8 +61,7 @@ pub struct ForwardBench {
     /// Token counts to time (comma-separated; default 1 on the CPU, 1,8,64,512,4096,16384 on CUDA).
     #[arg(long, value_delimiter = ',')]
     pub tokens: Option<Vec<usize>>,
-    /// Execution mode.
-    #[arg(long, default_value = "w4a16")]
+    #[arg(long, default_value = "w4a16", help = megamoe::forward::MODE_HELP)]
     pub mode: megamoe::forward::Mode,
     /// Backend: cpu, cuda or auto.
     #[arg(long, default_value = "cpu")]

@@ -35,8 +35,7 @@ pub struct Args {
     /// Backend: auto (CUDA when usable, else the CPU), cpu or cuda.
     #[arg(long, default_value = "auto")]
     pub backend: BackendKind,
-    /// Execution mode.
-    #[arg(long, default_value = "w4a16")]
+    #[arg(long, default_value = "w4a16", help = megamoe::forward::MODE_HELP)]
     pub mode: Mode,
     /// Tokens per forward (default: 4 on the CPU, 32 on a GPU).
     #[arg(long)]

@@ -14,8 +14,7 @@ pub struct Args {
     /// Output safetensors (written): `y` F32 [T, H], `topk_ids` I32 [T, k], `topk_weights` F32 [T, k].
     #[arg(long)]
     pub output: PathBuf,
-    /// Execution mode: w4a16 (exact), w4a8 (DeepSeek FP8 activations), w4a4 (NVFP4 activations).
-    #[arg(long, default_value = "w4a16")]
+    #[arg(long, default_value = "w4a16", help = megamoe::forward::MODE_HELP)]
     pub mode: Mode,
     /// Backend: cpu, cuda or auto (CUDA when usable, else the CPU).
     #[arg(long, default_value = "auto")]

@@ -53,8 +53,7 @@ pub struct Args {
     /// Backend: cpu, cuda or auto (CUDA when usable, else the CPU).
     #[arg(long, default_value = "auto")]
     pub backend: BackendKind,
-    /// Execution mode.
-    #[arg(long, default_value = "w4a16")]
+    #[arg(long, default_value = "w4a16", help = megamoe::forward::MODE_HELP)]
     pub mode: Mode,
     /// CUDA: also capture the whole model as one CUDA graph and time its replays.
     #[arg(long)]

@@ -275,12 +275,22 @@ pub fn pack_l2(w2: &ExpertProj) -> Result<Packed> {
     pack_experts(w2.experts, h, w2.cols, &rows, |x| Ok(vec![mxfp4(w2, x, "w2")?]))
 }
 
+/// Consumer warpgroups of the W4A8 kernels: each owns one (m64 weight block, 64-token half) of
+/// the CTA tile.
+pub const CONSUMERS: usize = 4;
+
+/// 128-row weight groups one CTA of token tile `nt` covers: the consumers' m64 blocks
+/// (`CONSUMERS / (nt / 64)`), two per group.
+pub fn groups_per_cta(nt: usize) -> usize {
+    CONSUMERS / (nt / 64) / 2
+}
+
 /// Bytes of one stage of the W4A8 kernels for token tile `nt`: the e4m3 token tile (`nt` rows x
 /// 128 bytes, 128B-swizzled), the tile's activation scales (`nt` rows x the 4 blocks of the
-/// 16-byte column group holding the chunk's block) and one group's 8 weight blocks, rounded to the
-/// swizzle's 1024-byte alignment.
+/// 16-byte column group holding the chunk's block) and the CTA's groups of 8 weight blocks, rounded
+/// to the swizzle's 1024-byte alignment.
 pub fn stage_bytes(nt: usize) -> usize {
-    (nt * CHUNK_K + SCALE_BYTES + GROUP_SLABS * BLOCK_BYTES).div_ceil(1024) * 1024
+    (nt * CHUNK_K + SCALE_BYTES + groups_per_cta(nt) * GROUP_SLABS * BLOCK_BYTES).div_ceil(1024) * 1024
 }
 
 /// Bytes a stage reserves for the token tile's activation scales (up to 128 rows x 4 f32).

@@ -19,8 +19,8 @@ use crate::error::Result;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Threads of the kernels: a producer warpgroup and two consumer warpgroups.
-const THREADS: u32 = 384;
+/// Threads of the kernels: a producer warpgroup and the consumer warpgroups.
+const THREADS: u32 = 128 * (1 + layout::CONSUMERS as u32);
 
 /// The module: the kernel source plus one instantiation per token tile.
 pub fn module_spec() -> ModuleSpec {
@@ -140,7 +140,7 @@ impl W4a8Experts {
     }
 
     fn cfg(l: &GemmLaunch, rows: usize) -> LaunchCfg {
-        let groups = padded_rows(rows) / GROUP_ROWS;
+        let groups = (padded_rows(rows) / GROUP_ROWS).div_ceil(layout::groups_per_cta(l.block_m));
         LaunchCfg::grid((l.looping_grid(), groups as u32, 1), layout::smem_bytes(l.block_m))
     }
 

@@ -16,28 +16,36 @@
 //   boxes of 4 blocks x NT rows (16 bytes: the smallest inner extent TMA takes) holding the chunk's.
 // - Outputs as gemm_tc.cu: L1 act [rows, I] bf16 (clamped SwiGLU x routing weight), L2 [rows, H] f32.
 //
-// Tiling: CTA = 384 threads, one 128-row group (blockIdx.y) x tiles of NT tokens (blockIdx.x, +
-// gridDim.x, ...). Warpgroup 0 is the producer (one thread issues every copy; setmaxnreg gives its
-// registers away), warpgroups 1 and 2 the consumers, each owning one m64 block (slabs 4 cw ..
-// 4 cw + 3) and the whole token tile as N.
-// Pipeline: ring of ST stages [token tile NT x 128 B | NT x 4 f32 scales (2 KB) | 8 weight blocks],
-// full / empty mbarriers (empty: one arrival per consumer warp). A consumer's work is a sequence of
-// units (128-k chunk, 64-token half): four m64n64k32 QGMMAs into one of two unit accumulators (the
-// first with scale-d 0). After issuing unit u it retires unit u - 1 (wait_group 1) and promotes it:
-// acc += unit_acc * (token's block scale) — the activation scale is per token and per 128-block, so
-// it cannot be folded into the operands; promotion at every block also bounds the FP8 MMA's
-// reduced-precision accumulation to 128 products — then releases a finished chunk's stage and
-// decodes the next chunk's A registers, all while unit u runs. Fixed k order: bitwise reproducible.
+// Tiling: CTA = 640 threads over 256 weight rows x NT tokens: warpgroup 0 is the producer (one
+// thread issues every copy; setmaxnreg gives its registers away), warpgroups 1..4 the consumers,
+// each owning one (m64 weight block, 64-token half) of the CTA tile: NT = 64 tiles take 4 m64 blocks
+// (two 128-row groups, blockIdx.y = group pair) x 1 half, NT = 128 tiles 2 blocks (one group) x 2
+// halves. Every consumer does the same work per 128-k chunk: decode its block's A registers, four
+// m64n64k32 QGMMAs, promote. Four consumers (16 warps, four per scheduler) hide each one's latency
+// chain: a consumer's own steps are serial (one unit accumulator, 112 registers a thread).
+// Pipeline: ring of ST stages [token tile NT x 128 B | NT x 4 f32 scales (2 KB) | the CTA's 16
+// weight blocks], full / empty mbarriers (empty: one arrival per consumer warp). Per chunk a
+// consumer waits for its stage, decodes (the raw words of the next chunk are loaded while the
+// QGMMAs run), issues the QGMMAs into its unit accumulator (the first with scale-d 0), waits, and
+// promotes: acc += unit_acc * (token's block scale) — the activation scale is per token and per
+// 128-block, so it cannot be folded into the operands; promotion at every block also bounds the FP8
+// MMA's reduced-precision accumulation to 128 products — then releases the stage. Fixed k order:
+// bitwise reproducible.
 
-#define W8_THREADS 384
-constexpr int W8_PRODUCER_REGS = 40, W8_CONSUMER_REGS = 232;
+#define W8_THREADS 640
+constexpr int W8_CONSUMERS = 4;
+// Registers a thread after the hand-over: 128 x 32 + 512 x 112 = 640 x 96 (the entry count).
+constexpr int W8_PRODUCER_REGS = 32, W8_CONSUMER_REGS = 112;
 constexpr int W8_BLK = 1088, W8_CODE_BYTES = 1024, W8_SCALE_BYTES = 2048;
 
 template <int NT>
 struct W8Shape {
+    static constexpr int HALVES = NT / 64;                 // 64-token halves of the tile
+    static constexpr int BLOCKS = W8_CONSUMERS / HALVES;   // m64 weight blocks of the CTA
+    static constexpr int GROUPS = BLOCKS / 2;              // 128-row groups of the CTA
     static constexpr int T_BYTES = NT * 128;
     static constexpr int W_GROUP = 8 * W8_BLK;
-    static constexpr int STAGE = (T_BYTES + W8_SCALE_BYTES + W_GROUP + 1023) / 1024 * 1024;   // = w4a8::stage_bytes
+    static constexpr int STAGE = (T_BYTES + W8_SCALE_BYTES + GROUPS * W_GROUP + 1023) / 1024 * 1024;   // = w4a8::stage_bytes
 };
 
 // Two e4m3 registers (lo, hi) of one code word under exponent byte x (gpu_layout::w4a8::decode_word).
@@ -49,13 +57,22 @@ __device__ __forceinline__ void w8_decode_word(unsigned w, unsigned x, unsigned&
     hi = __byte_perm(t0, t1, m >> 16) | (w & 0x80808080u);
 }
 
-// The A registers of one chunk (four k32 steps) of this lane's slab from its stage.
-__device__ __forceinline__ void w8_decode(const unsigned char* lane_codes, const unsigned char* lane_x,
-                                          unsigned (&a)[4][4])
+// This lane's raw slice of one (slab, chunk) block: its eight code words and eight exponent bytes.
+struct W8Raw {
+    uint4 c0, c1;
+    uint2 xs;
+};
+
+__device__ __forceinline__ W8Raw w8_load(const unsigned char* lane_codes, const unsigned char* lane_x)
 {
-    const uint4 c0 = *(const uint4*)lane_codes, c1 = *(const uint4*)(lane_codes + 16);
-    const uint2 xs = *(const uint2*)lane_x;
-    const unsigned w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    return W8Raw{*(const uint4*)lane_codes, *(const uint4*)(lane_codes + 16), *(const uint2*)lane_x};
+}
+
+// The A registers of one chunk (four k32 steps) from this lane's raw slice.
+__device__ __forceinline__ void w8_decode(const W8Raw& r, unsigned (&a)[4][4])
+{
+    const uint2 xs = r.xs;
+    const unsigned w[8] = {r.c0.x, r.c0.y, r.c0.z, r.c0.w, r.c1.x, r.c1.y, r.c1.z, r.c1.w};
     #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const unsigned xw = p < 2 ? xs.x : xs.y;
@@ -81,93 +98,42 @@ struct W8Ring {
     unsigned long long* empty;
     int stages, stage_bytes, t_bytes;
     int code_off, x_off;                 // this lane's codes and exponent bytes inside a stage
+    int half;                            // the consumer's 64-token half of the tile
 
     __device__ __forceinline__ void wait_full(unsigned c) const {
         mbar_wait(smem_u32(&full[c % stages]), (c / stages) & 1);
     }
     // This warp is done with chunk c's stage (its QGMMAs retired, its loads in registers): each of
-    // the 8 consumer warps arrives once, then the producer may refill it.
+    // the 16 consumer warps arrives once, then the producer may refill it.
     __device__ __forceinline__ void release(unsigned c) const {
         __syncwarp();
         if ((threadIdx.x & 31) == 0) mbar_arrive(smem_u32(&empty[c % stages]));
     }
-    __device__ __forceinline__ void decode(unsigned c, unsigned (&a)[4][4]) const {
+    __device__ __forceinline__ W8Raw load(unsigned c) const {
         const unsigned char* st = gbase + (c % stages) * stage_bytes;
-        w8_decode(st + code_off, st + x_off, a);
+        return w8_load(st + code_off, st + x_off);
     }
-    // Stage c's scales of 128-block kc (its chunk within the tile): token n's at [4 n].
+    // Stage c's scales of 128-block kc (its chunk within the tile) for this half: token n's at [4 n].
     __device__ __forceinline__ const float* scales(unsigned c, int kc) const {
-        return (const float*)(gbase + (c % stages) * stage_bytes + t_bytes) + (kc & 3);
+        return (const float*)(gbase + (c % stages) * stage_bytes + t_bytes) + 4 * 64 * half + (kc & 3);
     }
 };
 
-// A unit is (chunk, 64-token half): four m64n64k32 QGMMAs into a unit accumulator, the first with
-// scale-d 0. Units alternate between two accumulators, so unit u + 1 is issued before unit u is
-// promoted: the tensor pipe always has the next unit queued.
-__device__ __forceinline__ void w8_issue(const W8Ring& r, float (&cacc)[8][4], const unsigned (&a)[4][4],
-                                         unsigned c, int half)
+// Four m64n64k32 QGMMAs of chunk c over this consumer's half into uacc (the first with scale-d 0).
+__device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[8][4], const unsigned (&a)[4][4], unsigned c)
 {
     // +32 bytes per k32 step; the second half's tokens are 64 rows (8 swizzle atoms) further.
-    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes) + half * 512;
+    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes) + r.half * 512;
     wgmma_fence();
-    wgmma_m64n64k32_e4m3_first(cacc, a[0], desc);
-    wgmma_m64n64k32_e4m3(cacc, a[1], desc + 2);
-    wgmma_m64n64k32_e4m3(cacc, a[2], desc + 4);
-    wgmma_m64n64k32_e4m3(cacc, a[3], desc + 6);
+    wgmma_m64n64k32_e4m3_first(uacc, a[0], desc);
+    wgmma_m64n64k32_e4m3(uacc, a[1], desc + 2);
+    wgmma_m64n64k32_e4m3(uacc, a[2], desc + 4);
+    wgmma_m64n64k32_e4m3(uacc, a[3], desc + 6);
     wgmma_commit();
 }
 
-// acc (tokens of half `half`) += cacc * each token's activation scale of chunk c (block kc).
-template <int NT>
-__device__ __forceinline__ void w8_promote(const W8Ring& r, float (&acc)[NT / 8][4], float (&cacc)[8][4],
-                                           unsigned c, int kc, int half)
-{
-    wgmma_fence_acc(cacc);
-    const float* sc = r.scales(c, kc) + 4 * 64 * half;
-    const int t = threadIdx.x & 3;
-    #pragma unroll
-    for (int jn = 0; jn < 8; ++jn) {
-        const float s0 = sc[4 * (8 * jn + 2 * t)], s1 = sc[4 * (8 * jn + 2 * t + 1)];
-        float (&d)[4] = acc[(NT == 128 ? 8 * half : 0) + jn];
-        d[0] = fmaf(cacc[jn][0], s0, d[0]);
-        d[1] = fmaf(cacc[jn][1], s1, d[1]);
-        d[2] = fmaf(cacc[jn][2], s0, d[2]);
-        d[3] = fmaf(cacc[jn][3], s1, d[3]);
-    }
-}
-
-// Chunk kc of a tile (absolute chunk c0 + kc) with its A registers in a[BUF]: its H = NT / 64 units
-// are issued; after each issue the previous unit (the chunk's previous half, or the last half of
-// chunk kc - 1) is retired (wait_group 1), promoted and, at a chunk's end, released. When NEXT, the
-// next chunk's A registers are decoded into a[BUF ^ 1] (free: chunk kc - 1 has retired).
-template <int NT, int BUF, bool NEXT>
-__device__ __forceinline__ void w8_chunk(const W8Ring& r, float (&acc)[NT / 8][4], float (&cacc)[2][8][4],
-                                         unsigned (&a)[2][4][4], unsigned c0, int kc)
-{
-    constexpr int H = NT / 64;
-    const unsigned c = c0 + kc;
-    #pragma unroll
-    for (int h = 0; h < H; ++h) {
-        const int cb = (H == 2) ? h : BUF;          // compile-time after unrolling
-        if (cb == 0) w8_issue(r, cacc[0], a[BUF], c, h);
-        else w8_issue(r, cacc[1], a[BUF], c, h);
-        wgmma_wait<1>();
-        if (h == 0) w8_fence_a(a[BUF ^ 1]);
-        if (h > 0 || kc > 0) {
-            const unsigned pc = h > 0 ? c : c - 1;
-            const int pk = h > 0 ? kc : kc - 1, ph = h > 0 ? h - 1 : H - 1;
-            if (cb == 0) w8_promote<NT>(r, acc, cacc[1], pc, pk, ph);
-            else w8_promote<NT>(r, acc, cacc[0], pc, pk, ph);
-            if (h == 0) r.release(pc);
-        }
-    }
-    if constexpr (NEXT) {
-        r.wait_full(c + 1);
-        r.decode(c + 1, a[BUF ^ 1]);
-    }
-}
-
-// Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one m64 block.
+// Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one consumer's
+// (m64 block, 64-token half): tokens m0 .. m0 + mc of the half.
 template <int NT, int ST, bool L1, typename Store>
 __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& amap, const TmaDesc& smap, Store store)
 {
@@ -180,12 +146,12 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     const int K = L1 ? g.h : g.inter;
     const int groups = (R + 127) / 128;
     const int nch = K / 128;
-    const int G = blockIdx.y;
+    const int G0 = blockIdx.y * S::GROUPS;
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
             mbar_init(smem_u32(&full[s]), 1);
-            mbar_init(smem_u32(&empty[s]), 8);      // every consumer warp
+            mbar_init(smem_u32(&empty[s]), 4 * W8_CONSUMERS);   // every consumer warp
         }
         fence_mbar_init();
     }
@@ -193,75 +159,82 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     if (wg == 0) {
         setmaxnreg_dec<W8_PRODUCER_REGS>();
         if (threadIdx.x != 0) return;
+        // A CTA past an odd group count loads (and later stores) only the group that exists.
+        const int ng = min(S::GROUPS, groups - G0);
         const size_t expert_bytes = (size_t)groups * 8 * nch * W8_BLK;
         unsigned it = 0;
         for (int tile = blockIdx.x;; tile += gridDim.x) {
             int grp, m0, mend;
             if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
-            const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G * nch * S::W_GROUP;
+            const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * nch * S::W_GROUP;
             for (int c = 0; c < nch; ++c, ++it) {
                 const int s = it % ST;
                 const unsigned u = it / ST;
                 if (u > 0) mbar_wait(smem_u32(&empty[s]), (u - 1) & 1);
                 const unsigned fb = smem_u32(&full[s]);
                 const unsigned dst = base + s * S::STAGE;
-                mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 16 + S::W_GROUP);
+                mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 16 + ng * S::W_GROUP);
                 tma_load_2d(dst, &amap, c * 128, m0, fb);
                 tma_load_2d(dst + S::T_BYTES, &smap, c & ~3, m0, fb);
-                bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES, wsrc + (size_t)c * S::W_GROUP, S::W_GROUP, fb);
+                for (int gi = 0; gi < ng; ++gi)
+                    bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + gi * S::W_GROUP,
+                             wsrc + ((size_t)gi * nch + c) * S::W_GROUP, S::W_GROUP, fb);
             }
         }
     }
     setmaxnreg_inc<W8_CONSUMER_REGS>();
     const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const int slab = 4 * cw + warp;                    // slab of the group = its block in the stage
-    const int blk = S::T_BYTES + W8_SCALE_BYTES + slab * W8_BLK;
+    const int block = cw % S::BLOCKS, half = cw / S::BLOCKS;
+    const int slab = 4 * block + warp;                 // slab of the CTA = its block in the stage
+    // A consumer of the missing group of an odd count idles (still releasing its stages).
+    const bool live = G0 * 8 + slab < groups * 8;
+    const int blk = S::T_BYTES + W8_SCALE_BYTES + (live ? slab : 0) * W8_BLK;
     const W8Ring ring{base, gbase, full, empty, ST, S::STAGE, S::T_BYTES,
-                      blk + lane * 32, blk + W8_CODE_BYTES + (lane >> 2) * 8};
-    constexpr int H = NT / 64;
-    float cacc[2][8][4];                               // unit accumulators (written by each unit's first QGMMA)
+                      blk + lane * 32, blk + W8_CODE_BYTES + (lane >> 2) * 8, half};
+    const int t = lane & 3;
     unsigned it = 0;
     for (int tile = blockIdx.x;; tile += gridDim.x) {
         int grp, m0, mend;
         if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
-        const int mc = min(mend - m0, NT);
-        float acc[NT / 8][4];
+        const int mc = min(mend - m0 - 64 * half, 64);
+        float acc[8][4], uacc[8][4];
         #pragma unroll
-        for (int i = 0; i < NT / 8; ++i)
+        for (int i = 0; i < 8; ++i)
             #pragma unroll
             for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
-        unsigned a[2][4][4];
         ring.wait_full(it);
-        ring.decode(it, a[0]);
-        int kc = 0;
-        for (; kc + 2 < nch; kc += 2) {
-            w8_chunk<NT, 0, true>(ring, acc, cacc, a, it, kc);
-            w8_chunk<NT, 1, true>(ring, acc, cacc, a, it, kc + 1);
+        W8Raw raw = ring.load(it);
+        for (int kc = 0; kc < nch; ++kc) {
+            const unsigned c = it + kc;
+            unsigned a[4][4];
+            w8_decode(raw, a);
+            w8_issue(ring, uacc, a, c);
+            if (kc + 1 < nch) {                        // the next chunk's raw words, while the QGMMAs run
+                ring.wait_full(c + 1);
+                raw = ring.load(c + 1);
+            }
+            wgmma_wait<0>();
+            wgmma_fence_acc(uacc);
+            w8_fence_a(a);
+            const float* sc = ring.scales(c, kc);
+            #pragma unroll
+            for (int jn = 0; jn < 8; ++jn) {
+                const float s0 = sc[4 * (8 * jn + 2 * t)], s1 = sc[4 * (8 * jn + 2 * t + 1)];
+                acc[jn][0] = fmaf(uacc[jn][0], s0, acc[jn][0]);
+                acc[jn][1] = fmaf(uacc[jn][1], s1, acc[jn][1]);
+                acc[jn][2] = fmaf(uacc[jn][2], s0, acc[jn][2]);
+                acc[jn][3] = fmaf(uacc[jn][3], s1, acc[jn][3]);
+            }
+            ring.release(c);
         }
-        // The last one or two chunks; then the tile's last unit (in cacc[1] unless one chunk of
-        // one half ends the tile) retires.
-        const bool pair = kc + 2 == nch;
-        if (pair) {
-            w8_chunk<NT, 0, true>(ring, acc, cacc, a, it, kc);
-            w8_chunk<NT, 1, false>(ring, acc, cacc, a, it, kc + 1);
-        } else {
-            w8_chunk<NT, 0, false>(ring, acc, cacc, a, it, kc);
-        }
-        wgmma_wait<0>();
-        w8_fence_a(a[0]);
-        w8_fence_a(a[1]);
-        if (H == 2 || pair) w8_promote<NT>(ring, acc, cacc[1], it + nch - 1, nch - 1, H - 1);
-        else w8_promote<NT>(ring, acc, cacc[0], it + nch - 1, nch - 1, H - 1);
-        ring.release(it + nch - 1);
         it += nch;
-        store(acc, grp, m0, mc, G * 8 + slab);
+        if (live && mc > 0) store(acc, grp, m0 + 64 * half, mc, G0 * 8 + slab);
     }
 }
 
 // L1 epilogue of one slab: gate/up of column 8 gslab + g (packed rows 16 gslab + g, + 8) times their
 // row alphas, clamped SwiGLU x routing weight.
-template <int NT>
-__device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (&acc)[NT / 8][4], int grp, int m0,
+__device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (&acc)[8][4], int grp, int m0,
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
@@ -271,7 +244,7 @@ __device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (
     const float* ra = g.alpha_w + (size_t)grp * ((2 * I + 127) / 128 * 128) + gslab * 16 + gi;
     const float ag = ra[0], au = ra[8];
     #pragma unroll
-    for (int jn = 0; jn < NT / 8; ++jn)
+    for (int jn = 0; jn < 8; ++jn)
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;
@@ -283,8 +256,7 @@ __device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (
 }
 
 // L2 epilogue of one slab: output rows 16 gslab + g and + 8 times their row alphas, f32.
-template <int NT>
-__device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (&acc)[NT / 8][4], int grp, int m0,
+__device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (&acc)[8][4], int grp, int m0,
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
@@ -293,7 +265,7 @@ __device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (
     const float* ra = g.alpha_w + (size_t)grp * ((H + 127) / 128 * 128) + h0;
     const float a0 = h0 < H ? ra[0] : 0.f, a1 = h0 + 8 < H ? ra[8] : 0.f;
     #pragma unroll
-    for (int jn = 0; jn < NT / 8; ++jn)
+    for (int jn = 0; jn < 8; ++jn)
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;
@@ -309,13 +281,13 @@ __device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (
 #define W8_KERNELS(NT, ST)                                                                                \
     extern "C" __global__ void __launch_bounds__(W8_THREADS, 1) moe_w8_l1_n##NT(const __grid_constant__ W8L1Params p) \
     {                                                                                                     \
-        w8_gemm<NT, ST, true>(p.l1.g, p.amap, p.smap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
-            w8_store_l1<NT>(p.l1, acc, grp, m0, mc, gs);                                                  \
+        w8_gemm<NT, ST, true>(p.l1.g, p.amap, p.smap, [&](const float (&acc)[8][4], int grp, int m0, int mc, int gs) { \
+            w8_store_l1(p.l1, acc, grp, m0, mc, gs);                                                      \
         });                                                                                               \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(W8_THREADS, 1) moe_w8_l2_n##NT(const __grid_constant__ W8L2Params p) \
     {                                                                                                     \
-        w8_gemm<NT, ST, false>(p.l2.g, p.amap, p.smap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
-            w8_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
+        w8_gemm<NT, ST, false>(p.l2.g, p.amap, p.smap, [&](const float (&acc)[8][4], int grp, int m0, int mc, int gs) { \
+            w8_store_l2(p.l2, acc, grp, m0, mc, gs);                                                      \
         });                                                                                               \
     }

@@ -15,7 +15,8 @@
 // the stored value is q*bs (exact in bf16), gs is applied later as an fp32 alpha in the GEMM.
 // NaN as torch: a NaN anywhere in a quantization block makes the whole block NaN (its amax, and so
 // its scale, is NaN); in mode 1 an Inf makes the scale inf and the whole block NaN (0 * inf, inf / inf).
-// Tiling: one CTA (256 threads) per plan row; each thread owns whole quantization blocks.
+// Tiling: one CTA (256 threads) per plan row; FP8: a warp per 128-block (4 values a lane, the amax
+// by shuffles); NVFP4: each thread owns whole 16-blocks.
 //
 // moe_combine: l2 [rows, H] f32 in plan-row order, row_of_slot [S] u32, shared_out [T, H] f32
 // (nullable), y [T, H] f32 or bf16. y[t] = sum over j = 0..K-1 in order of l2[row_of_slot[t*K + j]]
@@ -43,11 +44,25 @@ __device__ __forceinline__ unsigned e4m3_bits(float v) {
     return s | ((((u >> 23) & 0xffu) - 120u) << 3) | ((u >> 20) & 7u);
 }
 
-// One row in QUANT_FP8_E4M3: warp w takes blocks w, w + 8, ...; lane l values 4l .. 4l + 3.
-__device__ __forceinline__ void quant_fp8_e4m3_row(const QuantRowsParams& p, const bf16_t* s, int r)
+// Two values already clamped to +-448 as e4m3 bytes (hi << 8 | lo), round to nearest even: the
+// hardware conversion on sm_89+, else the bit-exact software rounding.
+__device__ __forceinline__ unsigned e4m3x2_bits(float hi, float lo) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return e4m3_bits(round_e4m3(hi)) << 8 | e4m3_bits(round_e4m3(lo));
+#endif
+}
+
+// One row of DeepSeek's act_quant (QUANT_FP8_ACT: the bf16 of the quantize-dequantized values;
+// QUANT_FP8_E4M3 with CODES: e4m3 bytes and the block scales): warp w takes blocks w, w + 8, ...;
+// lane l values 4l .. 4l + 3.
+template <bool CODES>
+__device__ __forceinline__ void quant_fp8_row(const QuantRowsParams& p, const bf16_t* s, int r)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    u8* d = (u8*)p.dst + (size_t)r * p.cols;
     for (int b = warp; b < p.cols / 128; b += blockDim.x >> 5) {
         const uint2 raw = *(const uint2*)(s + b * 128 + 4 * lane);
         const float v[4] = {bf2f((bf16_t)raw.x), bf2f((bf16_t)(raw.x >> 16)), bf2f((bf16_t)raw.y),
@@ -63,13 +78,23 @@ __device__ __forceinline__ void quant_fp8_e4m3_row(const QuantRowsParams& p, con
         amax = warp_max(amax);
         bad = __any_sync(0xffffffffu, bad);
         const float sc = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-        unsigned q = 0;
-        if (!bad) {
+        // sc is a power of two in 2^-22 .. 2^127: 1 / sc is exact, so x * (1 / sc) rounds as x / sc.
+        const float inv = 1.f / sc;
+        float c[4];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) c[i] = fminf(fmaxf(v[i] * inv, -448.f), 448.f);
+        if constexpr (CODES) {
+            const unsigned q = bad ? 0u : (e4m3x2_bits(c[1], c[0]) | e4m3x2_bits(c[3], c[2]) << 16);
+            *(unsigned*)((u8*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = q;
+            if (lane == 0) p.scales[(size_t)r * p.scale_pitch + b] = bad ? MM_NAN : sc;
+        } else {
+            // A NaN or Inf makes the whole block NaN (its scale is NaN or inf: 0 * inf, inf / inf).
+            bf16_t o[4];
             #pragma unroll
-            for (int i = 0; i < 4; ++i) q |= e4m3_bits(round_e4m3(fminf(fmaxf(v[i] / sc, -448.f), 448.f))) << (8 * i);
+            for (int i = 0; i < 4; ++i) o[i] = f2bf(bad ? MM_NAN : round_e4m3(c[i]) * sc);
+            *(uint2*)((bf16_t*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) =
+                make_uint2(o[0] | (unsigned)o[1] << 16, o[2] | (unsigned)o[3] << 16);
         }
-        *(unsigned*)(d + b * 128 + 4 * lane) = q;
-        if (lane == 0) p.scales[(size_t)r * p.scale_pitch + b] = bad ? MM_NAN : sc;
     }
 }
 
@@ -85,33 +110,15 @@ extern "C" __global__ void moe_quant_rows(const __grid_constant__ QuantRowsParam
     const int srow = p.gather ? (int)(slot / (unsigned)K) : r;
     const bf16_t* s = src + (size_t)srow * cols;
     bf16_t* d = dst + (size_t)r * cols;
-    if (mode == QUANT_FP8_E4M3) {
-        quant_fp8_e4m3_row(p, s, r);
+    if (mode == QUANT_FP8_E4M3 || mode == QUANT_FP8_ACT) {
+        if (mode == QUANT_FP8_E4M3) quant_fp8_row<true>(p, s, r);
+        else quant_fp8_row<false>(p, s, r);
         return;
     }
     if (mode == QUANT_COPY) {
         const uint4* s4 = (const uint4*)s;
         uint4* d4 = (uint4*)d;
         for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) d4[i] = s4[i];
-        return;
-    }
-    if (mode == QUANT_FP8_ACT) {
-        for (int b = threadIdx.x; b < cols / 128; b += blockDim.x) {
-            const bf16_t* sb = s + b * 128;
-            bool nan;
-            const float amax = block_amax(sb, 128, nan);
-            if (nan) {
-                for (int i = 0; i < 128; ++i) d[b * 128 + i] = f2bf(MM_NAN);
-                continue;
-            }
-            // amax = +inf gives sc = inf: finite elements 0 * inf and the Inf inf / inf are NaN.
-            float sc = pow2_ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-            for (int i = 0; i < 128; ++i) {
-                float v = bf2f(sb[i]) / sc;
-                if (v == v) v = fminf(fmaxf(v, -448.f), 448.f);   // fmaxf would turn NaN into -448
-                d[b * 128 + i] = f2bf(round_e4m3(v) * sc);
-            }
-        }
         return;
     }
     const float gs = p.in_scale[e];
