@@ -29,7 +29,7 @@ pub const GEMM_SIMT: &str = include_str!("kernels/gemm_simt.cu");
 /// The tensor-core GEMM family's source (compiled per weight format).
 pub const GEMM_TC: &str = include_str!("kernels/gemm_tc.cu");
 
-/// Device code shared by the tensor-core and W4A8 GEMM sources (prepended to both).
+/// Device code shared by the GEMM sources (prepended to each).
 pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 
 /// The Hopper FP8 W4A8 GEMM source (MXFP4 experts, e4m3 activations).

@@ -68,7 +68,7 @@ fn module_spec(f: SimtFormat) -> ModuleSpec {
     }
     ModuleSpec {
         name: format!("gemm_simt-{f:?}").to_lowercase(),
-        sources: vec![runtime::GEMM_SIMT.into()],
+        sources: vec![runtime::GEMM_COMMON.into(), runtime::GEMM_SIMT.into()],
         defines,
     }
 }

@@ -248,6 +248,14 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[64/8][4], const 
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
+// Keeps the compiler from reusing A registers (four k-steps' fragments) that an in-flight wgmma
+// still reads.
+__device__ __forceinline__ void wgmma_fence_a(unsigned (&a)[4][4]) {
+    #pragma unroll
+    for (int q = 0; q < 4; ++q)
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[q][r]) :: "memory");
+}
 // Keeps the compiler from moving reads or writes of the accumulators across a wgmma wait.
 template <int N>
 __device__ __forceinline__ void wgmma_fence_acc(float (&d)[N][4]) {

@@ -1,5 +1,5 @@
 // gemm_common.cuh — device code shared by the grouped-GEMM families that read the plan's tile table
-// (prepended after params.cuh to gemm_tc.cu and gemm_w4a8.cu).
+// (prepended after params.cuh to gemm_tc.cu, gemm_w4a8.cu and gemm_simt.cu).
 //
 // Data layouts: the tile table of the plan (`GemmOperands::tiles`, `[*][2]` = (local expert, first
 // row), `num_tiles` on the device) or, for a dense GEMM, tiles of NT consecutive rows.

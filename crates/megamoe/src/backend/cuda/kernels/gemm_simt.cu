@@ -117,25 +117,6 @@ __device__ __forceinline__ void load_a_tile(float (*As)[BM + 1], const GemmOpera
     }
 }
 
-// Resolves this CTA's tile; false when it has none (early exit, uniform over the CTA).
-template <int BM>
-__device__ __forceinline__ bool tile_of(const GemmOperands& go, int& g, int& m0, int& mend)
-{
-    const int t = blockIdx.x;
-    if (go.tiles) {
-        if (t >= *go.num_tiles) return false;
-        g = go.tiles[2 * t];
-        m0 = go.tiles[2 * t + 1];
-        mend = (int)go.offsets[g + 1];
-    } else {
-        g = 0;
-        m0 = t * BM;
-        if (m0 >= go.dense_rows) return false;
-        mend = go.dense_rows;
-    }
-    return true;
-}
-
 template <int WF>
 __device__ __forceinline__ size_t w_group_bytes(size_t R, int K) {
     return (WF == WF_NVFP4 || WF == WF_MXFP4) ? R * (K / 2) : (WF == WF_BF16 ? R * K * 2 : R * K);
@@ -183,7 +164,7 @@ __device__ void gemm_l1(const GemmL1Params& p, float* __restrict__ gate_tr, floa
 {
     const GemmOperands& go = p.g;
     int g, m0, mend;
-    if (!tile_of<BM>(go, g, m0, mend)) return;
+    if (!gemm_tile<BM>(go, blockIdx.x, g, m0, mend)) return;   // this CTA's tile (uniform exit)
     const int H = go.h, I = go.inter;
     const size_t R = 2 * (size_t)I;
     const u8* wqg = go.wq + (size_t)g * w_group_bytes<WF>(R, H);
@@ -215,7 +196,7 @@ __device__ void gemm_l2(const GemmL2Params& p)
 {
     const GemmOperands& go = p.g;
     int g, m0, mend;
-    if (!tile_of<BM>(go, g, m0, mend)) return;
+    if (!gemm_tile<BM>(go, blockIdx.x, g, m0, mend)) return;   // this CTA's tile (uniform exit)
     const int H = go.h, I = go.inter;
     const u8* wqg = go.wq + (size_t)g * w_group_bytes<WF>((size_t)H, I);
     const u8* wsg = go.ws ? go.ws + (size_t)g * s_group_bytes<WF>((size_t)H, I) : go.ws;
@@ -397,7 +378,7 @@ __device__ void gemv_l1(const GemmL1Params& p, float* __restrict__ gate_tr, floa
 {
     const GemmOperands& go = p.g;
     int g, m0, mend;
-    if (!tile_of<GV_MT>(go, g, m0, mend)) return;
+    if (!gemm_tile<GV_MT>(go, blockIdx.x, g, m0, mend)) return;   // this CTA's tile (uniform exit)
     const int H = go.h, I = go.inter;
     const int mc = min(mend - m0, GV_MT);
     const size_t R = 2 * (size_t)I;
@@ -437,7 +418,7 @@ __device__ void gemv_l2(const GemmL2Params& p)
 {
     const GemmOperands& go = p.g;
     int g, m0, mend;
-    if (!tile_of<GV_MT>(go, g, m0, mend)) return;
+    if (!gemm_tile<GV_MT>(go, blockIdx.x, g, m0, mend)) return;   // this CTA's tile (uniform exit)
     const int H = go.h, I = go.inter;
     const int mc = min(mend - m0, GV_MT);
     const u8* wqg = go.wq + (size_t)g * w_group_bytes<WF>((size_t)H, I);

@@ -389,14 +389,6 @@ __device__ __forceinline__ void wg_mma(float (&acc)[NT / 8][4], const unsigned (
     else wgmma_m64n128k16(acc, a, desc);
 }
 
-// Keeps the compiler from reusing A registers that an in-flight wgmma still reads.
-__device__ __forceinline__ void wgmma_fence_a(unsigned (&a)[4][4]) {
-    #pragma unroll
-    for (int q = 0; q < 4; ++q)
-        #pragma unroll
-        for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[q][r]) :: "memory");
-}
-
 // One consumer warpgroup's view of the stage ring (chunks counted over the CTA's whole run).
 struct WgRing {
     unsigned base;                       // shared address of stage 0 (1024-aligned)

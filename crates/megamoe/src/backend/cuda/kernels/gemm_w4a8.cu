@@ -82,14 +82,6 @@ __device__ __forceinline__ void w8_decode(const W8Raw& r, unsigned (&a)[4][4])
     }
 }
 
-// Keeps the compiler from reusing A registers that an in-flight wgmma still reads.
-__device__ __forceinline__ void w8_fence_a(unsigned (&a)[4][4]) {
-    #pragma unroll
-    for (int q = 0; q < 4; ++q)
-        #pragma unroll
-        for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[q][r]) :: "memory");
-}
-
 // One consumer warp's view of the ring (chunks counted over the CTA's whole run).
 struct W8Ring {
     unsigned base;                       // shared address of stage 0 (1024-aligned)
@@ -215,7 +207,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             }
             wgmma_wait<0>();
             wgmma_fence_acc(uacc);
-            w8_fence_a(a);
+            wgmma_fence_a(a);
             const float* sc = ring.scales(c, kc);
             #pragma unroll
             for (int jn = 0; jn < 8; ++jn) {
