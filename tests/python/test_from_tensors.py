@@ -1,5 +1,6 @@
 """MoELayer.from_tensors: ModelOpt NVFP4 tensors stacked over experts (vLLM's w13 names or W1/W3
-apart; row-major, 128x4-swizzled or packed-u32 scales) give exactly the checkpoint's layer."""
+apart; row-major, 128x4-swizzled or packed-u32 scales) and the official MXFP4 release's tensors
+give exactly the checkpoint's layer."""
 
 from __future__ import annotations
 
@@ -146,3 +147,54 @@ def test_apply_router_weight_on_input_top1():
     want = m.experts(scaled, ids, np.ones_like(w))
     np.testing.assert_allclose(got, want, rtol=0, atol=0)
     assert np.abs(got - m.experts(x, ids, w)).max() > 0
+
+
+def mxfp4_tensors(layer: int, w13: bool):
+    """The mxfp4-tiny fixture's layer (official names: int8 codes, e8m0 ``.scale``) stacked."""
+    m = st.load(os.path.join(fixture_dir("mxfp4-tiny"), "model.safetensors"))
+    p = f"layers.{layer}.ffn."
+    ex = lambda w, part: np.stack([m[f"{p}experts.{e}.{w}.{part}"] for e in range(E)])  # noqa: E731
+    t = {"gate.weight": st.bf16_to_f32(m[f"{p}gate.weight"])}
+    for opt in ("bias", "tid2eid"):
+        if f"{p}gate.{opt}" in m:
+            t[f"gate.{opt}"] = m[f"{p}gate.{opt}"]
+    if w13:
+        t["w13_weight"] = np.concatenate([ex("w1", "weight"), ex("w3", "weight")], axis=1)
+        t["w13_weight_scale"] = np.concatenate([ex("w1", "scale"), ex("w3", "scale")], axis=1)
+    else:
+        for w in ("w1", "w3"):
+            t[f"{w}_weight"], t[f"{w}_weight_scale"] = ex(w, "weight"), ex(w, "scale")
+    t["w2_weight"], t["w2_weight_scale"] = ex("w2", "weight"), ex("w2", "scale")
+    for w in ("w1", "w2", "w3"):
+        t[f"shared.{w}.weight"] = st.bf16_to_f32(m[f"{p}shared_experts.{w}.weight"])
+    return t
+
+
+def mxfp4_config():
+    with open(os.path.join(fixture_dir("mxfp4-tiny"), "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("w13", [False, True])
+def test_mxfp4_tensors_equal_the_checkpoint(golden, layer, w13):
+    g = golden["mxfp4-tiny"]
+    x, ids = st.bf16_to_f32(g[f"{layer}.x"]), g["input_ids"]
+    for mode in ("w4a16", "w4a8"):
+        ref = megamoe.MoELayer.from_checkpoint(fixture_dir("mxfp4-tiny"), layer, device="cpu", mode=mode)
+        got = megamoe.MoELayer.from_tensors(mxfp4_config(), mxfp4_tensors(layer, w13), layer=layer,
+                                            device="cpu", mode=mode)
+        np.testing.assert_array_equal(got(x, ids), ref(x, ids))
+
+
+def test_mxfp4_tensors_refuse_nvfp4_only_options():
+    t = mxfp4_tensors(1, True)
+    with pytest.raises(ValueError, match=r"MXFP4 scales are row-major"):
+        megamoe.MoELayer.from_tensors(mxfp4_config(), t, layer=1, device="cpu", scale_layout="packed_u32")
+    t["w2_weight_scale"] = t["w2_weight_scale"][:, :, :2].copy()
+    with pytest.raises(ValueError, match=r"w2_weight_scale\"\]: shape \[16, 256, 2\], expected"):
+        megamoe.MoELayer.from_tensors(mxfp4_config(), t, layer=1, device="cpu")
+    t = mxfp4_tensors(1, True)
+    t["w2_input_scale"] = np.ones(E, np.float32)
+    with pytest.raises(ValueError, match=r"take no input scales"):
+        megamoe.MoELayer.from_tensors(mxfp4_config(), t, layer=1, device="cpu")

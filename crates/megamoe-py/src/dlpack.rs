@@ -140,7 +140,7 @@ pub enum Elem {
     I64,
     /// uint32 (four e4m3 scales per word).
     U32,
-    /// uint8, and the 8-bit float formats that cross as bytes (FP8 e4m3fn, e8m0).
+    /// uint8, and what crosses as bytes: int8 (the official MXFP4 codes), FP8 e4m3fn, e8m0.
     U8,
 }
 
@@ -159,7 +159,7 @@ impl Elem {
             (INT, 32) => Elem::I32,
             (INT, 64) => Elem::I64,
             (UINT, 32) => Elem::U32,
-            (UINT, 8) | (FLOAT8_E4M3FN, 8) | (FLOAT8_E8M0FNU, 8) => Elem::U8,
+            (UINT, 8) | (INT, 8) | (FLOAT8_E4M3FN, 8) | (FLOAT8_E8M0FNU, 8) => Elem::U8,
             _ => return None,
         })
     }

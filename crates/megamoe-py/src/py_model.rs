@@ -55,7 +55,7 @@ impl NativeModel {
         Ok(NativeModel { loaded: Arc::new(loaded), warnings })
     }
 
-    /// A one-layer model from host tensors (ModelOpt NVFP4 experts; names in the docs of
+    /// A one-layer model from host tensors (ModelOpt NVFP4 or MXFP4 experts; names in the docs of
     /// `megamoe.MoELayer.from_tensors`); `config` is a config.json as text.
     #[staticmethod]
     #[pyo3(signature = (config, layer, tensors, device="cuda:0", mode="w4a16", max_tokens=4096, expert_start=0, scale_layout="row_major"))]

@@ -1,6 +1,8 @@
-//! A layer from host tensors instead of a checkpoint: ModelOpt NVFP4 experts stacked along a
-//! leading expert axis, in vLLM's FusedMoE names (`w13_*` = gate rows then up rows) or with W1
-//! and W3 apart (`w1_*`, `w3_*`), plus the router and the shared expert.
+//! A layer from host tensors instead of a checkpoint: ModelOpt NVFP4 or MXFP4 experts stacked
+//! along a leading expert axis, in vLLM's FusedMoE names (`w13_*` = gate rows then up rows) or with
+//! W1 and W3 apart (`w1_*`, `w3_*`), plus the router and the shared expert. MXFP4 is recognised by
+//! the absence of every `*_weight_scale_2`: its `*_weight_scale` are e8m0 bytes `[E_l, rows,
+//! cols/32]`, row-major (the official release's `.scale`), and it has no input scales.
 //!
 //! | name | shape | dtype |
 //! |---|---|---|
@@ -12,6 +14,8 @@
 //! | `w13_weight_scale_2` or `w1_…`, `w3_…` | `[E_l]` or `[E_l, 2]` | float32 |
 //! | `w13_input_scale` or `w1_…` (optional; W4A4) | `[E_l]` or `[E_l, 2]` (max taken) | float32 |
 //! | `w2_weight`, `w2_weight_scale`, `w2_weight_scale_2`, `w2_input_scale` | `[E_l, H, I/2]`, `[E_l, H, I/16]`, `[E_l]`, `[E_l]` | as above |
+//! | MXFP4: `w13_weight` / `w1_`, `w3_`, `w2_weight` | as NVFP4 | uint8 / int8 |
+//! | MXFP4: `w13_weight_scale` / `w1_`, `w3_`, `w2_weight_scale` | `[E_l, rows, cols/32]` | uint8 / float8_e8m0fnu |
 //! | `shared.w{1,2,3}.weight` (optional) | `[I_s, H]`, `[H, I_s]`, `[I_s, H]` | bfloat16 / float32, or uint8 (FP8 e4m3) |
 //! | `shared.w{1,2,3}.weight_scale_inv` (FP8 shared expert) | `[ceil(rows/128), ceil(cols/128)]` | float32 |
 //!
@@ -168,6 +172,47 @@ fn proj(
     }
 }
 
+/// Whether the experts are MXFP4 (no `*_weight_scale_2` anywhere) rather than NVFP4.
+fn is_mxfp4(t: &Tensors) -> bool {
+    ["w13_weight_scale_2", "w1_weight_scale_2", "w3_weight_scale_2", "w2_weight_scale_2"]
+        .iter()
+        .all(|n| t.get(n).is_none())
+}
+
+/// One MXFP4 projection of every held expert from `{w}_weight` and its e8m0 `{w}_weight_scale`.
+fn mx_proj(t: &Tensors, w: &str, el: usize, rows: usize, cols: usize) -> PyResult<ExpertProj> {
+    let packed = packed(t.req(&format!("{w}_weight"))?, el, rows, cols)?;
+    let s = t.req(&format!("{w}_weight_scale"))?;
+    s.dtype(&[Elem::U8])?;
+    s.shape(&[Dim("E", el), Dim("rows", rows), Dim("cols/32", cols / 32)])?;
+    if let Some(b) = t.get(&format!("{w}_input_scale")) {
+        return Err(PyValueError::new_err(format!(
+            "{}: MXFP4 experts (no weight_scale_2) take no input scales",
+            b.name
+        )));
+    }
+    Ok(ExpertProj { experts: el, rows, cols, data: ProjData::Mxfp4 { packed, scales: bytes(s)?.to_vec() } })
+}
+
+/// The MXFP4 W1, W3 (from `w13_*` or `w1_*` + `w3_*`) and W2.
+fn mx_experts(t: &Tensors, el: usize, i: usize, h: usize) -> PyResult<(ExpertProj, ExpertProj, ExpertProj)> {
+    let w2 = mx_proj(t, "w2", el, h, i)?;
+    if t.get("w13_weight").is_none() {
+        return Ok((mx_proj(t, "w1", el, i, h)?, mx_proj(t, "w3", el, i, h)?, w2));
+    }
+    let both = mx_proj(t, "w13", el, 2 * i, h)?;
+    let ProjData::Mxfp4 { packed, scales } = both.data else { unreachable!("built as MXFP4") };
+    let (p1, p3) = split_rows(&packed, el, i, h / 2);
+    let (s1, s3) = split_rows(&scales, el, i, h / 32);
+    let mk = |packed, scales| ExpertProj {
+        experts: el,
+        rows: i,
+        cols: h,
+        data: ProjData::Mxfp4 { packed, scales },
+    };
+    Ok((mk(p1, s1), mk(p3, s3), w2))
+}
+
 /// Packed E2M1 bytes `[E_l, rows, cols/2]`.
 fn packed(b: &Borrowed, el: usize, rows: usize, cols: usize) -> PyResult<Vec<u8>> {
     b.dtype(&[Elem::U8])?;
@@ -282,16 +327,27 @@ pub fn layer_from_tensors(
         PyKeyError::new_err("tensors: \"w13_weight\" (or \"w1_weight\" and \"w3_weight\") is required")
     })?;
     let el = first.rows(3, "[E_local, rows, cols/2]")?;
-    let (w1, w3) = gate_up(&t, el, i, h, layout)?;
-    let w2 = proj(
-        el,
-        h,
-        i,
-        packed(t.req("w2_weight")?, el, h, i)?,
-        scales_row_major(t.req("w2_weight_scale")?, el, h, i, layout)?,
-        per_expert(t.req("w2_weight_scale_2")?, el, 0, false)?,
-        t.get("w2_input_scale").map(|b| per_expert(b, el, 0, true)).transpose()?,
-    );
+    let (w1, w3, w2) = if is_mxfp4(&t) {
+        if layout != ScaleLayout::RowMajor {
+            return Err(PyValueError::new_err(format!(
+                "scale_layout {layout:?} applies to NVFP4's e4m3 scales; MXFP4 scales are row-major \
+                 [E, rows, cols/32]"
+            )));
+        }
+        mx_experts(&t, el, i, h)?
+    } else {
+        let (w1, w3) = gate_up(&t, el, i, h, layout)?;
+        let w2 = proj(
+            el,
+            h,
+            i,
+            packed(t.req("w2_weight")?, el, h, i)?,
+            scales_row_major(t.req("w2_weight_scale")?, el, h, i, layout)?,
+            per_expert(t.req("w2_weight_scale_2")?, el, 0, false)?,
+            t.get("w2_input_scale").map(|b| per_expert(b, el, 0, true)).transpose()?,
+        );
+        (w1, w3, w2)
+    };
     let shared = match t.get("shared.w1.weight") {
         None => None,
         Some(b) => {

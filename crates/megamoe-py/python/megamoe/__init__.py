@@ -118,8 +118,8 @@ class MoELayer:
         expert_start: int = 0,
         scale_layout: str = "row_major",
     ) -> "MoELayer":
-        """A layer from tensors in the ModelOpt NVFP4 layout, stacked over experts, instead of a
-        checkpoint. `config` is the model's config.json (a dict or its text). `tensors`:
+        """A layer from tensors in the ModelOpt NVFP4 (or MXFP4) layout, stacked over experts,
+        instead of a checkpoint. `config` is the model's config.json (a dict or its text). `tensors`:
 
         - ``gate.weight`` [E, H] float32/bfloat16; ``gate.bias`` [E] (score-routed layers) or
           ``gate.tid2eid`` [vocab, k] int32/int64 (hash-routed layers);
@@ -131,6 +131,10 @@ class MoELayer:
           ``*_input_scale`` likewise (optional; W4A4; for ``w13`` the larger of a pair is used);
         - ``shared.w{1,2,3}.weight`` (optional) bfloat16/float32, or uint8 FP8 with
           ``shared.w{1,2,3}.weight_scale_inv`` [ceil(rows/128), ceil(cols/128)] float32.
+
+        MXFP4 experts (the official DeepSeek-V4 release) are given by leaving out every
+        ``*_weight_scale_2``: then ``*_weight`` is uint8/int8 as above and ``*_weight_scale`` the
+        e8m0 scales, uint8 or float8_e8m0fnu, row-major [E_l, rows, cols/32]; no input scales.
 
         The experts held are ``expert_start .. expert_start + E_l`` (global ids). Device tensors
         (torch, cupy) are copied to the host once here."""
