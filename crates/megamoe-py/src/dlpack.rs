@@ -140,8 +140,10 @@ pub enum Elem {
     I64,
     /// uint32 (four e4m3 scales per word).
     U32,
-    /// uint8, and what crosses as bytes: int8 (the official MXFP4 codes), FP8 e4m3fn, e8m0.
+    /// uint8, and the 8-bit float formats that cross as bytes (FP8 e4m3fn, e8m0).
     U8,
+    /// int8 (the official MXFP4 release's packed codes; read as bytes).
+    I8,
 }
 
 impl Elem {
@@ -159,7 +161,8 @@ impl Elem {
             (INT, 32) => Elem::I32,
             (INT, 64) => Elem::I64,
             (UINT, 32) => Elem::U32,
-            (UINT, 8) | (INT, 8) | (FLOAT8_E4M3FN, 8) | (FLOAT8_E8M0FNU, 8) => Elem::U8,
+            (UINT, 8) | (FLOAT8_E4M3FN, 8) | (FLOAT8_E8M0FNU, 8) => Elem::U8,
+            (INT, 8) => Elem::I8,
             _ => return None,
         })
     }
@@ -167,7 +170,7 @@ impl Elem {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            Elem::U8 => 1,
+            Elem::U8 | Elem::I8 => 1,
             Elem::Bf16 | Elem::F16 => 2,
             Elem::F32 | Elem::I32 | Elem::U32 => 4,
             Elem::F64 | Elem::I64 => 8,
@@ -185,6 +188,7 @@ impl Elem {
             Elem::I64 => "int64",
             Elem::U32 => "uint32",
             Elem::U8 => "uint8",
+            Elem::I8 => "int8",
         }
     }
 }

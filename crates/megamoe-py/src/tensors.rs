@@ -213,9 +213,9 @@ fn mx_experts(t: &Tensors, el: usize, i: usize, h: usize) -> PyResult<(ExpertPro
     Ok((mk(p1, s1), mk(p3, s3), w2))
 }
 
-/// Packed E2M1 bytes `[E_l, rows, cols/2]`.
+/// Packed E2M1 bytes `[E_l, rows, cols/2]` (uint8, or int8 as the official release stores them).
 fn packed(b: &Borrowed, el: usize, rows: usize, cols: usize) -> PyResult<Vec<u8>> {
-    b.dtype(&[Elem::U8])?;
+    b.dtype(&[Elem::U8, Elem::I8])?;
     b.shape(&[Dim("E", el), Dim("rows", rows), Dim("cols/2", cols / 2)])?;
     Ok(bytes(b)?.to_vec())
 }
