@@ -40,6 +40,50 @@ impl ForwardShape {
         self.tokens * self.top_k
     }
 
+    /// Host bytes a CPU forward holds besides `x`: router scores `[T, E]`, the routed sum, the
+    /// shared expert's output and `y` (`[T, H]` each, f32), the routing (`[T, k]` ids and
+    /// weights) and one 256-token chunk's scratch; `None` when that overflows `usize`.
+    pub fn host_bytes(&self) -> Option<usize> {
+        let (t, h, e, k) = (self.tokens, self.hidden, self.experts, self.top_k);
+        let per_token = e.checked_add(h.checked_mul(3)?)?.checked_mul(4)?.checked_add(k.checked_mul(8)?)?;
+        let chunk = 256usize
+            .checked_mul(k)?
+            .checked_mul(h.checked_add(self.inter.checked_mul(3)?)?)?
+            .checked_mul(4)?;
+        t.checked_mul(per_token)?.checked_add(chunk)
+    }
+
+    /// Refuses, up front and with the sizes, a forward whose [`Self::host_bytes`] exceed
+    /// `available` bytes (`None`: unknown, not checked) — instead of an allocation failure
+    /// aborting the process halfway.
+    pub fn check_host_memory(&self, available: Option<usize>) -> Result<()> {
+        let mb = |b: usize| b as f64 / 1e6;
+        let Some(need) = self.host_bytes() else {
+            return Err(MegaError::Input(format!(
+                "a forward of {} tokens (H={}, E={}) needs more host memory than the address space holds",
+                self.tokens, self.hidden, self.experts
+            )));
+        };
+        match available {
+            Some(free) if need > free => {
+                let per = self.host_bytes_per_token().max(1);
+                Err(MegaError::Input(format!(
+                    "a forward of {} tokens needs {:.1} MB of host memory besides x; {:.1} MB are available: \
+                     run it in batches of at most {} tokens",
+                    self.tokens,
+                    mb(need),
+                    mb(free),
+                    free.saturating_sub(need - self.tokens * per) / per
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn host_bytes_per_token(&self) -> usize {
+        (self.experts + 3 * self.hidden) * 4 + 8 * self.top_k
+    }
+
     /// Checks a hidden-state buffer of `len` elements against `[T, H]`.
     pub fn check_x(&self, len: usize) -> Result<()> {
         if len != self.tokens * self.hidden {
@@ -52,6 +96,18 @@ impl ForwardShape {
         }
         Ok(())
     }
+}
+
+/// Host memory available to a new allocation (Linux `MemAvailable`), if known.
+pub fn available_host_memory() -> Option<usize> {
+    meminfo_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn meminfo_available(text: &str) -> Option<usize> {
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
 }
 
 /// Per-expert counts, offsets and the slot permutation of one forward.
@@ -115,6 +171,30 @@ impl RoutingPlan {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn huge_batches_are_refused_up_front_with_the_sizes() {
+        let s = ForwardShape { tokens: 1_000_000, hidden: 7168, inter: 3072, experts: 384, top_k: 6 };
+        let need = s.host_bytes().unwrap();
+        assert!(need > 1_000_000 * 7168 * 12);
+        assert!(s.check_host_memory(Some(need)).is_ok());
+        assert!(s.check_host_memory(None).is_ok());
+        let msg = s.check_host_memory(Some(8 << 30)).unwrap_err().to_string();
+        assert!(msg.contains("1000000 tokens") && msg.contains("MB of host memory"), "{msg}");
+        // The suggested batch fits.
+        let fit: usize = msg.split("at most ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        assert!(fit > 0 && ForwardShape { tokens: fit, ..s }.check_host_memory(Some(8 << 30)).is_ok());
+        assert!(ForwardShape { tokens: fit + 1, ..s }.check_host_memory(Some(8 << 30)).is_err());
+        let over = ForwardShape { tokens: usize::MAX / 2, ..s };
+        assert!(over.check_host_memory(None).unwrap_err().to_string().contains("address space"));
+    }
+
+    #[test]
+    fn meminfo_parses_mem_available() {
+        let t = "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   65536000 kB\n";
+        assert_eq!(meminfo_available(t), Some(65_536_000 * 1024));
+        assert_eq!(meminfo_available("MemTotal: 1 kB\n"), None);
+    }
+
     use super::*;
 
     #[test]

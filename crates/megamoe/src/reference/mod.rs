@@ -339,6 +339,7 @@ pub fn forward_detailed(
     let tokens = input.x.len() / layer.config.hidden_size.max(1);
     let shape = ForwardShape::of(layer, tokens);
     shape.check_x(input.x.len())?;
+    shape.check_host_memory(crate::plan::available_host_memory())?;
     let (h, inter, e_count, k) = (shape.hidden, shape.inter, shape.experts, shape.top_k);
 
     let routing = router::route(layer, input.x, input.input_ids)?;
@@ -384,7 +385,8 @@ pub fn forward_detailed(
 /// [`forward_detailed`]'s `routed` (fed its own routing, the results are equal).
 ///
 /// Errors: `x` not `[T, H]`, `topk_ids` or `topk_weights` not `[T, k]`, an id `>= E` or `< -1`
-/// (the message names `topk_ids[i]`), a layer that fails [`MoeLayer::validate`] or a mode the
+/// (the message names `topk_ids[i]`), a batch whose outputs do not fit the host's available
+/// memory ([`ForwardShape::check_host_memory`]), a layer that fails [`MoeLayer::validate`] or a mode the
 /// layer cannot run ([`check_mode`]).
 pub fn forward_routed(
     layer: &MoeLayer,
@@ -403,6 +405,7 @@ pub fn forward_routed(
         )));
     }
     let tokens = x.len() / h;
+    ForwardShape::of(layer, tokens).check_host_memory(crate::plan::available_host_memory())?;
     for (name, len) in [("topk_ids", topk_ids.len()), ("topk_weights", topk_weights.len())] {
         if len != tokens * k {
             return Err(MegaError::Input(format!(
