@@ -7,8 +7,8 @@
 // - W: per expert, rows padded to 128, blocks (group G of 128 rows, chunk c of 128 k, slab s of 16
 //   rows) of 1088 bytes at ((G * nch + c) * 8 + s) * 1088: 32 lanes x 32 bytes of codes (word 2p =
 //   row g, word 2p + 1 = row g + 8 of k32 step p; lo half = A register 0 / 1, hi half = register
-//   2 / 3), then 64 bytes x (8 g + 2 p + h: row g + 8 h, 32-block p) = the block's exponent relative
-//   to its row's base, + 6. Decode: an 8-byte e4m3 table of magnitudes x 2^(x-6) from two integer
+//   2 / 3), then 64 bytes x (8 g + 2 p + h: row g + 8 h, 32-block p) = E - B + 12 in 1..12 (E the
+//   block's e8m0 exponent, B its row's base; the values are e2m1 x 2^(x - 6)). Decode: an 8-byte e4m3 table of magnitudes x 2^(x-6) from two integer
 //   multiply-adds, two byte-permutes per word, the signs OR-ed in: 16 e4m3 values in ~20 integer
 //   instructions, exact. alpha_w [G][R_pad] = 2^(row base - 133) per packed row.
 // - A: e4m3 bytes [rows, K] through a TMA map (boxes of 128 k x NT rows, 128B-swizzled), its
@@ -16,14 +16,14 @@
 //   boxes of 4 blocks x NT rows (16 bytes: the smallest inner extent TMA takes) holding the chunk's.
 // - Outputs as gemm_tc.cu: L1 act [rows, I] bf16 (clamped SwiGLU x routing weight), L2 [rows, H] f32.
 //
-// Tiling: CTA = 640 threads over 256 weight rows x NT tokens: warpgroup 0 is the producer (one
+// Tiling: CTA = 640 threads over a 256-row x 64-token or a 128-row x 128-token tile: warpgroup 0 is the producer (one
 // thread issues every copy; setmaxnreg gives its registers away), warpgroups 1..4 the consumers,
 // each owning one (m64 weight block, 64-token half) of the CTA tile: NT = 64 tiles take 4 m64 blocks
 // (two 128-row groups, blockIdx.y = group pair) x 1 half, NT = 128 tiles 2 blocks (one group) x 2
 // halves. Every consumer does the same work per 128-k chunk: decode its block's A registers, four
 // m64n64k32 QGMMAs, promote. Four consumers (16 warps, four per scheduler) hide each one's latency
 // chain: a consumer's own steps are serial (one unit accumulator, 112 registers a thread).
-// Pipeline: ring of ST stages [token tile NT x 128 B | NT x 4 f32 scales (2 KB) | the CTA's 16
+// Pipeline: ring of ST stages [token tile NT x 128 B | NT x 4 f32 scales (2 KB) | the CTA's 16 or 8
 // weight blocks], full / empty mbarriers (empty: one arrival per consumer warp). Per chunk a
 // consumer waits for its stage, decodes (the raw words of the next chunk are loaded while the
 // QGMMAs run), issues the QGMMAs into its unit accumulator (the first with scale-d 0), waits, and
