@@ -198,3 +198,30 @@ def test_mxfp4_tensors_refuse_nvfp4_only_options():
     t["w2_input_scale"] = np.ones(E, np.float32)
     with pytest.raises(ValueError, match=r"take no input scales"):
         megamoe.MoELayer.from_tensors(mxfp4_config(), t, layer=1, device="cpu")
+
+
+def dequant_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """[.., rows, cols/2] E2M1 bytes and [.., rows, cols/32] e8m0 bytes to float32 (exact)."""
+    lut = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    b = codes.view(np.uint8)
+    v = np.stack([lut[b & 15], lut[b >> 4]], axis=-1).reshape(*b.shape[:-1], b.shape[-1] * 2)
+    s = np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)
+    return v * np.repeat(s, 32, axis=-1)
+
+
+@pytest.mark.parametrize("w13", [False, True])
+def test_bf16_experts_from_tensors_equal_their_mxfp4_source(golden, w13):
+    """The mxfp4 fixture's experts dequantized (exact in bf16) and given as float32: the same layer."""
+    mx = mxfp4_tensors(1, w13)
+    dense = {k: v for k, v in mx.items() if not k.endswith("_weight_scale")}
+    for w in ("w13", "w1", "w3", "w2"):
+        if f"{w}_weight" in mx:
+            dense[f"{w}_weight"] = dequant_mxfp4(mx[f"{w}_weight"], mx[f"{w}_weight_scale"])
+    g = golden["mxfp4-tiny"]
+    x, ids = st.bf16_to_f32(g["1.x"]), g["input_ids"]
+    want = megamoe.MoELayer.from_tensors(mxfp4_config(), mx, layer=1, device="cpu")(x, ids)
+    got = megamoe.MoELayer.from_tensors(mxfp4_config(), dense, layer=1, device="cpu")(x, ids)
+    np.testing.assert_array_equal(got, want)
+    bad = dict(dense, w2_weight_scale=mx["w2_weight_scale"])
+    with pytest.raises(ValueError, match=r"bf16 experts take no weight scales"):
+        megamoe.MoELayer.from_tensors(mxfp4_config(), bad, layer=1, device="cpu")

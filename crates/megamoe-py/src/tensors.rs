@@ -2,7 +2,8 @@
 //! along a leading expert axis, in vLLM's FusedMoE names (`w13_*` = gate rows then up rows) or with
 //! W1 and W3 apart (`w1_*`, `w3_*`), plus the router and the shared expert. MXFP4 is recognised by
 //! the absence of every `*_weight_scale_2`: its `*_weight_scale` are e8m0 bytes `[E_l, rows,
-//! cols/32]`, row-major (the official release's `.scale`), and it has no input scales.
+//! cols/32]`, row-major (the official release's `.scale`), and it has no input scales. bf16
+//! experts by their dtype: `*_weight` bfloat16 / float32 `[E_l, rows, cols]`, no scales.
 //!
 //! | name | shape | dtype |
 //! |---|---|---|
@@ -16,6 +17,7 @@
 //! | `w2_weight`, `w2_weight_scale`, `w2_weight_scale_2`, `w2_input_scale` | `[E_l, H, I/2]`, `[E_l, H, I/16]`, `[E_l]`, `[E_l]` | as above |
 //! | MXFP4: `w13_weight` / `w1_`, `w3_`, `w2_weight` | as NVFP4 | uint8 / int8 |
 //! | MXFP4: `w13_weight_scale` / `w1_`, `w3_`, `w2_weight_scale` | `[E_l, rows, cols/32]` | uint8 / float8_e8m0fnu |
+//! | bf16 experts: `w13_weight` / `w1_`, `w3_`, `w2_weight` (no scales) | `[E_l, 2I or I, H]`, `[E_l, H, I]` | bfloat16 / float32 |
 //! | `shared.w{1,2,3}.weight` (optional) | `[I_s, H]`, `[H, I_s]`, `[I_s, H]` | bfloat16 / float32, or uint8 (FP8 e4m3) |
 //! | `shared.w{1,2,3}.weight_scale_inv` (FP8 shared expert) | `[ceil(rows/128), ceil(cols/128)]` | float32 |
 //!
@@ -143,8 +145,8 @@ fn scales_row_major(
     Ok(out)
 }
 
-/// Splits row-major `[E_l, 2R, C]` bytes into its first and second `R` rows per expert.
-fn split_rows(v: &[u8], el: usize, rows: usize, width: usize) -> (Vec<u8>, Vec<u8>) {
+/// Splits row-major `[E_l, 2R, C]` elements into its first and second `R` rows per expert.
+fn split_rows<T: Copy>(v: &[T], el: usize, rows: usize, width: usize) -> (Vec<T>, Vec<T>) {
     let (mut a, mut b) = (Vec::with_capacity(v.len() / 2), Vec::with_capacity(v.len() / 2));
     for e in 0..el {
         let m = &v[e * 2 * rows * width..(e + 1) * 2 * rows * width];
@@ -211,6 +213,42 @@ fn mx_experts(t: &Tensors, el: usize, i: usize, h: usize) -> PyResult<(ExpertPro
         data: ProjData::Mxfp4 { packed, scales },
     };
     Ok((mk(p1, s1), mk(p3, s3), w2))
+}
+
+/// Whether the experts are dense (`*_weight` bfloat16 / float32: bf16 experts, no scales).
+fn is_dense(first: &Borrowed) -> bool {
+    matches!(first.desc.elem, Some(Elem::Bf16 | Elem::F32))
+}
+
+/// One dense projection of every held expert, `{w}_weight` `[E_l, rows, cols]` bfloat16 (or
+/// float32, rounded to bf16).
+fn dense_proj(t: &Tensors, w: &str, el: usize, rows: usize, cols: usize) -> PyResult<Vec<bf16>> {
+    let b = t.req(&format!("{w}_weight"))?;
+    b.shape(&[Dim("E", el), Dim("rows", rows), Dim("cols", cols)])?;
+    if let Some(s) = t.get(&format!("{w}_weight_scale")) {
+        return Err(PyValueError::new_err(format!("{}: bf16 experts take no weight scales", s.name)));
+    }
+    // SAFETY: checked host, contiguous, dtype.
+    Ok(match b.dtype(&[Elem::Bf16, Elem::F32])? {
+        Elem::Bf16 => unsafe { b.host_slice::<bf16>()? }.to_vec(),
+        _ => unsafe { b.host_slice::<f32>()? }.iter().map(|&v| bf16::from_f32(v)).collect(),
+    })
+}
+
+/// The bf16 W1, W3 (from `w13_*` or `w1_*` + `w3_*`) and W2.
+fn dense_experts(
+    t: &Tensors,
+    el: usize,
+    i: usize,
+    h: usize,
+) -> PyResult<(ExpertProj, ExpertProj, ExpertProj)> {
+    let mk = |rows, cols, weight| ExpertProj { experts: el, rows, cols, data: ProjData::Bf16 { weight } };
+    let w2 = mk(h, i, dense_proj(t, "w2", el, h, i)?);
+    if t.get("w13_weight").is_none() {
+        return Ok((mk(i, h, dense_proj(t, "w1", el, i, h)?), mk(i, h, dense_proj(t, "w3", el, i, h)?), w2));
+    }
+    let (w1, w3) = split_rows(&dense_proj(t, "w13", el, 2 * i, h)?, el, i, h);
+    Ok((mk(i, h, w1), mk(i, h, w3), w2))
 }
 
 /// Packed E2M1 bytes `[E_l, rows, cols/2]` (uint8, or int8 as the official release stores them).
@@ -326,8 +364,10 @@ pub fn layer_from_tensors(
     let (_, first) = t.first(&["w13_weight", "w1_weight"]).ok_or_else(|| {
         PyKeyError::new_err("tensors: \"w13_weight\" (or \"w1_weight\" and \"w3_weight\") is required")
     })?;
-    let el = first.rows(3, "[E_local, rows, cols/2]")?;
-    let (w1, w3, w2) = if is_mxfp4(&t) {
+    let el = first.rows(3, "[E_local, rows, cols/2] (FP4) or [E_local, rows, cols] (bf16)")?;
+    let (w1, w3, w2) = if is_dense(first) {
+        dense_experts(&t, el, i, h)?
+    } else if is_mxfp4(&t) {
         if layout != ScaleLayout::RowMajor {
             return Err(PyValueError::new_err(format!(
                 "scale_layout {layout:?} applies to NVFP4's e4m3 scales; MXFP4 scales are row-major \

@@ -118,7 +118,7 @@ class MoELayer:
         expert_start: int = 0,
         scale_layout: str = "row_major",
     ) -> "MoELayer":
-        """A layer from tensors in the ModelOpt NVFP4 (or MXFP4) layout, stacked over experts,
+        """A layer from tensors in the ModelOpt NVFP4 (or MXFP4, or bf16) layout, stacked over experts,
         instead of a checkpoint. `config` is the model's config.json (a dict or its text). `tensors`:
 
         - ``gate.weight`` [E, H] float32/bfloat16; ``gate.bias`` [E] (score-routed layers) or
@@ -135,6 +135,7 @@ class MoELayer:
         MXFP4 experts (the official DeepSeek-V4 release) are given by leaving out every
         ``*_weight_scale_2``: then ``*_weight`` is uint8/int8 as above and ``*_weight_scale`` the
         e8m0 scales, uint8 or float8_e8m0fnu, row-major [E_l, rows, cols/32]; no input scales.
+        bf16 experts are given as ``*_weight`` bfloat16 / float32 [E_l, rows, cols] with no scales.
 
         The experts held are ``expert_start .. expert_start + E_l`` (global ids). Device tensors
         (torch, cupy) are copied to the host once here."""
