@@ -29,6 +29,17 @@ pub(crate) struct PackedSide {
     pub alpha: Option<DevBuf>,
 }
 
+impl PackedSide {
+    /// Uploads packed weight bytes and, when non-empty, their alphas (`what` names both in errors).
+    pub fn upload(dev: &CudaDevice, bytes: &[u8], alpha: &[f32], what: &str) -> Result<PackedSide> {
+        Ok(PackedSide {
+            wq: dev.upload(bytes, what)?,
+            ws: None,
+            alpha: (!alpha.is_empty()).then(|| dev.upload(alpha, &format!("{what} alphas"))).transpose()?,
+        })
+    }
+}
+
 /// The weights of a group of experts (routed, or the one shared expert) in a family's layout,
 /// with the kernels that read them.
 pub(crate) struct GemmWeights {

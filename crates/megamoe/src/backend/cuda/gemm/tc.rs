@@ -252,15 +252,7 @@ impl GemmFamily for TcFamily {
     fn upload_experts(&self, dev: &Arc<CudaDevice>, layer: &MoeLayer) -> Result<GemmWeights> {
         let l1 = layout::pack_l1(&layer.w1, &layer.w3)?;
         let l2 = layout::pack_l2(&layer.w2)?;
-        let side = |p: &layout::Packed, what: &str| -> Result<PackedSide> {
-            Ok(PackedSide {
-                wq: dev.upload(&p.bytes, what)?,
-                ws: None,
-                alpha: (!p.alpha.is_empty())
-                    .then(|| dev.upload(&p.alpha, &format!("{what} alphas")))
-                    .transpose()?,
-            })
-        };
+        let side = |p: &layout::Packed, what: &str| PackedSide::upload(dev, &p.bytes, &p.alpha, what);
         Ok(GemmWeights {
             l1: side(&l1, "w13")?,
             l2: side(&l2, "w2")?,

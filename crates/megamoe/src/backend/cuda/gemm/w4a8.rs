@@ -97,13 +97,7 @@ pub(crate) fn upload(dev: &Arc<CudaDevice>, layer: &MoeLayer) -> Result<Option<W
     }
     let l1 = layout::pack_l1(&layer.w1, &layer.w3)?;
     let l2 = layout::pack_l2(&layer.w2)?;
-    let side = |p: &layout::Packed, what: &str| -> Result<PackedSide> {
-        Ok(PackedSide {
-            wq: dev.upload(&p.bytes, what)?,
-            ws: None,
-            alpha: Some(dev.upload(&p.row_alpha, &format!("{what} row alphas"))?),
-        })
-    };
+    let side = |p: &layout::Packed, what: &str| PackedSide::upload(dev, &p.bytes, &p.row_alpha, what);
     Ok(Some(W4a8Experts {
         l1: side(&l1, "w13 (W4A8 layout)")?,
         l2: side(&l2, "w2 (W4A8 layout)")?,
