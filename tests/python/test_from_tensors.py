@@ -38,6 +38,17 @@ def packed_u32(rm: np.ndarray) -> np.ndarray:
     return pad.view("<u4")
 
 
+def router_and_shared(m, p: str):
+    """A fixture layer's router and shared-expert tensors under the from_tensors names."""
+    t = {"gate.weight": st.bf16_to_f32(m[f"{p}gate.weight"])}
+    for opt in ("bias", "tid2eid"):
+        if f"{p}gate.{opt}" in m:
+            t[f"gate.{opt}"] = m[f"{p}gate.{opt}"]
+    for w in ("w1", "w2", "w3"):
+        t[f"shared.{w}.weight"] = st.bf16_to_f32(m[f"{p}shared_experts.{w}.weight"])
+    return t
+
+
 def tensors_of(layer: int, w13: bool, layout: str):
     m = st.load(os.path.join(fixture_dir("nvfp4-tiny"), "model.safetensors"))
     p = f"layers.{layer}.ffn."
@@ -51,11 +62,7 @@ def tensors_of(layer: int, w13: bool, layout: str):
             return np.stack([packed_u32(s[e]) for e in range(E)])
         return s
 
-    t = {"gate.weight": st.bf16_to_f32(m[f"{p}gate.weight"])}
-    if f"{p}gate.bias" in m:
-        t["gate.bias"] = m[f"{p}gate.bias"]
-    if f"{p}gate.tid2eid" in m:
-        t["gate.tid2eid"] = m[f"{p}gate.tid2eid"]
+    t = router_and_shared(m, p)
     if w13:
         t["w13_weight"] = np.concatenate([ex("w1", "weight"), ex("w3", "weight")], axis=1)
         if layout == "row_major":
@@ -76,8 +83,6 @@ def tensors_of(layer: int, w13: bool, layout: str):
     t["w2_weight_scale"] = scales("w2")
     t["w2_weight_scale_2"] = ex("w2", "weight_scale_2")
     t["w2_input_scale"] = ex("w2", "input_scale")
-    for w in ("w1", "w2", "w3"):
-        t[f"shared.{w}.weight"] = st.bf16_to_f32(m[f"{p}shared_experts.{w}.weight"])
     return t
 
 
@@ -154,10 +159,7 @@ def mxfp4_tensors(layer: int, w13: bool):
     m = st.load(os.path.join(fixture_dir("mxfp4-tiny"), "model.safetensors"))
     p = f"layers.{layer}.ffn."
     ex = lambda w, part: np.stack([m[f"{p}experts.{e}.{w}.{part}"] for e in range(E)])  # noqa: E731
-    t = {"gate.weight": st.bf16_to_f32(m[f"{p}gate.weight"])}
-    for opt in ("bias", "tid2eid"):
-        if f"{p}gate.{opt}" in m:
-            t[f"gate.{opt}"] = m[f"{p}gate.{opt}"]
+    t = router_and_shared(m, p)
     if w13:
         t["w13_weight"] = np.concatenate([ex("w1", "weight"), ex("w3", "weight")], axis=1)
         t["w13_weight_scale"] = np.concatenate([ex("w1", "scale"), ex("w3", "scale")], axis=1)
@@ -165,8 +167,6 @@ def mxfp4_tensors(layer: int, w13: bool):
         for w in ("w1", "w3"):
             t[f"{w}_weight"], t[f"{w}_weight_scale"] = ex(w, "weight"), ex(w, "scale")
     t["w2_weight"], t["w2_weight_scale"] = ex("w2", "weight"), ex("w2", "scale")
-    for w in ("w1", "w2", "w3"):
-        t[f"shared.{w}.weight"] = st.bf16_to_f32(m[f"{p}shared_experts.{w}.weight"])
     return t
 
 

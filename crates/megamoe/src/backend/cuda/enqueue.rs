@@ -394,6 +394,12 @@ impl LayerWeights {
         }
     }
 
+    /// The routed L1 GEMM's parameters over `g`: the fused SwiGLU with the slots' routing weights
+    /// into the workspace's activations.
+    fn routed_l1(&self, ws: &Workspace, g: GemmOperands, topk_w: u64) -> GemmL1Params {
+        GemmL1Params { g, perm: ws.perm.ptr(), topk_w, limit: self.config.swiglu_limit, act: ws.act.ptr() }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn experts_raw(
         &self,
@@ -405,7 +411,6 @@ impl LayerWeights {
         trace: bool,
         s: StreamRef,
     ) -> Result<()> {
-        let c = &self.config;
         let ex = &self.experts;
         if mode == Mode::W4A8 && !trace {
             if let Some(w8) = self.w4a8.as_ref().filter(|w| w.applies(&plan.launch)) {
@@ -423,13 +428,11 @@ impl LayerWeights {
             self.quant_rows(ws, plan, x, xin, true, mode, None, s)?;
             (xin, 0)
         };
-        let l1 = GemmL1Params {
-            g: self.routed_operands(ws, a, a_rows, &ex.l1, if w4a4 { opt_ptr(&self.in1) } else { 0 }),
-            perm: ws.perm.ptr(),
+        let l1 = self.routed_l1(
+            ws,
+            self.routed_operands(ws, a, a_rows, &ex.l1, if w4a4 { opt_ptr(&self.in1) } else { 0 }),
             topk_w,
-            limit: c.swiglu_limit,
-            act: ws.act.ptr(),
-        };
+        );
         let tr = if trace {
             Some((lazy(&ws.gate_tr, "gate trace")?.ptr(), lazy(&ws.up_tr, "up trace")?.ptr()))
         } else {
@@ -473,13 +476,7 @@ impl LayerWeights {
         };
         let xin = rows_in(lazy(&ws.xin, "quantized expert inputs")?.ptr(), c.hidden_size);
         self.quant_rows(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin), s)?;
-        let l1 = GemmL1Params {
-            g: self.routed_operands(ws, xin.codes, 0, &w8.l1, 0),
-            perm: ws.perm.ptr(),
-            topk_w,
-            limit: c.swiglu_limit,
-            act: ws.act.ptr(),
-        };
+        let l1 = self.routed_l1(ws, self.routed_operands(ws, xin.codes, 0, &w8.l1, 0), topk_w);
         w8.l1(s, &plan.launch, &l1, &xin)?;
         let actq = rows_in(lazy(&ws.actq, "quantized activations")?.ptr(), c.moe_intermediate_size);
         self.quant_rows(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq), s)?;

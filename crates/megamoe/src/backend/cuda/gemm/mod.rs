@@ -38,6 +38,13 @@ impl PackedSide {
             alpha: (!alpha.is_empty()).then(|| dev.upload(alpha, &format!("{what} alphas"))).transpose()?,
         })
     }
+
+    /// Device bytes held (weights, scales, alphas).
+    pub fn bytes(&self) -> usize {
+        self.wq.bytes()
+            + self.ws.as_ref().map_or(0, DevBuf::bytes)
+            + self.alpha.as_ref().map_or(0, DevBuf::bytes)
+    }
 }
 
 /// The weights of a group of experts (routed, or the one shared expert) in a family's layout,
@@ -53,14 +60,7 @@ pub(crate) struct GemmWeights {
 impl GemmWeights {
     /// Device bytes held.
     pub fn bytes(&self) -> usize {
-        [&self.l1, &self.l2]
-            .iter()
-            .map(|s| {
-                s.wq.bytes()
-                    + s.ws.as_ref().map_or(0, DevBuf::bytes)
-                    + s.alpha.as_ref().map_or(0, DevBuf::bytes)
-            })
-            .sum()
+        self.l1.bytes() + self.l2.bytes()
     }
 }
 

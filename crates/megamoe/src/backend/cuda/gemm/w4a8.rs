@@ -124,7 +124,7 @@ impl W4a8Experts {
 
     /// Bytes held on the device.
     pub fn bytes(&self) -> usize {
-        [&self.l1, &self.l2].iter().map(|s| s.wq.bytes() + s.alpha.as_ref().map_or(0, |a| a.bytes())).sum()
+        self.l1.bytes() + self.l2.bytes()
     }
 
     fn maps(l: &GemmLaunch, a: &Fp8Rows, k: usize) -> Result<(TmaDesc, TmaDesc)> {
