@@ -441,6 +441,25 @@ fn prefill_two_group_ctas_match_host_model() {
     w4a16_matches_host_model(&cfg, t, 21, "prefill two-group");
 }
 
+/// The wgmma tiles fitted to Poisson row counts (`gpu_layout::tc::choose_wg_tile`): ~64, ~80 and
+/// ~120 rows per expert take 80-, 96- and 144-token tiles, with two 128-row groups per CTA (odd L2
+/// group count) and, on the tiny layer, one; against the host model, and a repeat bitwise equal.
+#[test]
+fn prefill_fitted_token_tiles_match_host_model() {
+    let cfg = megamoe::config::MoeConfig {
+        hidden_size: 1152,
+        moe_intermediate_size: 640,
+        n_routed_experts: 64,
+        num_experts_per_tok: 6,
+        ..synthetic::tiny_config()
+    };
+    for (t, what) in [(683, "80-token tiles"), (853, "96-token tiles"), (1280, "144-token tiles")] {
+        w4a16_matches_host_model(&cfg, t, 23, what);
+    }
+    let tiny = megamoe::config::MoeConfig { n_routed_experts: 64, ..synthetic::tiny_config() };
+    w4a16_matches_host_model(&tiny, 1024, 25, "80-token tiles, one group per CTA");
+}
+
 /// A random NVFP4 layer of `cfg` at `t` tokens (score routing) on the tensor-core family: W4A16
 /// against the host model, and a repeat bitwise equal.
 fn w4a16_matches_host_model(cfg: &megamoe::config::MoeConfig, t: usize, seed: u64, what: &str) {

@@ -112,7 +112,7 @@ impl LayerWeights {
         if overlap {
             launch::record(&ws.join, side)?;
         }
-        let plan = self.plan_raw(ws, ids, t, s)?;
+        let plan = self.plan_raw(ws, ids, t, trace, s)?;
         self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, s)?;
         if overlap {
             launch::wait(s, &ws.join)?;
@@ -156,7 +156,7 @@ impl LayerWeights {
         topk_ids.check("topk_ids", t, self.config.num_experts_per_tok, &[DType::I32], 4)?;
         ws.check_fits(self, t, Mode::W4A16, false)?;
         self.device.bind()?;
-        self.plan_raw(ws, topk_ids.ptr, t, stream)
+        self.plan_raw(ws, topk_ids.ptr, t, false, stream)
     }
 
     /// Enqueues the routed experts of `plan` over `x` `[T, H]` with routing weights
@@ -270,7 +270,7 @@ impl LayerWeights {
         }
     }
 
-    fn plan_raw(&self, ws: &Workspace, topk_ids: u64, t: usize, s: StreamRef) -> Result<Plan> {
+    fn plan_raw(&self, ws: &Workspace, topk_ids: u64, t: usize, trace: bool, s: StreamRef) -> Result<Plan> {
         let c = &self.config;
         let (e, k) = (c.n_routed_experts, c.num_experts_per_tok);
         let el = self.local_experts();
@@ -279,7 +279,12 @@ impl LayerWeights {
         let local = slots as f64 * el as f64 / e as f64;
         let active = local.min(el as f64).max(1.0);
         let rows = (local / active).max(1.0);
-        let bm = self.experts.kernels.block_m(TileDemand::routed(rows, slots));
+        let demand = TileDemand::routed(rows, slots, t).traced(trace);
+        // A layer holding the W4A8 layout plans tiles its FP8 kernels have (one plan, any mode).
+        let bm = match self.w4a8.as_ref().and_then(|w| w.block_m(demand)) {
+            Some(bm) => bm,
+            None => self.experts.kernels.block_m(demand),
+        };
         let launch = GemmLaunch {
             block_m: bm,
             grid_tiles: max_tiles(slots, el, bm) as u32,

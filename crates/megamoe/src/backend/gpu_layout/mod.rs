@@ -23,7 +23,7 @@ use crate::error::{MegaError, Result};
 pub const K_STEP: usize = 64;
 
 /// The smallest token-tile height any family asks the plan for (sizes the worst-case tile table).
-pub const MIN_BLOCK_M: usize = 8;
+pub const MIN_BLOCK_M: usize = 1;
 
 /// Interleaves `gate` and `up`, each `[experts, rows, row_len]`, into `[experts, 2*rows, row_len]`
 /// with blocks of `block` rows: gate block b, then up block b, for every b.

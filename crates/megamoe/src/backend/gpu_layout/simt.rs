@@ -15,8 +15,8 @@ pub const N_TILE: usize = 64;
 /// GEMV kernels (`moe_gemv_*`) instead of the SIMT GEMM tiles.
 pub const GEMV_BLOCK_M: usize = 8;
 
-/// The smallest tile height [`choose_block_m`] returns is the plan's minimum.
-const _: () = assert!(GEMV_BLOCK_M == super::MIN_BLOCK_M);
+/// The plan's tile table is sized for the smallest tile of any family.
+const _: () = assert!(GEMV_BLOCK_M >= super::MIN_BLOCK_M);
 
 /// The token-tile height for groups expecting `rows` rows each: [`GEMV_BLOCK_M`] (the
 /// weight-streaming GEMV, decode) up to 8 rows, 16 up to 16, else 64 (prefill). Heuristic only:

@@ -461,10 +461,12 @@ pub const MAX_STAGES: usize = 8;
 
 /// 64-k chunks each warp takes per pipeline stage of instantiation `(nt, spc)`: two for 8-token
 /// tiles on >= 4 slabs per CTA, halving the CTA barriers and loop overhead per weight byte (T=64
-/// rank 0.487 -> 0.468 ms); one otherwise (16-token tiles measured slower with two: their doubled
+/// rank 0.487 -> 0.468 ms), and for the 1- to 4-token tiles, whose small token rows leave the ring
+/// room for doubled weight stages at any slab count (ncu, T=1 rank: the one-chunk stage spent ~80
+/// of its ~180 instructions per warp on loads, address math and the barrier); one otherwise (16-token tiles measured slower with two: their doubled
 /// stage leaves two CTAs per SM instead of three, T=512 rank 0.78 -> 0.85 ms).
 pub fn chunks_per_stage(nt: usize, spc: usize) -> usize {
-    if nt == 8 && spc >= 4 {
+    if nt < 8 || (nt == 8 && spc >= 4) {
         2
     } else {
         1
@@ -484,7 +486,7 @@ pub fn stage_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
 /// of 88-113); 16 / 32 to ~110 KB (two CTAs); prefill tiles take up to 200 KB.
 pub fn stages(format: WeightFormat, nt: usize, spc: usize) -> usize {
     let budget = match nt {
-        8 => 72 * 1024,
+        ..=8 => 72 * 1024,
         16 | 32 => 110 * 1024,
         _ => 200 * 1024,
     };
@@ -496,7 +498,7 @@ pub fn stages(format: WeightFormat, nt: usize, spc: usize) -> usize {
 /// per lane).
 pub fn min_ctas_per_sm(nt: usize) -> usize {
     match nt {
-        8 => 3,
+        ..=8 => 3,
         128.. => 1,
         _ => 2,
     }
@@ -508,8 +510,55 @@ pub fn smem_bytes(format: WeightFormat, nt: usize, spc: usize) -> usize {
 }
 
 /// Token tiles the Hopper wgmma kernels (`moe_wg_*`) are built for: prefill tiles, where the
-/// tensor cores (not the weight bytes) bound the GEMM.
-pub const WG_TOKEN_TILES: [usize; 2] = [64, 128];
+/// tensor cores (not the weight bytes) bound the GEMM. Besides powers of two, heights that fit the
+/// Poisson counts of routed experts (a V4-Pro EP8 rank at T=4096 expects 64 +- 8 rows per expert: 64-row
+/// tiles give half of the experts a second, nearly empty tile; 80 holds almost all in one).
+pub const WG_TOKEN_TILES: [usize; 5] = [64, 80, 96, 128, 144];
+
+/// Whether a launch of `slots` rows whose experts expect `rows` rows each takes the wgmma kernels:
+/// large batches with more than 32 rows per expert (prefill tiles).
+pub fn wg_eligible(rows: f64, slots: usize) -> bool {
+    slots >= WG_MIN_SLOTS && rows > 32.0
+}
+
+/// What one tile of a wgmma kernel costs besides its tokens' MMA work, in tokens: the FP4 decode of
+/// the CTA's weights, done once per tile whatever its height (ncu at T=4096: the consumers issue as
+/// many decode instructions per 64-token tile as the tensor pipe takes cycles for its MMAs).
+pub const WG_TILE_OVERHEAD_TOKENS: f64 = 64.0;
+
+/// The wgmma token tile among `tiles` for experts expecting `expected` rows spread by `spread`
+/// (standard deviation): the least expected cost, `E[ceil(rows / nt)] * (nt + overhead)` with the
+/// rows normally distributed (summed over +-5 sigma). Ties go to the smaller tile.
+pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64) -> usize {
+    let cost = |nt: usize| {
+        let nt_f = nt as f64;
+        let tiles_of = |rows: f64| (rows.max(1.0) / nt_f).ceil();
+        let e = if spread <= 0.0 {
+            tiles_of(expected)
+        } else {
+            // Integer row counts weighted by the normal density (normalised over the window).
+            let (lo, hi) = ((expected - 5.0 * spread).floor().max(1.0), (expected + 5.0 * spread).ceil());
+            let (mut num, mut den) = (0.0, 0.0);
+            let mut r = lo;
+            while r <= hi {
+                let z = (r - expected) / spread;
+                let w = (-0.5 * z * z).exp();
+                num += w * tiles_of(r);
+                den += w;
+                r += 1.0;
+            }
+            num / den
+        };
+        e * (nt_f + WG_TILE_OVERHEAD_TOKENS)
+    };
+    let mut best = tiles[0];
+    for &nt in &tiles[1..] {
+        if cost(nt) < cost(best) - 1e-9 {
+            best = nt;
+        }
+    }
+    best
+}
 
 /// Forwards with at least this many slots (and prefill tiles) run the wgmma kernels; they read A
 /// through a tensor map, so the workspace stages the expert inputs for them.
@@ -550,8 +599,10 @@ pub fn wg_smem_bytes(format: WeightFormat, nt: usize, groups: usize) -> usize {
     wg_stages(format, nt, groups) * wg_stage_bytes(format, nt, groups) + 1024
 }
 
-/// Token-tile heights (N of the MMA tile, tokens per plan tile) the kernels are built for.
-pub const TOKEN_TILES: [usize; 5] = [8, 16, 32, 64, 128];
+/// Token-tile heights (tokens per plan tile) the kernels are built for; N of the MMA tile is the
+/// height, or 8 for the decode tiles of 1, 2 and 4 tokens (which hold only their rows in shared
+/// memory: a one-token decode's stage is weights, not seven padding rows).
+pub const TOKEN_TILES: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
 
 /// The smallest slabs-per-CTA of token tile `nt`: a CTA's 8 warps split K into `8 / spc` parts,
 /// and the token tile of one pipeline stage (`nt` rows x `64 * 8/spc` columns) must stay <= 8 KB
@@ -567,13 +618,13 @@ pub fn configs() -> impl Iterator<Item = (usize, usize)> {
     })
 }
 
-/// The token tile for `expected` rows per active expert spread by `spread` (standard deviation):
-/// the smallest that holds `expected + 2 spread` (128 at most; a hot expert simply gets more
-/// tiles). The margin matters for the weight-streaming kernels: an expert with one row more than
+/// The token tile for `expected` rows per active expert spread by `spread` (standard deviation),
+/// none of which can get more than `max_rows`: the smallest that holds `expected + 2 spread`, or
+/// `max_rows` (128 at most; a hot expert simply gets more tiles). The margin matters for the weight-streaming kernels: an expert with one row more than
 /// its tile streams all its weights twice (T=512 on a V4-Pro rank: 8.5 rows per expert). The
 /// wgmma kernels are given no spread (their tiles trade padding for tensor-core work).
-pub fn choose_token_tile(expected: f64, spread: f64) -> usize {
-    let want = expected + 2.0 * spread;
+pub fn choose_token_tile(expected: f64, spread: f64, max_rows: usize) -> usize {
+    let want = (expected + 2.0 * spread).min(max_rows.max(1) as f64);
     TOKEN_TILES.into_iter().find(|&nt| want <= nt as f64).unwrap_or(128)
 }
 
@@ -669,20 +720,40 @@ mod tests {
 
     #[test]
     fn heuristics() {
-        assert_eq!(choose_token_tile(0.75, 0.0), 8);
-        assert_eq!(choose_token_tile(9.0, 0.0), 16);
-        assert_eq!(choose_token_tile(500.0, 0.0), 128);
+        assert_eq!(choose_token_tile(0.75, 0.0, 1000), 1);
+        assert_eq!(choose_token_tile(5.0, 0.0, 1000), 8);
+        assert_eq!(choose_token_tile(9.0, 0.0, 1000), 16);
+        assert_eq!(choose_token_tile(500.0, 0.0, 1000), 128);
         // A V4-Pro rank at T=512 (8.5 rows per expert, Poisson): 16-row tiles, one per expert.
-        assert_eq!(choose_token_tile(8.5, 8.5f64.sqrt()), 16);
-        assert_eq!(choose_token_tile(1.45, 1.45f64.sqrt()), 8);
+        assert_eq!(choose_token_tile(8.5, 8.5f64.sqrt(), 512), 16);
+        // T=64 (1.45 rows per active expert): 4; T=8: 4; T=1 (one token: one row at most): 1.
+        assert_eq!(choose_token_tile(1.45, 1.45f64.sqrt(), 64), 4);
+        assert_eq!(choose_token_tile(1.0, 1.0, 8), 4);
+        assert_eq!(choose_token_tile(1.0, 1.0, 1), 1);
+        assert_eq!(choose_token_tile(1.0, 1.0, 2), 2);
         let all: Vec<_> = configs().collect();
-        assert_eq!(all.len(), 11);
-        assert!(all.contains(&(8, 1)) && all.contains(&(128, 8)) && !all.contains(&(16, 1)));
+        assert_eq!(all.len(), 23);
+        assert!(
+            all.contains(&(1, 1))
+                && all.contains(&(8, 1))
+                && all.contains(&(128, 8))
+                && !all.contains(&(16, 1))
+        );
         // One expert at T=1 (6144 L1 rows): the most CTAs; many experts: fewer, larger CTAs.
         assert_eq!(choose_slabs_per_cta(8, 6144, 132), 1);
         assert_eq!(choose_slabs_per_cta(8, 6 * 6144, 132), 4);
         assert_eq!(choose_slabs_per_cta(8, 48 * 6144, 132), 8);
         assert_eq!(choose_slabs_per_cta(64, 6144, 132), 8);
+        // wgmma tiles: a V4-Pro EP8 rank at T=4096 (64 +- 8 rows per expert) takes 80-row tiles
+        // (64 would give half of the experts a second tile), at T=16384 (256 +- 16) 144; V4-Flash
+        // at T=4096 (96 +- 10) 128; a dense GEMM of exactly 64 or 128 rows its own height.
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 64.0, 8.0), 80);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 256.0, 16.0), 144);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 96.0, 96f64.sqrt()), 128);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 64.0, 0.0), 64);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 128.0, 0.0), 128);
+        assert_eq!(choose_wg_tile(&[64, 128], 64.0, 8.0), 64);
+        assert_eq!(choose_wg_tile(&[64, 128], 256.0, 16.0), 128);
         // wgmma: 256-row CTAs for a V4-Pro rank's prefill (48 groups, ~72 tiles), one group for a
         // single expert's tile or a one-group matrix.
         assert_eq!(choose_wg_groups(48, 72, 132), 2);

@@ -296,9 +296,10 @@ pub fn stage_bytes(nt: usize) -> usize {
 /// Bytes a stage reserves for the token tile's activation scales (up to 128 rows x 4 f32).
 pub const SCALE_BYTES: usize = 2048;
 
-/// Token tiles the W4A8 kernels are built for (those of the bf16 wgmma kernels, so one plan serves
-/// both).
-pub const TOKEN_TILES: [usize; 2] = super::tc::WG_TOKEN_TILES;
+/// Token tiles the W4A8 kernels are built for: whole 64-token consumer halves. A layer holding
+/// this layout plans its prefill tiles among these (so that a plan serves both its W4A8 and its
+/// W4A16 launches: the bf16 wgmma kernels have these heights too).
+pub const TOKEN_TILES: [usize; 2] = [64, 128];
 
 /// Pipeline depth (one CTA per SM: up to ~200 KB).
 pub fn stages(nt: usize) -> usize {

@@ -80,16 +80,24 @@ pub(crate) struct TileDemand {
     pub spread: f64,
     /// Rows of the whole launch (routing slots, or tokens of a dense GEMM).
     pub slots: usize,
+    /// The most rows one group can get: a token picks an expert at most once, so the tokens.
+    pub max_rows: usize,
+    /// The trace variant of the L1 runs (diagnostics): only the tile heights it is built for.
+    pub trace: bool,
 }
 
 impl TileDemand {
-    /// Routed experts expecting `rows` rows each, `slots` slots in all.
-    pub fn routed(rows: f64, slots: usize) -> Self {
-        TileDemand { rows, spread: rows.max(0.0).sqrt(), slots }
+    /// Routed experts expecting `rows` rows each, `slots` slots of `tokens` tokens in all.
+    pub fn routed(rows: f64, slots: usize, tokens: usize) -> Self {
+        TileDemand { rows, spread: rows.max(0.0).sqrt(), slots, max_rows: tokens, trace: false }
     }
     /// A dense GEMM over exactly `rows` rows.
     pub fn dense(rows: usize) -> Self {
-        TileDemand { rows: rows as f64, spread: 0.0, slots: rows }
+        TileDemand { rows: rows as f64, spread: 0.0, slots: rows, max_rows: rows, trace: false }
+    }
+    /// The same demand, for a forward that does (or does not) run the trace variant.
+    pub fn traced(self, trace: bool) -> Self {
+        TileDemand { trace, ..self }
     }
 }
 

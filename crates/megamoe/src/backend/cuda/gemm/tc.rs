@@ -169,7 +169,9 @@ impl TcKernels {
         let spc = spc.unwrap_or_else(|| {
             layout::choose_slabs_per_cta(l.block_m, rows_pad * l.expected_tiles.max(1), self.sm_count)
         });
-        let grid = (l.looping_grid(), (rows_pad / (SLAB_ROWS * spc)) as u32, 1);
+        // Row blocks in x (dispatched first), tiles in y: a margin tile's idle CTAs start last.
+        // (grid.y is at most 65535; the CTAs loop over any further tiles.)
+        let grid = ((rows_pad / (SLAB_ROWS * spc)) as u32, l.looping_grid().min(65_535), 1);
         (spc, LaunchCfg::grid(grid, layout::smem_bytes(self.format, l.block_m, spc)))
     }
 }
@@ -179,13 +181,12 @@ impl GemmKernels for TcKernels {
         "tc"
     }
     fn block_m(&self, d: TileDemand) -> usize {
-        // Prefill tiles the wgmma kernels take keep no margin; the weight-streaming ones do.
-        let plain = layout::choose_token_tile(d.rows, 0.0);
-        let wgmma = d.slots >= layout::WG_MIN_SLOTS && self.wg_l1.contains_key(&(plain, 1));
-        if wgmma {
-            plain
+        // Prefill tiles the wgmma kernels take trade padding against per-tile decode work; the
+        // weight-streaming ones keep a margin over the expected rows.
+        if !d.trace && !self.wg_l1.is_empty() && layout::wg_eligible(d.rows, d.slots) {
+            layout::choose_wg_tile(&layout::WG_TOKEN_TILES, d.rows, d.spread)
         } else {
-            layout::choose_token_tile(d.rows, d.spread)
+            layout::choose_token_tile(d.rows, d.spread, d.max_rows)
         }
     }
     fn needs_contiguous_a(&self, l: &GemmLaunch) -> bool {

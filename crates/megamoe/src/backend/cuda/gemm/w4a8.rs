@@ -6,13 +6,13 @@
 //! expert weights twice (both layouts take 0.53 bytes per weight): uploaded only on sm_90a for MXFP4 layers whose rows fit e4m3
 //! exactly ([`layout::unsupported_reason`]), and not at all with `MEGAMOE_W4A8_FP8=0`.
 
-use super::{GemmLaunch, PackedSide};
+use super::{GemmLaunch, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::err;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::launch::{tma_2d, Kernel, LaunchCfg, StreamRef, TmaElem};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::runtime::{self, ModuleSpec};
-use crate::backend::gpu_layout::tc::{padded_rows, GROUP_ROWS, WG_MIN_SLOTS};
+use crate::backend::gpu_layout::tc::{choose_wg_tile, padded_rows, wg_eligible, GROUP_ROWS, WG_MIN_SLOTS};
 use crate::backend::gpu_layout::w4a8 as layout;
 use crate::checkpoint::MoeLayer;
 use crate::error::Result;
@@ -117,6 +117,13 @@ pub(crate) struct Fp8Rows {
 }
 
 impl W4a8Experts {
+    /// The plan's tile height for a layer holding this layout, where its prefill launches would
+    /// take the FP8 kernels (`None`: the bf16 family's own choice stands).
+    pub fn block_m(&self, d: TileDemand) -> Option<usize> {
+        (!d.trace && wg_eligible(d.rows, d.slots))
+            .then(|| choose_wg_tile(&layout::TOKEN_TILES, d.rows, d.spread))
+    }
+
     /// Whether launch `l` takes the FP8 kernels (the prefill launches the bf16 wgmma kernels take).
     pub fn applies(&self, l: &GemmLaunch) -> bool {
         l.a_rows >= WG_MIN_SLOTS && self.kernels.l1.contains_key(&l.block_m)

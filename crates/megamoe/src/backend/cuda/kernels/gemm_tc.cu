@@ -5,7 +5,8 @@
 // the host (gemm/tc.rs) appends the instantiations and picks one per launch.
 //
 // Swap-AB: the weights are the MMA's M side (16 rows per warp), the tokens of a tile its N side
-// (NT = 8..128), so a decode tile of one token wastes no MMA rows on padding.
+// (NT = 1..128; tiles under 8 tokens run n8 MMAs over the NT rows they hold), so a decode tile of
+// one token wastes no MMA rows and no shared memory on padding.
 //
 // Data layouts (gpu_layout::tc is the host side and the reference of every byte):
 // - W: per expert, rows padded to 128 (R_pad), blocks of (slab = 16 rows, chunk = 64 k) of BLK bytes
@@ -21,14 +22,16 @@
 //   variant), L2 out [rows, H] f32; alpha_w [G][2] (L1: gate, up) / [G] (L2), alpha_in [G] (W4A4).
 //
 // Tiling (moe_tc_*): CTA = 8 warps = SPC slabs x KS = 8/SPC K parts. A CTA owns 16*SPC weight rows of one
-// expert and tiles of NT tokens (grid: y = 16*SPC-row block, x = tiles blockIdx.x, +gridDim.x, ...:
-// the host sizes grid.x for the tiles it expects busy, not the worst case, so decode launches no
-// idle CTAs; a skewed routing with more tiles loops). Warp (s, p) owns
+// expert and tiles of NT tokens (grid: x = 16*SPC-row block, y = tiles blockIdx.y, +gridDim.y, ...:
+// the host sizes grid.y for the tiles it expects busy and a margin, not the worst case, so decode
+// launches few idle CTAs, and those come last in dispatch order (x varies fastest); a skewed
+// routing with more tiles loops). Warp (s, p) owns
 // slab s and, in stage j, chunks (j*CH + h)*KS + p for h < CH (CH = gpu_layout::tc::chunks_per_stage:
 // 2 for 8-token tiles): the K split inside the CTA gives a one-expert decode enough CTAs (SPC 1:
 // 384 for V4-Pro's L1) while SPC 8 reuses each token tile 8 times.
-// Pipeline: ST-deep cp.async ring in dynamic shared memory (gpu_layout::tc::stages, up to 8; the ring
-// is unrolled so every offset is an immediate); stage j holds CH sets of the 8 (part, slab) weight
+// Pipeline: ST-deep cp.async ring in dynamic shared memory (gpu_layout::tc::stages, up to 8; the
+// ring is unrolled so every offset is an immediate; the prologue's weights go out before its token
+// rows, whose addresses wait on the gathered row ids); stage j holds CH sets of the 8 (part, slab) weight
 // blocks (one contiguous 8*BLK run when SPC = 8) and the token tile [NT][CH*KS*64] bf16, 16-byte
 // chunks XOR-swizzled by row (conflict-free ldmatrix). One __syncthreads per stage. Each warp adds
 // its chunks in ascending k order whatever CH is, so CH changes no bit of the result.
@@ -47,6 +50,11 @@ template <int WF> struct TcFmt;
 template <> struct TcFmt<WF_NVFP4> { static constexpr int BLK = 576; };
 template <> struct TcFmt<WF_MXFP4> { static constexpr int BLK = 544; };
 template <> struct TcFmt<WF_BF16> { static constexpr int BLK = 2048; };
+
+// MMA columns of a token tile of NT rows: tiles of 1, 2 or 4 tokens (decode) still run n8 MMAs but
+// hold only their NT rows in shared memory (the other B columns read those rows again and are
+// never stored), so a one-token decode's ring holds weights, not padding.
+__host__ __device__ constexpr int tc_mma_cols(int nt) { return nt < 8 ? 8 : nt; }
 
 template <int NT, int SPC, int CH>
 struct TcShape {
@@ -119,17 +127,17 @@ __device__ __forceinline__ void tc_decode(unsigned (&a)[4], const TcLane& l)
 // The accumulators of this warp's slab over all of K for the tile (expert grp, rows m0.. m0+mc)
 // (valid in the part-0 warps after the reduction; returns whether this warp holds them).
 template <int NT, int SPC, int TC_STAGES, int CH, bool L1>
-__device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[NT / 8][4], int grp, int m0,
+__device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[tc_mma_cols(NT) / 8][4], int grp, int m0,
                                             int mc, int& gslab)
 {
     using S = TcShape<NT, SPC, CH>;
-    constexpr int KS = S::KS, KC = S::KC, BLK = S::BLK;
+    constexpr int KS = S::KS, KC = S::KC, BLK = S::BLK, NM = tc_mma_cols(NT);
     extern __shared__ __align__(128) unsigned char smem[];
     const int R = L1 ? 2 * g.inter : g.h;
     const int K = L1 ? g.h : g.inter;
     const int Rp = (R + 127) / 128 * 128;
     const int nch = K / 64;
-    const int row0 = blockIdx.y * 16 * SPC;
+    const int row0 = blockIdx.x * 16 * SPC;
     const int G = row0 / 128, s0 = (row0 % 128) / 16;
     const unsigned char* wgrp =
         g.wq + (size_t)grp * ((size_t)(Rp / 16) * nch * BLK) + (size_t)G * nch * 8 * BLK;
@@ -154,20 +162,10 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
     const unsigned char* tsrc[TPT];
     unsigned tdst[TPT];
     int tpart[TPT];
-    #pragma unroll
-    for (int i = 0; i < TPT; ++i) {
-        const int u = threadIdx.x + i * TC_THREADS;
-        const int r = u / (KC * 8), cc = u % (KC * 8);
-        const bool live = u < TU && r < mc;
-        const unsigned arow = live ? (g.a_rows ? g.a_rows[m0 + r] / (unsigned)g.a_div : (unsigned)(m0 + r)) : 0u;
-        tsrc[i] = (const unsigned char*)g.a + ((size_t)arow * K + (cc >> 3) * 64 + (cc & 7) * 8) * 2;
-        tdst[i] = (unsigned)(S::W_STAGE + r * S::T_PITCH + ((cc ^ (r & 7)) << 4));
-        tpart[i] = live ? (cc >> 3) : (1 << 30);       // chunk of stage j: j * KC + tpart (< nch to load)
-    }
     const int nstages = (nch + KC - 1) / KC;
     // Shared-space addresses are formed once from the base (no per-access address conversion).
     const unsigned sbase = smem_u32(smem);
-    auto load_stage = [&](int j, int slot) {
+    auto load_weights = [&](int j, int slot) {
         const unsigned st = sbase + slot * S::STAGE;
         #pragma unroll
         for (int h = 0; h < CH; ++h) {
@@ -178,13 +176,16 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
                     if (i * 32 + lane < WU) cp_async16(st + h * 8 * BLK + wdst + i * 512, src + i * 512);
             }
         }
+    };
+    auto load_tokens = [&](int j, int slot) {
+        const unsigned st = sbase + slot * S::STAGE;
         #pragma unroll
         for (int i = 0; i < TPT; ++i)
             if (j * KC + tpart[i] < nch) cp_async16(st + tdst[i], tsrc[i] + (size_t)j * KC * 128);
     };
 
     #pragma unroll
-    for (int i = 0; i < NT / 8; ++i)
+    for (int i = 0; i < NM / 8; ++i)
         #pragma unroll
         for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
 
@@ -193,23 +194,44 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
     const int mi = lane >> 3, li = lane & 7;
     const int wl_off = warp * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
     const int sc_off = warp * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
-    const int trow = (NT == 8) ? li : ((mi >> 1) * 8 + li);
+    const int trow = (NT <= 8) ? (li % NT) : ((mi >> 1) * 8 + li);
+    const int tsw = trow & 7;                          // the row's 16-byte-chunk XOR
     const unsigned tk_lane = (unsigned)(S::W_STAGE + trow * S::T_PITCH);
 
+    // Prologue: the weights of the first TC_STAGES - 1 stages go out first (they need only the
+    // tile's expert), one group each; then the token rows (their addresses wait on the gathered
+    // row ids) of all those stages in one more group, so stage 0 waits for the whole prologue.
+    // (ncu, one-expert decode: every warp of the wave sat in the row-id loads before its first
+    // weight copy, and the DRAM idled.)
     #pragma unroll
     for (int s = 0; s < TC_STAGES - 1; ++s) {
-        load_stage(s, s);
+        load_weights(s, s);
         cp_async_commit();
     }
+    #pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+        const int u = threadIdx.x + i * TC_THREADS;
+        const int r = u / (KC * 8), cc = u % (KC * 8);
+        const bool live = u < TU && r < mc;
+        const unsigned arow = live ? (g.a_rows ? g.a_rows[m0 + r] / (unsigned)g.a_div : (unsigned)(m0 + r)) : 0u;
+        tsrc[i] = (const unsigned char*)g.a + ((size_t)arow * K + (cc >> 3) * 64 + (cc & 7) * 8) * 2;
+        tdst[i] = (unsigned)(S::W_STAGE + r * S::T_PITCH + ((cc ^ (r & 7)) << 4));
+        tpart[i] = live ? (cc >> 3) : (1 << 30);       // chunk of stage j: j * KC + tpart (< nch to load)
+    }
+    #pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) load_tokens(s, s);
+    cp_async_commit();
     for (int j0 = 0; j0 < nstages; j0 += TC_STAGES) {
         // Unrolled over the ring so every stage's shared-memory offsets are immediates.
         #pragma unroll
         for (int sl = 0; sl < TC_STAGES; ++sl) {
             const int j = j0 + sl;
             if (j >= nstages) break;            // uniform over the CTA
-            cp_async_wait<TC_STAGES - 2>();
+            if (sl == 0 && j0 == 0) cp_async_wait<0>();   // the whole prologue (see above)
+            else cp_async_wait<TC_STAGES - 2>();
             __syncthreads();
-            load_stage(j + TC_STAGES - 1, (sl + TC_STAGES - 1) % TC_STAGES);
+            load_weights(j + TC_STAGES - 1, (sl + TC_STAGES - 1) % TC_STAGES);
+            load_tokens(j + TC_STAGES - 1, (sl + TC_STAGES - 1) % TC_STAGES);
             cp_async_commit();
             #pragma unroll
             for (int h = 0; h < CH; ++h) {
@@ -223,13 +245,13 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
                 tc_decode<1>(a[1], ln);
                 tc_decode<2>(a[2], ln);
                 tc_decode<3>(a[3], ln);
-                if constexpr (NT == 8) {
+                if constexpr (NT <= 8) {
                     // One n8 tile: each x4 brings the B fragments of two k16 steps.
                     #pragma unroll
                     for (int q = 0; q < 4; q += 2) {
                         const int cc = kc * 8 + 2 * q + mi;   // matrices: (q lo, q hi, q+1 lo, q+1 hi)
                         unsigned b0, b1, b2, b3;
-                        ldmatrix_x4(b0, b1, b2, b3, tk + ((cc ^ li) << 4));
+                        ldmatrix_x4(b0, b1, b2, b3, tk + ((cc ^ tsw) << 4));
                         mma_bf16_16816(acc[0], a[q], b0, b1);
                         mma_bf16_16816(acc[0], a[q + 1], b2, b3);
                     }
@@ -240,7 +262,7 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
                         #pragma unroll
                         for (int jn = 0; jn < NT / 8; jn += 2) {
                             unsigned b0, b1, b2, b3;
-                            ldmatrix_x4(b0, b1, b2, b3, tk + jn * 8 * S::T_PITCH + ((cc ^ li) << 4));
+                            ldmatrix_x4(b0, b1, b2, b3, tk + jn * 8 * S::T_PITCH + ((cc ^ tsw) << 4));
                             mma_bf16_16816(acc[jn], a[q], b0, b1);
                             mma_bf16_16816(acc[jn + 1], a[q], b2, b3);
                         }
@@ -256,19 +278,19 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
         float* red = (float*)smem;
         if (wp > 0) {
             #pragma unroll
-            for (int i = 0; i < NT / 8; ++i)
+            for (int i = 0; i < NM / 8; ++i)
                 #pragma unroll
                 for (int v = 0; v < 4; ++v)
-                    red[((((wp - 1) * SPC + ws) * (NT / 8) + i) * 4 + v) * 32 + lane] = acc[i][v];
+                    red[((((wp - 1) * SPC + ws) * (NM / 8) + i) * 4 + v) * 32 + lane] = acc[i][v];
         }
         __syncthreads();
         if (wp == 0) {
             for (int p = 1; p < KS; ++p)
                 #pragma unroll
-                for (int i = 0; i < NT / 8; ++i)
+                for (int i = 0; i < NM / 8; ++i)
                     #pragma unroll
                     for (int v = 0; v < 4; ++v)
-                        acc[i][v] += red[((((p - 1) * SPC + ws) * (NT / 8) + i) * 4 + v) * 32 + lane];
+                        acc[i][v] += red[((((p - 1) * SPC + ws) * (NM / 8) + i) * 4 + v) * 32 + lane];
         }
     }
     return wp == 0;
@@ -276,8 +298,8 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
 
 // L1 epilogue of one slab's accumulators: gate/up of column 8*gslab + g for the tile's tokens, fused
 // clamped SwiGLU x routing weight (and the pre-activations in the trace variant).
-template <int NT, bool TRACE>
-__device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (&acc)[NT / 8][4], int grp, int m0,
+template <int NM, bool TRACE>
+__device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (&acc)[NM / 8][4], int grp, int m0,
                                             int mc, int gslab, float* gate_tr, float* up_tr)
 {
     const GemmOperands& g = p.g;
@@ -289,7 +311,7 @@ __device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (
     if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
     if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
     #pragma unroll
-    for (int jn = 0; jn < NT / 8; ++jn) {
+    for (int jn = 0; jn < NM / 8; ++jn) {
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;
@@ -304,8 +326,8 @@ __device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (
 }
 
 // L2 epilogue of one slab's accumulators: output rows 16*gslab + g and + 8 for the tile's tokens, f32.
-template <int NT>
-__device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (&acc)[NT / 8][4], int grp, int m0,
+template <int NM>
+__device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (&acc)[NM / 8][4], int grp, int m0,
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
@@ -315,7 +337,7 @@ __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (
     float a = g.alpha_w ? g.alpha_w[grp] : 1.f;
     if (g.alpha_in) a *= g.alpha_in[grp];
     #pragma unroll
-    for (int jn = 0; jn < NT / 8; ++jn) {
+    for (int jn = 0; jn < NM / 8; ++jn) {
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;
@@ -327,32 +349,32 @@ __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (
     }
 }
 
-// The tiles of a launch: blockIdx.x, + gridDim.x, ... (the host sizes grid.x for the tiles it expects
-// busy, so decode launches no idle CTAs; a skewed routing with more tiles loops).
+// The tiles of a launch: blockIdx.y, + gridDim.y, ... (see the tiling note at the top).
 template <int NT, int SPC, int ST, int CH, bool TRACE>
 __device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
 {
-    for (int tile = blockIdx.x;; tile += gridDim.x) {
+    for (int tile = blockIdx.y;; tile += gridDim.y) {
         int grp, m0, mend, gslab;
         if (!gemm_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
         const int mc = min(mend - m0, NT);
         __syncthreads();                                      // the previous tile is done with smem
-        float acc[NT / 8][4];
+        float acc[tc_mma_cols(NT) / 8][4];
         if (tc_mainloop<NT, SPC, ST, CH, true>(p.g, acc, grp, m0, mc, gslab))
-            tc_store_l1<NT, TRACE>(p, acc, grp, m0, mc, gslab, gate_tr, up_tr);
+            tc_store_l1<tc_mma_cols(NT), TRACE>(p, acc, grp, m0, mc, gslab, gate_tr, up_tr);
     }
 }
 
 template <int NT, int SPC, int ST, int CH>
 __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 {
-    for (int tile = blockIdx.x;; tile += gridDim.x) {
+    for (int tile = blockIdx.y;; tile += gridDim.y) {
         int grp, m0, mend, gslab;
         if (!gemm_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
         const int mc = min(mend - m0, NT);
         __syncthreads();                                      // the previous tile is done with smem
-        float acc[NT / 8][4];
-        if (tc_mainloop<NT, SPC, ST, CH, false>(p.g, acc, grp, m0, mc, gslab)) tc_store_l2<NT>(p, acc, grp, m0, mc, gslab);
+        float acc[tc_mma_cols(NT) / 8][4];
+        if (tc_mainloop<NT, SPC, ST, CH, false>(p.g, acc, grp, m0, mc, gslab))
+            tc_store_l2<tc_mma_cols(NT)>(p, acc, grp, m0, mc, gslab);
     }
 }
 
@@ -363,13 +385,15 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // owning MB m64 blocks each (m64 block mi = cw * MB + b holds slabs 4 mi .. 4 mi + 3 of the CTA),
 // A from registers (the same per-warp fragments as the mma.sync kernels), B = the token tile in
 // shared memory, shared by all 2 * MB blocks: MB = 2 halves the token-tile traffic per MAC.
+// Token tiles NT = 64, 80, 96, 128, 144 (gpu_layout::tc::WG_TOKEN_TILES; the host picks the one
+// whose padding and per-tile decode cost least for the experts' expected rows).
 // Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA (1024-aligned)][MB x 8
 // weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage. The token rows come
 // from a 2-D tensor map over A (the staged expert inputs or activations; rows past the tile's end
 // belong to the next expert and are ignored by the epilogue).
 // Consumer pipeline over units u = (chunk u / MB, block u % MB): issue unit u's four wgmma k16
-// steps, wait until only it is in flight (unit u - 1 done), release a finished chunk's stage, decode
-// unit u + 1's A registers while unit u runs. Results are bitwise reproducible (a fixed k order per
+// steps, load unit u + 1's weights from shared memory, wait until only unit u is in flight (u - 1
+// done), release a finished chunk's stage, decode unit u + 1's A registers while unit u runs. Results are bitwise reproducible (a fixed k order per
 // output).
 // Registers per thread after the hand-over: 128 x 40 + 256 x 232 <= 64 K (one CTA per SM).
 constexpr int WG_PRODUCER_REGS = 40, WG_CONSUMER_REGS = 232;
@@ -381,13 +405,6 @@ struct WgShape {
     static constexpr int W_GROUP = 8 * BLK;              // one group's blocks of a chunk
     static constexpr int STAGE = (T_BYTES + MB * W_GROUP + 1023) / 1024 * 1024;   // = gpu_layout::tc::wg_stage_bytes
 };
-
-template <int NT>
-__device__ __forceinline__ void wg_mma(float (&acc)[NT / 8][4], const unsigned (&a)[4], unsigned long long desc)
-{
-    if constexpr (NT == 64) wgmma_m64n64k16(acc, a, desc);
-    else wgmma_m64n128k16(acc, a, desc);
-}
 
 // One consumer warpgroup's view of the stage ring (chunks counted over the CTA's whole run).
 struct WgRing {
@@ -407,10 +424,13 @@ struct WgRing {
         named_bar(bar_id, 128);
         if ((threadIdx.x & 127) == 0) mbar_arrive(smem_u32(&empty[c % stages]));
     }
-    // This lane's A registers of block b of chunk c (whose stage has landed).
-    __device__ __forceinline__ void decode(unsigned c, int b, unsigned (&a)[4][4]) const {
+    // This lane's slice of block b of chunk c (whose stage has landed), from shared memory.
+    __device__ __forceinline__ TcLane load(unsigned c, int b) const {
         const unsigned char* st = gbase + (c % stages) * stage_bytes;
-        const TcLane ln = tc_load_lane(st + wl_off[b], st + sc_off[b]);
+        return tc_load_lane(st + wl_off[b], st + sc_off[b]);
+    }
+    // Its A registers.
+    static __device__ __forceinline__ void decode(const TcLane& ln, unsigned (&a)[4][4]) {
         tc_decode<0>(a[0], ln);
         tc_decode<1>(a[1], ln);
         tc_decode<2>(a[2], ln);
@@ -420,7 +440,9 @@ struct WgRing {
 
 // Unit u of a tile whose first chunk is c0, its A registers in a[BUF] (BUF = u & 1; with MB = 2
 // the block is BUF too): issue its four wgmma k16 steps; when NEXT (every unit but the tile's last),
-// wait for unit u - 1, release the chunk it finished and decode unit u + 1 while unit u runs.
+// load unit u + 1's weights from shared memory (before the wait, so the load's latency hides behind
+// it: ncu put 12% of the consumers' stalls on the first use of that load), wait for unit u - 1,
+// release the chunk it finished and decode unit u + 1 while unit u runs.
 // (No wgmma sits under a run-time branch: ptxas would drain the pipe at the join.)
 template <int NT, int MB, int BUF, bool NEXT>
 __device__ __forceinline__ void wg_unit(const WgRing& r, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
@@ -431,15 +453,16 @@ __device__ __forceinline__ void wg_unit(const WgRing& r, float (&acc)[MB][NT / 8
     const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes);
     wgmma_fence();
     #pragma unroll
-    for (int q = 0; q < 4; ++q) wg_mma<NT>(acc[B], a[BUF][q], desc + 2 * q);   // +32 bytes per k16 step
+    for (int q = 0; q < 4; ++q) WgmmaBf16<NT>::mma(acc[B], a[BUF][q], desc + 2 * q);   // +32 bytes per k16 step
     wgmma_commit();
     if constexpr (NEXT) {
+        const unsigned cn = c0 + (unsigned)((u + 1) / MB);
+        if (BN == 0) r.wait_full(cn);
+        const TcLane ln = r.load(cn, BN);
         wgmma_wait<1>();                       // unit u - 1 is done: its registers and, at a chunk's
         wgmma_fence_a(a[BUF ^ 1]);             // end, its stage are free
         if (B == 0 && u > 0) r.release(c - 1);
-        const unsigned cn = c0 + (unsigned)((u + 1) / MB);
-        if (BN == 0) r.wait_full(cn);
-        r.decode(cn, BN, a[BUF ^ 1]);
+        WgRing::decode(ln, a[BUF ^ 1]);
     }
 }
 
@@ -516,7 +539,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
                 for (int v = 0; v < 4; ++v) acc[b][i][v] = 0.f;
         unsigned a[2][4][4];
         ring.wait_full(it);
-        ring.decode(it, 0, a[0]);
+        WgRing::decode(ring.load(it, 0), a[0]);
         #pragma unroll
         for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
         int u = 0;
