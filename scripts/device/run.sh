@@ -24,12 +24,14 @@ step() { # name, command...
   "$@" >"$LOGS/$name.log" 2>&1; local rc=$?
   tail -n 25 "$LOGS/$name.log"
   status[$name]="rc=$rc $(( $(date +%s) - t0 ))s"
-  echo "=== $name: rc=$rc" | tee -a "$OUT/log.txt"
+  echo "=== $name: rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$OUT/log.txt"
+  # The archive so far: a call cut short by its time limit still returns every finished step's log.
+  tar -czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 chmod +x "$here"/bin/*
 bin="$here/bin/megamoe"
-[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests timeout 240 "$here/bin/cuda_engine" --test-threads 1 --nocapture
+[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests timeout 480 "$here/bin/cuda_engine" --test-threads 1 --nocapture
 [ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_fixtures" ] && step fixtures "$here/bin/cuda_fixtures" --test-threads 1 --nocapture
 if [ "${SKIP_VERIFY:-0}" != 1 ]; then
   step verify timeout "${VERIFY_TIMEOUT:-300}" "$bin" verify --backend cuda ${VERIFY_ARGS:-}
@@ -43,7 +45,7 @@ act="$here/data/activations"
   --checkpoint "$here/data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
 if [ "${SANITIZE:-1}" != 0 ]; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8
+    trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
     trace_records external_routing w4a8_fp8
   [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
@@ -114,6 +116,19 @@ if [ "${NCU_BENCH:-0}" != 0 ] && command -v ncu >/dev/null; then
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread \
     "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens "${NCU_TOKENS:-1,64,4096}" --iters 1
 fi
+if [ "${NCU_DETAIL:-0}" != 0 ] && command -v ncu >/dev/null; then
+  # Full ncu sections (warp stall reasons, pipes, memory) and per-SASS-line counters of the hot GEMMs:
+  # the prefill wgmma L1/L2 at T=4096 and the decode L1/L2 at T=1 and 8 on the EP rank (NVFP4, W4A16).
+  for spec in ${NCU_DETAIL_SPECS:-"wg:regex:moe_wg_l:4096:2" "tc:regex:moe_tc_l:1,8:4"}; do
+    IFS=: read -r tag kind kre toks n <<<"$spec"
+    step "ncu_detail_$tag" timeout 400 ncu --clock-control none --set full --import-source no -k "$kind:$kre" \
+      --launch-count "$n" -o "$OUT/detail_$tag" -f "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
+      --tokens "$toks" --iters 1
+    ncu -i "$OUT/detail_$tag.ncu-rep" --page details > "$LOGS/detail_$tag.txt" 2>&1
+    ncu -i "$OUT/detail_$tag.ncu-rep" --page source --csv --print-source sass > "$LOGS/source_$tag.csv" 2>&1
+    rm -f "$OUT/detail_$tag.ncu-rep"
+  done
+fi
 if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
   # The first tensor-core launches of the timings run: the T=1 decode L1 / L2 and the shared expert.
   step ncu timeout 240 env MEGAMOE_GEMM=tc ncu --clock-control none -k regex:moe_tc --launch-count 6 \
@@ -134,5 +149,7 @@ for f in ep2 ep8 ep2tp2 ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] 
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
 for f in fp8_rate run_model bench bench_flash bench_w4a8 bench_mx16 bench_w4a8_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
+# The device tool returns at most 8 files: the JSON results and plots travel inside the archive.
+for f in "$OUT"/*.json "$OUT"/*.png; do [ -f "$f" ] && mv "$f" "$LOGS/"; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0
