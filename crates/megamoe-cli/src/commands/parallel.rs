@@ -42,7 +42,7 @@ pub struct EpArgs {
     /// How the ranks exchange data.
     #[arg(long, value_enum, default_value = "inproc")]
     pub transport: TransportKind,
-    /// Wire format of the hidden states sent to the expert ranks (bf16 or fp8).
+    /// Wire format of the hidden states sent to the expert ranks (bf16, fp8 or nvfp4).
     #[arg(long, default_value = "bf16")]
     pub dispatch_payload: DispatchPayload,
     /// Wire format of the expert results sent back (f32: bitwise the single engine; bf16).
