@@ -56,6 +56,89 @@ pub(crate) fn router_smem(e: usize) -> usize {
 
 /// Checks what the CUDA kernels need beyond a valid layer: H and I multiples of [`K_STEP`],
 /// 1 <= k <= 32, a router whose top-k fits shared memory.
+/// What a layer will hold on the device, estimated from its shapes before anything is packed
+/// (the packed layouts keep a checkpoint's bytes per weight: NVFP4 0.5625, MXFP4 0.53125, bf16 2,
+/// rows padded to 128-row groups; the W4A8 copy of MXFP4 experts as much again; the shared expert
+/// as bf16; the router as f32). An upper bound within about 1% of what the uploads allocate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct DeviceBytes {
+    /// Routed experts in the GEMM family's layout (with their per-group alphas).
+    pub experts: usize,
+    /// The FP8 W4A8 copy of MXFP4 experts (sm_90a), or 0.
+    pub w4a8: usize,
+    /// The shared expert (bf16).
+    pub shared: usize,
+    /// Router weight, bias and hash table.
+    pub router: usize,
+}
+
+impl DeviceBytes {
+    /// The estimate for `layer`, with its W4A8 copy when `w4a8`.
+    pub fn estimate(layer: &MoeLayer, w4a8: bool) -> DeviceBytes {
+        let per_weight = |f: WeightFormat| match f {
+            WeightFormat::Nvfp4 => 0.5625,
+            WeightFormat::Mxfp4 => 0.53125,
+            WeightFormat::Bf16 => 2.0,
+        };
+        let padded = |rows: usize| rows.div_ceil(128) * 128;
+        // The packed matrices: L1 = W1 and W3 interleaved ([2I, H]), L2 = W2 ([H, I]), rows padded
+        // to 128-row groups, plus per-group alphas (per-row ones for the W4A8 copy).
+        let (e, (r1, c1), (r2, c2)) = (
+            layer.w1.experts,
+            (layer.w1.rows + layer.w3.rows, layer.w1.cols),
+            (layer.w2.rows, layer.w2.cols),
+        );
+        let side = |rows: usize, cols: usize, bpw: f64, alpha_per_row: bool| {
+            let alphas = if alpha_per_row { 4 * padded(rows) } else { 8 * (padded(rows) / 128) };
+            e * ((padded(rows) * cols) as f64 * bpw).ceil() as usize + e * alphas
+        };
+        let bpw = per_weight(layer.w1.format());
+        let experts = side(r1, c1, bpw, false) + side(r2, c2, bpw, false);
+        let w4a8 = if w4a8 { side(r1, c1, 0.53125, true) + side(r2, c2, 0.53125, true) } else { 0 };
+        let shared = layer
+            .shared
+            .as_ref()
+            .map_or(0, |s| 2 * padded(s.w1.rows + s.w3.rows) * s.w1.cols + 2 * padded(s.w2.rows) * s.w2.cols);
+        let r = &layer.router;
+        let router = 4
+            * (r.weight.len()
+                + r.bias.as_ref().map_or(0, |b| b.len())
+                + r.tid2eid.as_ref().map_or(0, |t| t.len()));
+        DeviceBytes { experts, w4a8, shared, router }
+    }
+
+    /// The whole estimate.
+    pub fn total(&self) -> usize {
+        self.experts + self.w4a8 + self.shared + self.router
+    }
+}
+
+/// Fewer bytes than `free` may leave the context: the allocator's granularity and the kernels'
+/// modules need some. Keep this much of the free memory unclaimed by weights.
+const DEVICE_RESERVE_BYTES: usize = 256 << 20;
+
+/// Refuses layer `index` when its estimated bytes exceed the device's `free` memory (less a
+/// reserve), with the sizes a user can act on.
+pub(crate) fn check_device_fits(need: &DeviceBytes, free: usize, total: usize, index: usize) -> Result<()> {
+    let mb = |b: usize| b as f64 / 1e6;
+    if need.total() + DEVICE_RESERVE_BYTES <= free {
+        return Ok(());
+    }
+    Err(MegaError::Input(format!(
+        "layer {index} does not fit the GPU: it needs ~{:.0} MB of device memory (routed experts {:.0} MB{}, \
+         shared expert {:.0} MB, router {:.0} MB) plus a {:.0} MB reserve, and {:.0} MB of {:.0} MB are free; \
+         shard the experts over more GPUs (expert parallelism), or free device memory",
+        mb(need.total()),
+        mb(need.experts),
+        if need.w4a8 > 0 { format!(", their W4A8 copy {:.0} MB (MEGAMOE_W4A8_FP8=0 skips it)", mb(need.w4a8)) } else { String::new() },
+        mb(need.shared),
+        mb(need.router),
+        mb(DEVICE_RESERVE_BYTES),
+        mb(free),
+        mb(total),
+    )))
+}
+
 fn check_supported(layer: &MoeLayer) -> Result<()> {
     let c = &layer.config;
     let (h, i, e, k) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok);
@@ -112,6 +195,10 @@ impl LayerWeights {
     ) -> Result<LayerWeights> {
         check_supported(layer)?;
         let c = &layer.config;
+        // Refused before the first allocation when the layer cannot fit the free device memory.
+        let w4a8 = gemm::w4a8::unsupported(device, layer).is_none();
+        let (free, total) = device.memory_info()?;
+        check_device_fits(&DeviceBytes::estimate(layer, w4a8), free, total, layer.index)?;
         let t0 = std::time::Instant::now();
         let experts = gemm::choose_experts(device, layer, family)?.upload_experts(device, layer)?;
         let w4a8 = gemm::w4a8::upload(device, layer)?;
@@ -254,4 +341,74 @@ fn upload_router(dev: &CudaDevice, layer: &MoeLayer) -> Result<RouterDev> {
         tid2eid: r.tid2eid.as_ref().map(|t| dev.upload(t, "gate.tid2eid")).transpose()?,
         vocab: r.tid2eid.as_ref().map_or(0, |t| t.len() / k),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::gpu_layout::{tc, w4a8 as w8};
+    use crate::synthetic;
+
+    /// The estimate bounds what the packers produce (and so what the uploads allocate) from above,
+    /// within 2%, for every weight format, the W4A8 copy and the shared expert.
+    #[test]
+    fn device_bytes_estimate_bounds_the_packed_layers() {
+        // I = 320: 640 L1 rows pad to 640, the shared expert's to its own groups; I = 384 (a
+        // multiple of 128) for the W4A8 copy, whose K must be.
+        for (format, inter) in
+            WeightFormat::ALL.into_iter().map(|f| (f, 320)).chain([(WeightFormat::Mxfp4, 384)])
+        {
+            let cfg = crate::config::MoeConfig {
+                hidden_size: 384,
+                moe_intermediate_size: inter,
+                n_routed_experts: 6,
+                ..synthetic::tiny_config()
+            };
+            let layer = synthetic::random_layer(&cfg, format, 1, false, 5);
+            let (l1, l2) = (tc::pack_l1(&layer.w1, &layer.w3).unwrap(), tc::pack_l2(&layer.w2).unwrap());
+            let experts = l1.bytes.len() + l2.bytes.len() + 4 * (l1.alpha.len() + l2.alpha.len());
+            let s = layer.shared.as_ref().unwrap();
+            let bf = |p| tc::dense_as_bf16(p).unwrap();
+            let (is, h) = (s.w1.rows, cfg.hidden_size);
+            let shared = 2
+                * (tc::pack_dense_l1(&bf(&s.w1), &bf(&s.w3), is, h).unwrap().len()
+                    + tc::pack_dense_l2(&bf(&s.w2), h, is).unwrap().len())
+                / 2;
+            let w4a8 = (inter % 128 == 0).then(|| {
+                let (a, b) = (w8::pack_l1(&layer.w1, &layer.w3).unwrap(), w8::pack_l2(&layer.w2).unwrap());
+                a.bytes.len() + b.bytes.len() + 4 * (a.row_alpha.len() + b.row_alpha.len())
+            });
+            let est = DeviceBytes::estimate(&layer, w4a8.is_some());
+            let within = |got: usize, want: usize, what: &str| {
+                assert!(
+                    want <= got && got as f64 <= want as f64 * 1.02 + 64.0,
+                    "{format} {what}: estimate {got}, packed {want}"
+                );
+            };
+            within(est.experts, experts, "experts");
+            within(est.shared, shared, "shared");
+            if let Some(w) = w4a8 {
+                within(est.w4a8, w, "w4a8");
+            }
+            assert!(est.router >= 4 * layer.router.weight.len());
+        }
+    }
+
+    #[test]
+    fn a_layer_larger_than_free_memory_is_refused_with_the_sizes() {
+        let need = DeviceBytes { experts: 30_000_000_000, w4a8: 0, shared: 132_000_000, router: 11_000_000 };
+        assert!(check_device_fits(&need, 40_000_000_000, 140_000_000_000, 3).is_ok());
+        let e = check_device_fits(&need, 20_000_000_000, 140_000_000_000, 3).unwrap_err().to_string();
+        for want in [
+            "layer 3 does not fit the GPU",
+            "30143 MB",
+            "routed experts 30000 MB",
+            "20000 MB of 140000 MB are free",
+        ] {
+            assert!(e.contains(want), "{e}");
+        }
+        let w8 = DeviceBytes { w4a8: 1_000_000, ..need };
+        let e = check_device_fits(&w8, 1_000_000, 2_000_000, 0).unwrap_err().to_string();
+        assert!(e.contains("MEGAMOE_W4A8_FP8=0"), "{e}");
+    }
 }
