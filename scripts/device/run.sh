@@ -5,7 +5,8 @@
 # kernels; logs go to $OUT; a summary table is printed last.
 # Env: VERIFY_ARGS (default: the full sweep), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
 # SANITIZE=0, BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
-# EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), W4A8=1 (the FP8 W4A8
+# EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
+# forwards against the reference, device-memory growth), W4A8=1 (the FP8 W4A8
 # bench rows on MXFP4 beside W4A16 on the same weights, and ncu of the FP8 kernels).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -95,6 +96,11 @@ if [ "${EP:-0}" != 0 ]; then
   step launch1 timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" launch --gpus 1 -- verify \
     --backend cuda --ep 1 --transport nccl --quick
 fi
+if [ "${SOAK:-0}" != 0 ]; then
+  # Issue 14's soak: 10 000 forwards of random shape, mode and routing on the GPU, checked against the
+  # CPU reference every 100, free device memory after the warm-up vs the end.
+  step soak timeout 550 "$bin" soak --backend cuda --forwards "${SOAK_FORWARDS:-10000}" --check-every 100
+fi
 if [ "${RUN_MODEL:-0}" != 0 ]; then
   # The model runtime: a 61-layer V4-Pro-shaped stack (16 experts a layer) on one device, one stream,
   # one workspace; eager per-layer times, whole-model graph replay (bitwise vs eager), memory, drift.
@@ -148,7 +154,7 @@ for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; g
 for f in ep2 ep8 ep2tp2 ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
-for f in fp8_rate run_model bench bench_flash bench_w4a8 bench_mx16 bench_w4a8_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
+for f in fp8_rate soak run_model bench bench_flash bench_w4a8 bench_mx16 bench_w4a8_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 # The device tool returns at most 8 files: the JSON results and plots travel inside the archive.
 for f in "$OUT"/*.json "$OUT"/*.png; do [ -f "$f" ] && mv "$f" "$LOGS/"; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

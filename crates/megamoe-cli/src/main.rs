@@ -31,6 +31,9 @@ enum Command {
     Bench(commands::bench::Args),
     /// Run every MoE layer of a model in sequence on one device (residual stream between layers).
     RunModel(commands::run_model::Args),
+    /// Many forwards of random shape, mode and routing, checked against the reference at intervals
+    /// (and, on CUDA, for device-memory growth).
+    Soak(commands::soak::Args),
     /// Examine a checkpoint for broken scales, layouts and experts.
     Doctor(commands::doctor::Args),
     /// Run a backend and the reference stage by stage and show where they diverge.
@@ -53,6 +56,7 @@ fn main() {
         Command::Verify(a) => commands::verify::run(a),
         Command::Bench(a) => commands::bench::run(a),
         Command::RunModel(a) => commands::run_model::run(a),
+        Command::Soak(a) => commands::soak::run(a),
         Command::Doctor(a) => commands::doctor::run(a),
         Command::Trace(a) => commands::trace::run(a),
         Command::Kernels(a) => commands::kernels::run(a),

@@ -163,6 +163,7 @@ fn help_of_every_subcommand() {
         "run-model",
         "doctor",
         "trace",
+        "soak",
     ];
     for sub in subs {
         assert!(top.stdout.contains(sub), "top-level help lacks `{sub}`\n{}", top.stdout);
@@ -174,6 +175,26 @@ fn help_of_every_subcommand() {
     // An unknown subcommand / missing argument is a usage error (clap's exit code 2), not a panic.
     assert_eq!(run(&["frobnicate"]).code, 2);
     assert_eq!(run(&["forward"]).code, 2);
+}
+
+/// The soak command on the CPU (its smoke run; the 10 000-forward runs go to the GPU): random
+/// batches including empty ones, every mode, hash and scored layers, checked against the reference.
+#[test]
+fn soak_smoke_run_on_the_cpu_passes() {
+    run(&[
+        "soak",
+        "--backend",
+        "cpu",
+        "--tiny",
+        "--forwards",
+        "60",
+        "--check-every",
+        "6",
+        "--max-tokens",
+        "24",
+    ])
+    .expect_code(0)
+    .expect_output(&["soak: 60 forwards", "reference checks", "soak: PASS"]);
 }
 
 // ---------------------------------------------------------------- quantize / dequantize

@@ -13,6 +13,7 @@ pub mod launch;
 pub mod parallel;
 pub mod quantize;
 pub mod run_model;
+pub mod soak;
 pub mod trace;
 pub mod verify;
 
