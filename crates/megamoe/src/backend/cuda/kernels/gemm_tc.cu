@@ -201,8 +201,8 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
     // Prologue: the weights of the first TC_STAGES - 1 stages go out first (they need only the
     // tile's expert), one group each; then the token rows (their addresses wait on the gathered
     // row ids) of all those stages in one more group, so stage 0 waits for the whole prologue.
-    // (ncu, one-expert decode: every warp of the wave sat in the row-id loads before its first
-    // weight copy, and the DRAM idled.)
+    // (ncu put a one-expert decode's warps in the row-id loads before their first weight copy;
+    // issuing the weights first did not make that decode faster: docs/PERFORMANCE.md, 4th session.)
     #pragma unroll
     for (int s = 0; s < TC_STAGES - 1; ++s) {
         load_weights(s, s);
