@@ -424,18 +424,24 @@ fn w4a8_fp8_prefill_matches_host_model() {
     }
 }
 
-/// Large prefill batches on sm_90a run the wgmma kernels with two 128-row groups per CTA (one
-/// token tile shared by 256 weight rows): an even L1 group count (inter 640: 10 groups) and an odd
-/// L2 one (hidden 1152: 9 groups, the last CTA holds one), against the host model.
-#[test]
-fn prefill_two_group_ctas_match_host_model() {
-    let cfg = megamoe::config::MoeConfig {
+/// 64 experts, k 6, 10 L1 groups (I = 640) and 9 L2 groups (H = 1152): large batches take two
+/// groups per wgmma CTA, the last L2 CTA holding one.
+fn two_group_config() -> megamoe::config::MoeConfig {
+    megamoe::config::MoeConfig {
         hidden_size: 1152,
         moe_intermediate_size: 640,
         n_routed_experts: 64,
         num_experts_per_tok: 6,
         ..synthetic::tiny_config()
-    };
+    }
+}
+
+/// Large prefill batches on sm_90a run the wgmma kernels with two 128-row groups per CTA (one
+/// token tile shared by 256 weight rows): an even L1 group count (inter 640: 10 groups) and an odd
+/// L2 one (hidden 1152: 9 groups, the last CTA holds one), against the host model.
+#[test]
+fn prefill_two_group_ctas_match_host_model() {
+    let cfg = two_group_config();
     // ~96 rows per expert: one 128-token tile each, 64 tiles x 5 CTAs of two groups.
     let t = 1024;
     w4a16_matches_host_model(&cfg, t, 21, "prefill two-group");
@@ -446,13 +452,7 @@ fn prefill_two_group_ctas_match_host_model() {
 /// group count) and, on the tiny layer, one; against the host model, and a repeat bitwise equal.
 #[test]
 fn prefill_fitted_token_tiles_match_host_model() {
-    let cfg = megamoe::config::MoeConfig {
-        hidden_size: 1152,
-        moe_intermediate_size: 640,
-        n_routed_experts: 64,
-        num_experts_per_tok: 6,
-        ..synthetic::tiny_config()
-    };
+    let cfg = two_group_config();
     for (t, what) in [(683, "80-token tiles"), (853, "96-token tiles"), (1280, "144-token tiles")] {
         w4a16_matches_host_model(&cfg, t, 23, what);
     }

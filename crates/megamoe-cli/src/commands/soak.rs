@@ -7,6 +7,7 @@
 //! failure, after printing the summary.
 
 use super::run_model::tolerance;
+use super::verify::rel_l2;
 use megamoe::backend::{create_engine, BackendKind, MoeEngine};
 use megamoe::checkpoint::MoeLayer;
 use megamoe::config::MoeConfig;
@@ -121,16 +122,6 @@ fn invariants(out: &megamoe::forward::ForwardOutput, t: usize, c: &MoeConfig) ->
         return Err(format!("topk_weights[{i}] = {}", out.topk_weights[i]));
     }
     Ok(())
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
 }
 
 /// The device's free memory (bytes) when the backend is CUDA.

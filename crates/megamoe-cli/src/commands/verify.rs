@@ -140,7 +140,8 @@ fn cases(quick: bool) -> Vec<Case> {
     ]
 }
 
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+/// Relative L2 distance of `a` from `b` (the absolute one when `b` is all zeros).
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
     if den == 0.0 {
