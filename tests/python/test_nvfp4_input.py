@@ -80,9 +80,8 @@ def test_prequantized_input_is_refused_where_it_would_change_the_math(golden, w4
     packed, s = quantize(x, 0.002)
     with pytest.raises(ValueError, match=r"quantized under global_scale 0.002, but expert 0 .* input_scale"):
         w4a4_layer.experts(megamoe.NVFP4Activations(packed, s, 0.002), ids, w)
-    w16 = megamoe.MoELayer.from_checkpoint(fixture_dir("nvfp4-tiny"), 1, device="cpu")
-    with pytest.raises(ValueError, match=r"need a layer in mode 'w4a4'"):
-        w16.experts(megamoe.NVFP4Activations(packed, s, 0.002), ids, w)
+    with pytest.raises(ValueError, match=r"mode 'w4a16' or 'w4a8' takes them at their value"):
+        w4a4_layer.experts(megamoe.NVFP4Activations(packed, s, 0.002), ids, w)
     with pytest.raises(TypeError, match=r"pass NVFP4 activations to experts"):
         w4a4_layer(megamoe.NVFP4Activations(packed, s, 0.002))
     gs = w4a4_layer._native.input_scales[0]
@@ -90,3 +89,22 @@ def test_prequantized_input_is_refused_where_it_would_change_the_math(golden, w4
         w4a4_layer.experts(megamoe.NVFP4Activations(packed, s.reshape(-1)[:100], gs), ids, w)
     with pytest.raises(TypeError, match=r"packed: dtype int8"):
         megamoe.NVFP4Activations(packed.view(np.int8), s, 0.002)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
+def test_prequantized_input_under_any_scale_is_taken_at_its_value(golden, mode):
+    """W4A16 / W4A8 layers take NVFP4 activations under any global scale as the bf16 values they
+    encode: bit for bit the experts of `acts.dequantize()`, and within an FP4 step of the source."""
+    g = golden["nvfp4-tiny"]
+    x = st.bf16_to_f32(g["1.x"])
+    ids, w = g["1.topk_ids"], g["1.topk_weights"]
+    layer = megamoe.MoELayer.from_checkpoint(fixture_dir("nvfp4-tiny"), 1, device="cpu", mode=mode)
+    gs = float(np.abs(x).max()) / (6 * 448)  # a per-tensor dynamic scale, not the checkpoint's
+    packed, s = quantize(x, gs)
+    acts = megamoe.NVFP4Activations(packed, s, gs)
+    deq = acts.dequantize()
+    y = layer.experts(acts, ids, w)
+    np.testing.assert_array_equal(y, layer.experts(deq, ids, w))
+    want = layer.experts(x, ids, w)
+    rel = float(np.linalg.norm(y - want) / np.linalg.norm(want))
+    assert 0 < rel < 0.25, rel

@@ -211,8 +211,10 @@ class MoELayer:
         the experts (vLLM allows it for top-1 only). No shared expert: it returns the routed sum.
 
         `x` may also be :class:`NVFP4Activations` (pre-quantized packed E2M1 + e4m3 scales + global
-        scale) on a layer in mode ``w4a4`` whose W1 ``input_scale`` equals that global scale: the
-        result is then exactly the W4A4 experts of those activations."""
+        scale, any global scale): in modes ``w4a16`` and ``w4a8`` the experts take the activations
+        at their value (``e2m1 * scale * global_scale``, rounded once to bf16); in mode ``w4a4`` the
+        global scale must equal the layer's W1 ``input_scale``, and the result is then exactly the
+        W4A4 experts of those codes (another scale is refused: W4A4 would requantize them)."""
         if isinstance(x, NVFP4Activations):
             x = self._from_nvfp4(x)
         if apply_router_weight_on_input:
@@ -232,14 +234,13 @@ class MoELayer:
         return _arrays.scaled_rows(x, topk_weights), _arrays.ones_like(topk_weights)
 
     def _from_nvfp4(self, acts: NVFP4Activations) -> Any:
-        """The bf16 activations whose W4A4 quantization is exactly `acts` (see `_nvfp4.py`)."""
+        """The bf16 values of `acts`; in mode w4a4 also the activations whose W4A4 quantization is
+        exactly `acts` (see `_nvfp4.py`), so their global scale must be the layer's input scale."""
         if acts.hidden != self.hidden_size:
             raise ValueError(f"x: NVFP4 activations of H={acts.hidden}, expected H={self.hidden_size}")
         if self.mode != "w4a4":
-            raise ValueError(
-                f"x: pre-quantized NVFP4 activations need a layer in mode 'w4a4' (this one runs {self.mode!r}): "
-                "megamoe runs them as the W4A4 experts of the activations they encode"
-            )
+            # W4A16 computes with the values as they are; W4A8 quantizes them as any bf16 input.
+            return acts.dequantize()
         g = struct.unpack("f", struct.pack("f", acts.global_scale))[0]
         scales = self._native.input_scales
         start = self.expert_range[0]
@@ -249,7 +250,8 @@ class MoELayer:
                     f"x: NVFP4 activations quantized under global_scale {acts.global_scale!r}, but expert {start + e} "
                     f"of layer {self.index} quantizes its input under input_scale {s!r}; megamoe's W4A4 experts "
                     "requantize under the checkpoint's input_scale, so only activations quantized under it "
-                    "are taken (pass the multiplier, not its reciprocal)"
+                    "are taken (pass the multiplier, not its reciprocal); a layer in mode 'w4a16' or 'w4a8' "
+                    "takes them at their value"
                 )
         return acts.dequantize()
 

@@ -4,12 +4,14 @@ elements; row-major ``[T, H/16]``, the 128x4-swizzled layout, or four per u32 ``
 and the global scale (ModelOpt's multiplier: value = e2m1 * scale * global_scale; not its
 reciprocal, which some kernels take).
 
-megamoe's W4A4 mode quantizes each expert's input itself, under the checkpoint's ``input_scale``.
-Activations quantized by that same rule under that same global scale are a fixed point of it: the
-binding dequantizes them (exactly up to one bf16 rounding, far inside an FP4 step) and the W4A4
-forward re-derives the very same codes and block scales. So :meth:`megamoe.MoELayer.experts`
-accepts :class:`NVFP4Activations` in mode ``w4a4`` when the global scale equals the layer's W1
-``input_scale``, and refuses other cases rather than compute something else.
+:meth:`megamoe.MoELayer.experts` takes them, under any global scale, at their value in modes
+``w4a16`` and ``w4a8`` (dequantized once to bf16: W4A16 computes with those values, W4A8 quantizes
+them as any bf16 input). megamoe's W4A4 mode quantizes each expert's input itself, under the
+checkpoint's ``input_scale``. Activations quantized by that same rule under that same global scale
+are a fixed point of it: the binding dequantizes them (exactly up to one bf16 rounding, far inside
+an FP4 step) and the W4A4 forward re-derives the very same codes and block scales. So in mode
+``w4a4`` :class:`NVFP4Activations` are taken when the global scale equals the layer's W1
+``input_scale``, and refused under another scale rather than compute something else.
 """
 
 from __future__ import annotations
