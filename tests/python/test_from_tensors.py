@@ -86,8 +86,8 @@ def tensors_of(layer: int, w13: bool, layout: str):
     return t
 
 
-def config():
-    with open(os.path.join(fixture_dir("nvfp4-tiny"), "config.json")) as f:
+def config(fixture: str = "nvfp4-tiny"):
+    with open(os.path.join(fixture_dir(fixture), "config.json")) as f:
         return json.load(f)
 
 
@@ -170,11 +170,6 @@ def mxfp4_tensors(layer: int, w13: bool):
     return t
 
 
-def mxfp4_config():
-    with open(os.path.join(fixture_dir("mxfp4-tiny"), "config.json")) as f:
-        return json.load(f)
-
-
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("w13", [False, True])
 def test_mxfp4_tensors_equal_the_checkpoint(golden, layer, w13):
@@ -182,7 +177,7 @@ def test_mxfp4_tensors_equal_the_checkpoint(golden, layer, w13):
     x, ids = st.bf16_to_f32(g[f"{layer}.x"]), g["input_ids"]
     for mode in ("w4a16", "w4a8"):
         ref = megamoe.MoELayer.from_checkpoint(fixture_dir("mxfp4-tiny"), layer, device="cpu", mode=mode)
-        got = megamoe.MoELayer.from_tensors(mxfp4_config(), mxfp4_tensors(layer, w13), layer=layer,
+        got = megamoe.MoELayer.from_tensors(config("mxfp4-tiny"), mxfp4_tensors(layer, w13), layer=layer,
                                             device="cpu", mode=mode)
         np.testing.assert_array_equal(got(x, ids), ref(x, ids))
 
@@ -190,14 +185,14 @@ def test_mxfp4_tensors_equal_the_checkpoint(golden, layer, w13):
 def test_mxfp4_tensors_refuse_nvfp4_only_options():
     t = mxfp4_tensors(1, True)
     with pytest.raises(ValueError, match=r"MXFP4 scales are row-major"):
-        megamoe.MoELayer.from_tensors(mxfp4_config(), t, layer=1, device="cpu", scale_layout="packed_u32")
+        megamoe.MoELayer.from_tensors(config("mxfp4-tiny"), t, layer=1, device="cpu", scale_layout="packed_u32")
     t["w2_weight_scale"] = t["w2_weight_scale"][:, :, :2].copy()
     with pytest.raises(ValueError, match=r"w2_weight_scale\"\]: shape \[16, 256, 2\], expected"):
-        megamoe.MoELayer.from_tensors(mxfp4_config(), t, layer=1, device="cpu")
+        megamoe.MoELayer.from_tensors(config("mxfp4-tiny"), t, layer=1, device="cpu")
     t = mxfp4_tensors(1, True)
     t["w2_input_scale"] = np.ones(E, np.float32)
     with pytest.raises(ValueError, match=r"take no input scales"):
-        megamoe.MoELayer.from_tensors(mxfp4_config(), t, layer=1, device="cpu")
+        megamoe.MoELayer.from_tensors(config("mxfp4-tiny"), t, layer=1, device="cpu")
 
 
 def dequant_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -219,9 +214,9 @@ def test_bf16_experts_from_tensors_equal_their_mxfp4_source(golden, w13):
             dense[f"{w}_weight"] = dequant_mxfp4(mx[f"{w}_weight"], mx[f"{w}_weight_scale"])
     g = golden["mxfp4-tiny"]
     x, ids = st.bf16_to_f32(g["1.x"]), g["input_ids"]
-    want = megamoe.MoELayer.from_tensors(mxfp4_config(), mx, layer=1, device="cpu")(x, ids)
-    got = megamoe.MoELayer.from_tensors(mxfp4_config(), dense, layer=1, device="cpu")(x, ids)
+    want = megamoe.MoELayer.from_tensors(config("mxfp4-tiny"), mx, layer=1, device="cpu")(x, ids)
+    got = megamoe.MoELayer.from_tensors(config("mxfp4-tiny"), dense, layer=1, device="cpu")(x, ids)
     np.testing.assert_array_equal(got, want)
     bad = dict(dense, w2_weight_scale=mx["w2_weight_scale"])
     with pytest.raises(ValueError, match=r"bf16 experts take no weight scales"):
-        megamoe.MoELayer.from_tensors(mxfp4_config(), bad, layer=1, device="cpu")
+        megamoe.MoELayer.from_tensors(config("mxfp4-tiny"), bad, layer=1, device="cpu")

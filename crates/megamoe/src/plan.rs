@@ -44,19 +44,25 @@ impl ForwardShape {
     /// shared expert's output and `y` (`[T, H]` each, f32), the routing (`[T, k]` ids and
     /// weights) and one 256-token chunk's scratch; `None` when that overflows `usize`.
     pub fn host_bytes(&self) -> Option<usize> {
-        let (t, h, e, k) = (self.tokens, self.hidden, self.experts, self.top_k);
-        let per_token = e.checked_add(h.checked_mul(3)?)?.checked_mul(4)?.checked_add(k.checked_mul(8)?)?;
+        let (h, k) = (self.hidden, self.top_k);
         let chunk = 256usize
             .checked_mul(k)?
             .checked_mul(h.checked_add(self.inter.checked_mul(3)?)?)?
             .checked_mul(4)?;
-        t.checked_mul(per_token)?.checked_add(chunk)
+        self.tokens.checked_mul(self.host_bytes_per_token()?)?.checked_add(chunk)
     }
 
-    /// Refuses, up front and with the sizes, a forward whose [`Self::host_bytes`] exceed
-    /// `available` bytes (`None`: unknown, not checked) — instead of an allocation failure
-    /// aborting the process halfway.
-    pub fn check_host_memory(&self, available: Option<usize>) -> Result<()> {
+    /// The part of [`Self::host_bytes`] that grows with each token.
+    fn host_bytes_per_token(&self) -> Option<usize> {
+        let (h, e, k) = (self.hidden, self.experts, self.top_k);
+        e.checked_add(h.checked_mul(3)?)?.checked_mul(4)?.checked_add(k.checked_mul(8)?)
+    }
+
+    /// Refuses, up front and with the sizes, a forward whose [`Self::host_bytes`] exceed the
+    /// bytes `available()` reports (`None`: unknown, not checked) — instead of an allocation
+    /// failure aborting the process halfway. Batches under [`HOST_CHECK_BYTES`] never ask (a
+    /// decode forward reads no `/proc/meminfo`).
+    pub fn check_host_memory(&self, available: impl FnOnce() -> Option<usize>) -> Result<()> {
         let mb = |b: usize| b as f64 / 1e6;
         let Some(need) = self.host_bytes() else {
             return Err(MegaError::Input(format!(
@@ -64,9 +70,13 @@ impl ForwardShape {
                 self.tokens, self.hidden, self.experts
             )));
         };
-        match available {
+        if need < HOST_CHECK_BYTES {
+            return Ok(());
+        }
+        match available() {
             Some(free) if need > free => {
-                let per = self.host_bytes_per_token().max(1);
+                // host_bytes() did not overflow, so neither does its per-token part.
+                let per = self.host_bytes_per_token().unwrap_or(usize::MAX).max(1);
                 Err(MegaError::Input(format!(
                     "a forward of {} tokens needs {:.1} MB of host memory besides x; {:.1} MB are available: \
                      run it in batches of at most {} tokens",
@@ -78,10 +88,6 @@ impl ForwardShape {
             }
             _ => Ok(()),
         }
-    }
-
-    fn host_bytes_per_token(&self) -> usize {
-        (self.experts + 3 * self.hidden) * 4 + 8 * self.top_k
     }
 
     /// Checks a hidden-state buffer of `len` elements against `[T, H]`.
@@ -97,6 +103,9 @@ impl ForwardShape {
         Ok(())
     }
 }
+
+/// Forwards needing less host memory than this are not checked against [`available_host_memory`].
+pub const HOST_CHECK_BYTES: usize = 256 << 20;
 
 /// Host memory available to a new allocation (Linux `MemAvailable`), if known.
 pub fn available_host_memory() -> Option<usize> {
@@ -176,16 +185,19 @@ mod tests {
         let s = ForwardShape { tokens: 1_000_000, hidden: 7168, inter: 3072, experts: 384, top_k: 6 };
         let need = s.host_bytes().unwrap();
         assert!(need > 1_000_000 * 7168 * 12);
-        assert!(s.check_host_memory(Some(need)).is_ok());
-        assert!(s.check_host_memory(None).is_ok());
-        let msg = s.check_host_memory(Some(8 << 30)).unwrap_err().to_string();
+        assert!(s.check_host_memory(|| Some(need)).is_ok());
+        assert!(s.check_host_memory(|| None).is_ok());
+        let msg = s.check_host_memory(|| Some(8 << 30)).unwrap_err().to_string();
         assert!(msg.contains("1000000 tokens") && msg.contains("MB of host memory"), "{msg}");
         // The suggested batch fits.
         let fit: usize = msg.split("at most ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
-        assert!(fit > 0 && ForwardShape { tokens: fit, ..s }.check_host_memory(Some(8 << 30)).is_ok());
-        assert!(ForwardShape { tokens: fit + 1, ..s }.check_host_memory(Some(8 << 30)).is_err());
+        assert!(fit > 0 && ForwardShape { tokens: fit, ..s }.check_host_memory(|| Some(8 << 30)).is_ok());
+        assert!(ForwardShape { tokens: fit + 1, ..s }.check_host_memory(|| Some(8 << 30)).is_err());
         let over = ForwardShape { tokens: usize::MAX / 2, ..s };
-        assert!(over.check_host_memory(None).unwrap_err().to_string().contains("address space"));
+        assert!(over.check_host_memory(|| None).unwrap_err().to_string().contains("address space"));
+        // A decode-sized forward does not ask for the host's memory at all.
+        let small = ForwardShape { tokens: 1, ..s };
+        assert!(small.check_host_memory(|| panic!("asked for a 1-token forward")).is_ok());
     }
 
     #[test]

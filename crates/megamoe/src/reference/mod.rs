@@ -339,7 +339,7 @@ pub fn forward_detailed(
     let tokens = input.x.len() / layer.config.hidden_size.max(1);
     let shape = ForwardShape::of(layer, tokens);
     shape.check_x(input.x.len())?;
-    shape.check_host_memory(crate::plan::available_host_memory())?;
+    shape.check_host_memory(crate::plan::available_host_memory)?;
     let (h, inter, e_count, k) = (shape.hidden, shape.inter, shape.experts, shape.top_k);
 
     let routing = router::route(layer, input.x, input.input_ids)?;
@@ -405,7 +405,7 @@ pub fn forward_routed(
         )));
     }
     let tokens = x.len() / h;
-    ForwardShape::of(layer, tokens).check_host_memory(crate::plan::available_host_memory())?;
+    ForwardShape::of(layer, tokens).check_host_memory(crate::plan::available_host_memory)?;
     for (name, len) in [("topk_ids", topk_ids.len()), ("topk_weights", topk_weights.len())] {
         if len != tokens * k {
             return Err(MegaError::Input(format!(

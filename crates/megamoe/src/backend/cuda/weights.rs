@@ -196,12 +196,12 @@ impl LayerWeights {
         check_supported(layer)?;
         let c = &layer.config;
         // Refused before the first allocation when the layer cannot fit the free device memory.
-        let w4a8 = gemm::w4a8::unsupported(device, layer).is_none();
+        let w4a8_why_not = gemm::w4a8::unsupported(device, layer);
         let (free, total) = device.memory_info()?;
-        check_device_fits(&DeviceBytes::estimate(layer, w4a8), free, total, layer.index)?;
+        check_device_fits(&DeviceBytes::estimate(layer, w4a8_why_not.is_none()), free, total, layer.index)?;
         let t0 = std::time::Instant::now();
         let experts = gemm::choose_experts(device, layer, family)?.upload_experts(device, layer)?;
-        let w4a8 = gemm::w4a8::upload(device, layer)?;
+        let w4a8 = gemm::w4a8::upload(device, layer, w4a8_why_not)?;
         let shared = match &layer.shared {
             Some(s) => {
                 Some(gemm::choose_shared(device, s, family)?.upload_shared(device, s, c.hidden_size)?)

@@ -89,9 +89,14 @@ pub(crate) fn unsupported(dev: &CudaDevice, layer: &MoeLayer) -> Option<String> 
 }
 
 /// Packs and uploads `layer`'s routed experts for the FP8 kernels, or `None` (logged) when W4A8
-/// runs on the bf16 tensor-core path instead.
-pub(crate) fn upload(dev: &Arc<CudaDevice>, layer: &MoeLayer) -> Result<Option<W4a8Experts>> {
-    if let Some(why) = unsupported(dev, layer) {
+/// runs on the bf16 tensor-core path instead: `why_not` is [`unsupported`]'s answer for this
+/// device and layer (the caller has it already: it scans every block scale).
+pub(crate) fn upload(
+    dev: &Arc<CudaDevice>,
+    layer: &MoeLayer,
+    why_not: Option<String>,
+) -> Result<Option<W4a8Experts>> {
+    if let Some(why) = why_not {
         tracing::info!(layer = layer.index, "W4A8 runs on the bf16 tensor-core path: {why}");
         return Ok(None);
     }
