@@ -460,10 +460,67 @@ fn prefill_fitted_token_tiles_match_host_model() {
     w4a16_matches_host_model(&tiny, 1024, 25, "80-token tiles, one group per CTA");
 }
 
+/// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
+/// evenly (Stream-K): with K = 1152 (18 chunks) and 640 (10) a (tile, group)'s K parts land in
+/// several CTAs and are summed by the last to arrive, and a CTA's range crosses units (T=8: ~23
+/// chunks per CTA). Against the host model in both FP4 formats, and a repeat bitwise equal.
+#[test]
+fn decode_split_k_parts_match_host_model() {
+    let cfg = two_group_config();
+    for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
+        for t in [1, 3, 8] {
+            format_matches_host_model(&cfg, format, t, 27 + t as u64, "decode split-K");
+        }
+    }
+}
+
+/// The streaming kernels' split-K bookkeeping across many forwards: ranges of ~49 chunks over
+/// units of 32 (CTAs with two cut units and a reused ring), every mode in turn and again: each
+/// forward bitwise equal to the first of its mode, and every arrival counter back at zero.
+#[test]
+fn decode_split_counters_return_to_zero_and_forwards_repeat() {
+    let cfg = megamoe::config::MoeConfig {
+        hidden_size: 2048,
+        moe_intermediate_size: 1536,
+        n_routed_experts: 32,
+        num_experts_per_tok: 6,
+        ..synthetic::tiny_config()
+    };
+    let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, 71));
+    let Some(mut eng) = engine_with(&layer, 8, Some("tc")) else { return };
+    let mut first: std::collections::HashMap<(usize, &str), Vec<u32>> = Default::default();
+    for round in 0..3 {
+        for t in [1usize, 8] {
+            let x = synthetic::random_hidden(t, cfg.hidden_size, 80 + t as u64);
+            let input = ForwardInput { x: &x, input_ids: None };
+            for mode in Mode::ALL {
+                let y = eng.forward(&input, mode, None).unwrap().y;
+                let bits: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+                let want = first.entry((t, mode.name())).or_insert_with(|| bits.clone());
+                assert!(*want == bits, "round {round} T={t} {mode}: forward differs from the first");
+                let left: Vec<(usize, u32)> =
+                    eng.split_counters().unwrap().into_iter().enumerate().filter(|&(_, c)| c != 0).collect();
+                assert!(left.is_empty(), "round {round} T={t} {mode}: counters left non-zero {left:?}");
+            }
+        }
+    }
+}
+
 /// A random NVFP4 layer of `cfg` at `t` tokens (score routing) on the tensor-core family: W4A16
 /// against the host model, and a repeat bitwise equal.
 fn w4a16_matches_host_model(cfg: &megamoe::config::MoeConfig, t: usize, seed: u64, what: &str) {
-    let layer = Arc::new(synthetic::random_layer(cfg, WeightFormat::Nvfp4, 0, false, seed));
+    format_matches_host_model(cfg, WeightFormat::Nvfp4, t, seed, what);
+}
+
+/// [`w4a16_matches_host_model`] for a layer of `format`.
+fn format_matches_host_model(
+    cfg: &megamoe::config::MoeConfig,
+    format: WeightFormat,
+    t: usize,
+    seed: u64,
+    what: &str,
+) {
+    let layer = Arc::new(synthetic::random_layer(cfg, format, 0, false, seed));
     let Some(mut eng) = engine_with(&layer, t, Some("tc")) else { return };
     let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 2);
     let input = ForwardInput { x: &x, input_ids: None };
@@ -471,10 +528,10 @@ fn w4a16_matches_host_model(cfg: &megamoe::config::MoeConfig, t: usize, seed: u6
     let out = eng.forward(&input, Mode::W4A16, None).unwrap();
     let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
     let err = rel_l2(&out.y, &want);
-    eprintln!("{what} T={t}: rel L2 {err:.2e}");
-    assert!(err < tol(Mode::W4A16), "{what}: rel L2 {err:.3e}");
+    eprintln!("{what} {format:?} T={t}: rel L2 {err:.2e}");
+    assert!(err < tol(Mode::W4A16), "{what} {format:?} T={t}: rel L2 {err:.3e}");
     let again = eng.forward(&input, Mode::W4A16, None).unwrap();
-    assert_eq!(out.y, again.y, "{what}: repeat differs");
+    assert_eq!(out.y, again.y, "{what} {format:?} T={t}: repeat differs");
 }
 
 /// The plan's large-batch path (chunk counts, one offsets CTA, chunk scatter): more slots than the

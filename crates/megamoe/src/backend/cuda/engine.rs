@@ -111,6 +111,13 @@ impl CudaEngine {
         StreamRef(self.stream.cu_stream())
     }
 
+    /// The arrival counters of the streaming decode kernels' split scratch (routed L1, L2, shared
+    /// L1, L2 in turn, one per CTA), which every forward must leave zero (tests, diagnostics).
+    #[doc(hidden)]
+    pub fn split_counters(&self) -> Result<Vec<u32>> {
+        self.ws.split_counters()
+    }
+
     /// Fills every scratch, io and output buffer with `byte` (e.g. 0xFF: NaN in f32 and bf16), so
     /// a test can prove that a forward writes every element it later reads.
     pub fn poison(&mut self, byte: u8) -> Result<()> {

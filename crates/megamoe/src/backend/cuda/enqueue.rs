@@ -290,6 +290,7 @@ impl LayerWeights {
             grid_tiles: max_tiles(slots, el, bm) as u32,
             expected_tiles: (active.ceil() as usize) * (rows / bm as f64).ceil() as usize,
             a_rows: slots,
+            split: Some(ws.split_routed.ptr()),
         };
         let p = PlanParams {
             topk_ids,
@@ -496,7 +497,13 @@ impl LayerWeights {
         let c = &self.config;
         let bm = sh.kernels.block_m(TileDemand::dense(t));
         let tiles = t.div_ceil(bm);
-        let launch = GemmLaunch { block_m: bm, grid_tiles: tiles as u32, expected_tiles: tiles, a_rows: t };
+        let launch = GemmLaunch {
+            block_m: bm,
+            grid_tiles: tiles as u32,
+            expected_tiles: tiles,
+            a_rows: t,
+            split: Some(ws.split_shared.ptr()),
+        };
         let dense = |a: u64, side: &super::gemm::PackedSide| GemmOperands {
             a,
             a_rows: 0,

@@ -314,6 +314,27 @@ kernel_abi! {
         out: DevPtr => "float*",
     }
 
+    /// The Hopper weight-streaming decode L1 kernel (`gemm_tc_stream.cu`): the L1 parameters and
+    /// its split scratch (zeroed; each launch leaves it zeroed).
+    struct DsL1Params {
+        /// The L1 parameters.
+        l1: GemmL1Params => "GemmL1Params",
+        /// `[gridDim.x][2][8][32]` float4 K-part sums.
+        partials: DevPtr => "float*",
+        /// `[gridDim.x]` u32 arrival counters (0 between launches).
+        counters: DevPtr => "unsigned*",
+    }
+
+    /// The Hopper weight-streaming decode L2 kernel.
+    struct DsL2Params {
+        /// The L2 parameters.
+        l2: GemmL2Params => "GemmL2Params",
+        /// `[gridDim.x][2][8][32]` float4 K-part sums.
+        partials: DevPtr => "float*",
+        /// `[gridDim.x]` u32 arrival counters (0 between launches).
+        counters: DevPtr => "unsigned*",
+    }
+
     /// The Hopper wgmma L1 kernel: the L1 parameters and the tensor map of A (`[rows, H]` bf16,
     /// boxes of 64 columns x the token tile, 128B-swizzled).
     struct WgL1Params {

@@ -29,6 +29,9 @@ pub const GEMM_SIMT: &str = include_str!("kernels/gemm_simt.cu");
 /// The tensor-core GEMM family's source (compiled per weight format).
 pub const GEMM_TC: &str = include_str!("kernels/gemm_tc.cu");
 
+/// The tensor-core family's Hopper weight-streaming decode kernels (appended after [`GEMM_TC`]).
+pub const GEMM_TC_STREAM: &str = include_str!("kernels/gemm_tc_stream.cu");
+
 /// Device code shared by the GEMM sources (prepended to each).
 pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 
@@ -36,13 +39,14 @@ pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 pub const GEMM_W4A8: &str = include_str!("kernels/gemm_w4a8.cu");
 
 /// Every source with its name (for the layout-comment check and the compile test).
-pub const ALL_SOURCES: [(&str, &str); 8] = [
+pub const ALL_SOURCES: [(&str, &str); 9] = [
     CORE_SOURCES[0],
     CORE_SOURCES[1],
     CORE_SOURCES[2],
     CORE_SOURCES[3],
     ("gemm_simt", GEMM_SIMT),
     ("gemm_tc", GEMM_TC),
+    ("gemm_tc_stream", GEMM_TC_STREAM),
     ("gemm_common", GEMM_COMMON),
     ("gemm_w4a8", GEMM_W4A8),
 ];

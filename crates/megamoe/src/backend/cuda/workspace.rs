@@ -117,6 +117,7 @@ impl WorkspaceDims {
             bytes(&[s, h, 4], "l2 rows")?,
             bytes(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
             bytes(&[mt, h, 4], "shared out")?,
+            2 * Workspace::split_bytes(SPLIT_ESTIMATE_SMS),
         ];
         parts
             .iter()
@@ -129,6 +130,10 @@ impl WorkspaceDims {
         self.max_tokens * self.top_k
     }
 }
+
+/// The SM count the memory estimate assumes for the split scratch (an upper bound: the scratch
+/// grows with the SMs, a few MB).
+const SPLIT_ESTIMATE_SMS: usize = 256;
 
 /// The buffers [`Workspace::prepare`] allocates on demand.
 enum Lazy {
@@ -202,6 +207,11 @@ pub struct Workspace {
     pub(crate) shared_out: DevBuf,
     /// Status bits (`params::STATUS_*`) `[1]` u32.
     pub(crate) status: DevBuf,
+    /// Split scratch of the routed experts' decode GEMMs ([`Self::split_bytes`]; zero between
+    /// forwards: the kernels that use it leave it so).
+    pub(crate) split_routed: DevBuf,
+    /// The same for the shared expert (which may run concurrently, on the side stream).
+    pub(crate) split_shared: DevBuf,
     /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
     /// batches; [`Self::prepare`]).
     pub(crate) xin: Option<DevBuf>,
@@ -271,11 +281,21 @@ impl Workspace {
             sact: z(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
             shared_out: z(&[mt, h, 4], "shared out")?,
             status: z(&[4], "status")?,
+            split_routed: z(&[Workspace::split_bytes(device.sm_count())], "routed split scratch")?,
+            split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
             xin: None,
             actq: None,
             gate_tr: None,
             up_tr: None,
         })
+    }
+
+    /// Bytes of one GEMM pair's split scratch ([`super::gemm::GemmLaunch::split`]) on a GPU of
+    /// `sm_count` SMs: the tensor-core family's streaming L1 and L2.
+    pub(crate) fn split_bytes(sm_count: usize) -> usize {
+        2 * crate::backend::gpu_layout::tc::stream_scratch_bytes(crate::backend::gpu_layout::tc::stream_ctas(
+            sm_count,
+        ))
     }
 
     /// A workspace for forwards of up to `max_tokens` tokens through any of `layers`.
@@ -362,6 +382,8 @@ impl Workspace {
             &self.sact,
             &self.shared_out,
             &self.status,
+            &self.split_routed,
+            &self.split_shared,
         ]
         .into_iter()
         .chain(self.xin.iter())
@@ -371,7 +393,8 @@ impl Workspace {
     }
 
     /// Fills every scratch buffer with `byte` (e.g. 0xFF: NaN in f32 and bf16), so a test can
-    /// prove that a forward writes every element it later reads. Clears the status word.
+    /// prove that a forward writes every element it later reads. Clears the status word and the
+    /// split scratch's counters (which must start at zero; its K-part sums stay poisoned).
     pub fn poison(&self, byte: u8) -> Result<()> {
         self.device.bind()?;
         let st = self.device.stream();
@@ -380,10 +403,41 @@ impl Workspace {
             unsafe { cudarc::driver::result::memset_d8_async(buf.ptr(), byte, buf.bytes(), st.cu_stream()) }
                 .map_err(derr("poison"))?;
         }
-        // SAFETY: the status word holds 4 bytes.
-        unsafe { cudarc::driver::result::memset_d8_async(self.status.ptr(), 0, 4, st.cu_stream()) }
-            .map_err(derr("poison"))?;
+        let mut zero = vec![(self.status.ptr(), 4)];
+        {
+            use crate::backend::gpu_layout::tc::{stream_ctas, stream_partials_bytes, stream_scratch_bytes};
+            let ctas = stream_ctas(self.device.sm_count());
+            let one = stream_scratch_bytes(ctas);
+            for buf in [&self.split_routed, &self.split_shared] {
+                for half in 0..2 {
+                    let at = (half * one + stream_partials_bytes(ctas)) as u64;
+                    zero.push((buf.ptr() + at, one - stream_partials_bytes(ctas)));
+                }
+            }
+        }
+        for (ptr, n) in zero {
+            // SAFETY: each range lies inside its buffer (the status word, a split scratch's counters).
+            unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, n, st.cu_stream()) }
+                .map_err(derr("poison"))?;
+        }
         st.synchronize().map_err(derr("poison"))
+    }
+
+    /// The split scratch's arrival counters (routed L1, L2, shared L1, L2), read back after a
+    /// synchronisation: every streaming launch must leave them all zero. Diagnostics and tests.
+    pub(crate) fn split_counters(&self) -> Result<Vec<u32>> {
+        use crate::backend::gpu_layout::tc::{stream_ctas, stream_partials_bytes, stream_scratch_bytes};
+        self.device.synchronize()?;
+        let ctas = stream_ctas(self.device.sm_count());
+        let one = stream_scratch_bytes(ctas);
+        let mut v = Vec::with_capacity(4 * ctas);
+        for buf in [&self.split_routed, &self.split_shared] {
+            for half in 0..2 {
+                let at = half * one + stream_partials_bytes(ctas);
+                v.extend(buf.read::<u32>(self.device.stream(), at, ctas)?);
+            }
+        }
+        Ok(v)
     }
 
     /// Reads and clears the status word (`params::STATUS_*` bits set by forwards since the last

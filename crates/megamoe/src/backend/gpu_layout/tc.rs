@@ -18,9 +18,11 @@
 //!   value comes out as `e2m1 * 2^-126` (the code's bits placed in the bf16 exponent and
 //!   mantissa; 0.5 is a bf16 subnormal), and one `mul.rn.bf16x2` by the block scale times `2^K2`
 //!   makes it exact and normal. The alpha after accumulation undoes `2^(K2 - 126)`;
-//! - NVFP4 scales: 64 bytes per block, `8 * g + 2 * q + h` = the e4m3 scale of row `g + 8h`,
-//!   step `q` (K2 = [`NVFP4_K2`], converted in-kernel through `cvt.rn.f16x2.e4m3x2`); a zero
-//!   scale (0x00 / 0x80) is stored as 1.0 with its 16 codes zeroed (the same products, ±0);
+//! - NVFP4 scales: 64 bytes per block, `8 * g + 2 * q + h` = the scale of row `g + 8h`, step `q`,
+//!   re-encoded at upload by [`nvfp4_scale_byte`] as a positive "e5m3" byte (a negative scale's
+//!   sign moves into its 16 codes; e4m3 subnormals become normal), so the kernel makes the bf16 of
+//!   `scale * 2^K2` (K2 = [`NVFP4_K2`]) with a byte permute and one shift-add; a zero scale
+//!   (0x00 / 0x80) is stored as 1.0 with its 16 codes zeroed (the same products, ±0);
 //! - MXFP4 scales: 32 bytes per block, `4 * g + 2 * j + h` = `e8m0 + K2` of row `g + 8h`, 32-block
 //!   `j` of the chunk, so the kernel's bf16 scale is just `byte << 7`. K2 is chosen per expert and
 //!   projection ([`mxfp4_k2`]) so that every scale and every product is a normal bf16; a
@@ -49,6 +51,32 @@ pub const CHUNK_K: usize = 64;
 pub const NVFP4_K2: i32 = 100;
 /// Bytes of FP4 codes per (slab, chunk) block: 32 lanes x 16 bytes.
 const FP4_CODE_BYTES: usize = 512;
+
+/// The bf16 exponent field of an NVFP4 scale byte `b = E5 << 3 | f` is `E5 + NVFP4_SCALE_BF16_BIAS`:
+/// the value is `(1 + f / 8) * 2^(E5 - 9)` times `2^NVFP4_K2` (kernels: `NVFP4_SCALE_BIAS2`).
+pub const NVFP4_SCALE_BF16_BIAS: u32 = (127 + NVFP4_K2 - 9) as u32;
+
+/// The packed scale byte of a nonzero, non-NaN e4m3 scale: its magnitude as `E5 << 3 | f` with
+/// value `(1 + f / 8) * 2^(E5 - 9)` (e4m3 normals are their magnitude bits + 16; the subnormals
+/// `m * 2^-9` normalized), and whether the scale was negative (its codes are then negated).
+pub fn nvfp4_scale_byte(e4m3: u8) -> (u8, bool) {
+    let m = e4m3 & 0x7F;
+    debug_assert!(m != 0 && m != 0x7F, "zero and NaN scales are handled before");
+    let b = if m >= 8 {
+        m + 16
+    } else {
+        // m * 2^-9 = (1 + f/8) * 2^(E5 - 9): E5 = floor(log2 m), f = the 3 bits below the top one.
+        let e5 = 7 - m.leading_zeros() as u8; // 0..2 for m in 1..7
+        let f = (m << (3 - e5)) & 7;
+        (e5 << 3) | f
+    };
+    (b, e4m3 & 0x80 != 0)
+}
+
+/// The bf16 bits the kernel makes of NVFP4 scale byte `b` (`scale * 2^NVFP4_K2`).
+pub fn nvfp4_scale_bf16(b: u8) -> u16 {
+    (((b as u32) << 4) + (NVFP4_SCALE_BF16_BIAS << 7)) as u16
+}
 
 /// Bytes of one (slab, chunk) block of `format`: codes, then the slab's scales.
 pub fn block_bytes(format: WeightFormat) -> usize {
@@ -236,9 +264,11 @@ fn pack_block(
         MatrixSource::Bf16(_) => unreachable!("fp4 source"),
     };
     let scale_of = |si: usize, rr: usize, k: usize| fp4(si).1[rr * (cols / bsz) + k / bsz];
-    // NVFP4 blocks with a zero scale are stored as scale 1.0 with zero codes.
-    let zero_block =
-        |si: usize, rr: usize, k: usize| format == WeightFormat::Nvfp4 && scale_of(si, rr, k) & 0x7F == 0;
+    // NVFP4 blocks with a zero scale are stored as scale 1.0 with zero codes; a negative scale's
+    // sign is moved into its codes (every e2m1 code's sign bit flipped: the same products).
+    let nv = format == WeightFormat::Nvfp4;
+    let zero_block = |si: usize, rr: usize, k: usize| nv && scale_of(si, rr, k) & 0x7F == 0;
+    let negative = |si: usize, rr: usize, k: usize| nv && scale_of(si, rr, k) & 0x80 != 0;
     for lane in 0..32 {
         let (g, t) = (lane / 4, lane % 4);
         for q in 0..4 {
@@ -251,7 +281,7 @@ fn pack_block(
                 if zero_block(si, rr, k) {
                     continue;
                 }
-                let byte = fp4(si).0[(rr * cols + k) / 2];
+                let byte = fp4(si).0[(rr * cols + k) / 2] ^ if negative(si, rr, k) { 0x88 } else { 0 };
                 word |= spread[r][0][(byte & 15) as usize] | spread[r][1][(byte >> 4) as usize];
             }
             let at = lane * 16 + q * 4;
@@ -266,8 +296,8 @@ fn pack_block(
                 for q in 0..4 {
                     let k = k0 + 16 * q;
                     sb[8 * g + 2 * q + h] = match src {
-                        Some((si, rr)) if !zero_block(si, rr, k) => scale_of(si, rr, k),
-                        _ => 0x38, // 1.0: padding rows and zero blocks
+                        Some((si, rr)) if !zero_block(si, rr, k) => nvfp4_scale_byte(scale_of(si, rr, k)).0,
+                        _ => nvfp4_scale_byte(0x38).0, // 1.0: padding rows and zero blocks
                     };
                 }
             } else {
@@ -640,6 +670,82 @@ pub fn choose_slabs_per_cta(nt: usize, rows_total: usize, sm_count: usize) -> us
         .unwrap_or(min)
 }
 
+/// Token tiles the Hopper weight-streaming decode kernels (`moe_ds_*`, `gemm_tc_stream.cu`) are
+/// built for: the decode tiles, whose GEMMs are bound by weight bytes.
+pub const STREAM_TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
+
+/// The fewest 64-k chunks a streaming CTA takes (`DS_MIN_CHUNKS`): a small launch uses fewer
+/// CTAs rather than cutting every (tile, group) into one-chunk parts.
+pub const STREAM_MIN_CHUNKS: usize = 4;
+
+/// CTAs per SM of the streaming kernels (`DS_MIN_CTAS`, `__launch_bounds__(288, 3)`): three rings
+/// of <= 72 KB, 27 warps per SM (two CTAs' 18 left the decode's dependent integer chains without
+/// enough warps to hide them: 0.9 eligible warps per scheduler, ncu).
+pub const STREAM_CTAS_PER_SM: usize = 3;
+
+/// The shared memory one streaming CTA's ring may take (three per SM).
+const STREAM_RING_BUDGET: usize = 72 * 1024;
+
+/// Chunks per stage of the streaming kernels for `format`: up to 18 KB of weights per stage (one
+/// bulk copy), i.e. 4 FP4 chunks or 1 bf16 chunk.
+pub fn stream_chunks_per_stage(format: WeightFormat) -> usize {
+    (18 * 1024 / (GROUP_SLABS * block_bytes(format))).max(1)
+}
+
+/// Bytes of one streaming stage of token tile `nt`: the 8 slabs' blocks of its chunks, then `nt`
+/// token rows of `chunks * 128 + 16` bytes (the pad keeps an ldmatrix's 8 rows on distinct
+/// banks), rounded to 128 (= `DsShape::STAGE`).
+pub fn stream_stage_bytes(format: WeightFormat, nt: usize) -> usize {
+    let s = stream_chunks_per_stage(format);
+    (s * GROUP_SLABS * block_bytes(format) + nt * (s * 128 + 16)).div_ceil(128) * 128
+}
+
+/// Ring depth of the streaming kernels: as many stages as 72 KB hold (2..8;
+/// three CTAs' rings keep ~160 KB of weights in flight per SM).
+pub fn stream_stages(format: WeightFormat, nt: usize) -> usize {
+    (STREAM_RING_BUDGET / stream_stage_bytes(format, nt)).clamp(2, MAX_STAGES)
+}
+
+/// Dynamic shared memory of the streaming kernel of token tile `nt`.
+pub fn stream_smem_bytes(format: WeightFormat, nt: usize) -> usize {
+    stream_stages(format, nt) * stream_stage_bytes(format, nt)
+}
+
+/// CTAs of one streaming launch on a GPU of `sm_count` SMs (persistent: each takes an equal
+/// share of the launch's chunks).
+pub fn stream_ctas(sm_count: usize) -> usize {
+    STREAM_CTAS_PER_SM * sm_count.max(1)
+}
+
+/// Bytes of the K-part sums of one streaming GEMM launched on `ctas` CTAs: two float4 per lane of
+/// each of 8 warps per CTA (its first and last K part).
+pub fn stream_partials_bytes(ctas: usize) -> usize {
+    ctas * 2 * GROUP_SLABS * 32 * 16
+}
+
+/// Bytes of the split scratch of one streaming GEMM launched on `ctas` CTAs: the K-part sums, then
+/// one u32 arrival counter per CTA.
+pub fn stream_scratch_bytes(ctas: usize) -> usize {
+    stream_partials_bytes(ctas) + (ctas * 4).div_ceil(256) * 256
+}
+
+/// Whether a streaming launch of at most `tiles` tiles over `rows` x `k` weights keeps its flattened
+/// chunk count below 2^31 (the kernel's 32-bit work indices).
+pub fn stream_fits(tiles: usize, rows: usize, k: usize) -> bool {
+    let chunks = (tiles as u128) * (padded_rows(rows) / GROUP_ROWS) as u128 * (k / CHUNK_K) as u128;
+    chunks < (1u128 << 31)
+}
+
+/// The split of one streaming launch, as the kernel computes it on the device from the plan's
+/// tile count: chunks per CTA and, for each CTA, its range `[b, e)` of the flattened
+/// `(tile, group, chunk)` work. (The host uses it for tests and the bench's expectations only.)
+pub fn stream_ranges(total_chunks: usize, ctas: usize) -> (usize, Vec<(usize, usize)>) {
+    let per = total_chunks.div_ceil(ctas.max(1)).max(STREAM_MIN_CHUNKS);
+    let ranges =
+        (0..ctas).map(|c| ((c * per).min(total_chunks), ((c + 1) * per).min(total_chunks))).collect();
+    (per, ranges)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -647,6 +753,83 @@ mod tests {
 
     fn bf16_value(bits: u16) -> f64 {
         half::bf16::from_bits(bits).to_f64()
+    }
+
+    #[test]
+    fn nvfp4_scale_bytes_are_exact_and_the_kernel_bias_matches() {
+        // Every nonzero, non-NaN e4m3 magnitude: the packed byte's bf16 is the scale times 2^K2.
+        for m in 1u8..0x7F {
+            for sign in [0u8, 0x80] {
+                let (b, neg) = nvfp4_scale_byte(m | sign);
+                assert_eq!(neg, sign != 0);
+                let got = half::bf16::from_bits(nvfp4_scale_bf16(b)).to_f64();
+                let want = crate::formats::e4m3::decode(m) as f64 * 2f64.powi(NVFP4_K2);
+                assert_eq!(got, want, "e4m3 {m:#x}");
+            }
+        }
+        // gemm_tc.cu's constant is this bias, shifted into both bf16 halves.
+        let src = include_str!("../cuda/kernels/gemm_tc.cu");
+        let want = format!("NVFP4_SCALE_BIAS2 = {:#010X}u", (NVFP4_SCALE_BF16_BIAS << 7) * 0x10001)
+            .replace("0X", "0x");
+        assert!(src.contains(&want), "gemm_tc.cu must define {want}");
+    }
+
+    #[test]
+    fn stream_rings_fit_their_ctas_per_sm() {
+        for f in WeightFormat::ALL {
+            for nt in STREAM_TOKEN_TILES {
+                let smem = stream_smem_bytes(f, nt);
+                // The CTAs' rings plus their static shared memory and reserved 1 KB within 228 KB.
+                assert!(STREAM_CTAS_PER_SM * (smem + 2048) <= 228 * 1024, "{f:?} nt {nt}: {smem}");
+                assert!(stream_stages(f, nt) >= 3, "{f:?} nt {nt}: shallow ring");
+                // Every bulk copy's size and destination is a multiple of 16 bytes.
+                let s = stream_chunks_per_stage(f);
+                assert_eq!((s * GROUP_SLABS * block_bytes(f)) % 16, 0);
+                assert_eq!((s * 128 + 16) % 16, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn stream_ranges_cover_the_work_once_and_their_parts_meet_in_distinct_slots() {
+        // (tiles * groups) units of nch chunks over 264 CTAs, as the kernel walks them.
+        for (units, nch) in
+            [(48usize, 112usize), (56, 48), (6 * 48, 112), (1, 8), (3, 4), (40 * 56, 48), (7, 5)]
+        {
+            let total = units * nch;
+            let (per, ranges) = stream_ranges(total, 264);
+            let mut next = 0;
+            // (unit) -> the (cta, slot) its K parts were written to, in the order the CTAs hold them.
+            let mut written: std::collections::HashMap<usize, Vec<(usize, usize)>> = Default::default();
+            for (c, &(b, e)) in ranges.iter().enumerate() {
+                if b >= e {
+                    continue;
+                }
+                assert_eq!(b, next, "ranges are consecutive");
+                next = e;
+                let mut x = b;
+                while x < e {
+                    let (u, k0) = (x / nch, x % nch);
+                    let k1 = nch.min(k0 + (e - x));
+                    if !(k0 == 0 && k1 == nch) {
+                        // The kernel's writer rule: slot 0 for the range's first segment.
+                        written.entry(u).or_default().push((c, usize::from(x != b)));
+                    }
+                    x += k1 - k0;
+                }
+            }
+            assert_eq!(next, total, "units {units} nch {nch}");
+            let mut counters = std::collections::HashSet::new();
+            for (u, parts) in written {
+                // The reducer's rule: CTAs cf..=cl, slot 1 where the CTA's range began before u.
+                let ustart = u * nch;
+                let (cf, cl) = (ustart / per, (ustart + nch - 1) / per);
+                let want: Vec<(usize, usize)> =
+                    (cf..=cl).map(|c| (c, usize::from(c * per < ustart))).collect();
+                assert_eq!(parts, want, "unit {u} (units {units}, nch {nch})");
+                assert!(counters.insert(cf), "two cut units share counter {cf}");
+            }
+        }
     }
 
     #[test]
@@ -818,9 +1001,8 @@ mod tests {
                                 let raw = half::bf16::from_bits((decode_fp4_word(w)[r] >> (16 * h)) as u16)
                                     .to_f64();
                                 let sc = if format == WeightFormat::Nvfp4 {
-                                    crate::formats::e4m3::decode(b[FP4_CODE_BYTES + 8 * g + 2 * q + hh])
-                                        as f64
-                                        * 2f64.powi(NVFP4_K2)
+                                    let byte = b[FP4_CODE_BYTES + 8 * g + 2 * q + hh];
+                                    half::bf16::from_bits(nvfp4_scale_bf16(byte)).to_f64()
                                 } else {
                                     2f64.powi(b[FP4_CODE_BYTES + 4 * g + 2 * (q / 2) + hh] as i32 - 127)
                                 };
@@ -860,7 +1042,15 @@ mod tests {
             let mut layer = synthetic::random_layer(&cfg, format, 1, false, 5);
             // A zero NVFP4 scale, tiny and huge MXFP4 exponents (K2 away from 126).
             match &mut layer.w1.data {
-                ProjData::Nvfp4 { scales, .. } => scales[7] = 0,
+                // A zero, a negative, a negative zero and e4m3 subnormal scales.
+                ProjData::Nvfp4 { scales, .. } => {
+                    scales[7] = 0;
+                    scales[8] = 0xB8;
+                    scales[9] = 0x80;
+                    for (j, m) in (1u8..8).enumerate() {
+                        scales[10 + j] = m | if j % 2 == 1 { 0x80 } else { 0 };
+                    }
+                }
                 ProjData::Mxfp4 { scales, .. } => {
                     scales[3] = 2;
                     scales[9] = 100;

@@ -108,6 +108,11 @@ pub(crate) struct GemmLaunch {
     pub expected_tiles: usize,
     /// Rows the A operand's buffer holds for this launch (slots, or tokens for a dense GEMM).
     pub a_rows: usize,
+    /// Zeroed split scratch for this GEMM pair (L1 then L2, [`Workspace::split_bytes`] in all)
+    /// that a family's split-K decode kernels may use; `None`: they are not used.
+    ///
+    /// [`Workspace::split_bytes`]: super::workspace::Workspace::split_bytes
+    pub split: Option<u64>,
 }
 
 impl GemmLaunch {

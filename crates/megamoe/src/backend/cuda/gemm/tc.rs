@@ -1,6 +1,7 @@
 //! The tensor-core family (`kernels/gemm_tc.cu`): `mma.sync.m16n8k16` bf16 with the weights as the
 //! M side, FP4 decoded exactly in registers, a cp.async pipeline with K split inside the CTA for
-//! decode. Layout and heuristics: [`crate::backend::gpu_layout::tc`]. Needs sm_80+; holds NVFP4,
+//! decode, and on sm_90a warp-specialised `wgmma` kernels for prefill tiles and weight-streaming
+//! (TMA bulk copies, Stream-K split) kernels for decode tiles. Layout and heuristics: [`crate::backend::gpu_layout::tc`]. Needs sm_80+; holds NVFP4,
 //! MXFP4 whose scales fit one bf16 exponent window per expert and projection, bf16, and an FP8
 //! shared expert whose block scales are powers of two (converted to bf16 exactly).
 
@@ -34,12 +35,22 @@ struct TcKernels {
     /// unless `MEGAMOE_WGMMA=0`.
     wg_l1: HashMap<(usize, usize), Kernel<WgL1Params>>,
     wg_l2: HashMap<(usize, usize), Kernel<WgL2Params>>,
+    /// Hopper weight-streaming decode kernels (sm_90a), by token tile; used for decode tiles of
+    /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_enabled`]).
+    ds_l1: HashMap<usize, Kernel<DsL1Params>>,
+    ds_l2: HashMap<usize, Kernel<DsL2Params>>,
+    /// Whether the streaming L2 is a programmatic dependent of the L1 (`MEGAMOE_PDL=0`: no).
+    pdl: bool,
 }
+
+/// Threads of the streaming kernels: 8 consumer warps and a producer warp.
+const DS_THREADS: u32 = 288;
 
 /// Threads of the wgmma kernels: a producer warpgroup and two consumer warpgroups.
 const WG_THREADS: u32 = 384;
 
-/// Whether `arch` runs the wgmma kernels.
+/// Whether `arch` runs the wgmma and streaming kernels (sm_90a features: wgmma, bulk copies,
+/// mbarriers, programmatic dependent launch).
 fn has_wgmma(arch: &str) -> bool {
     arch == "sm_90a"
 }
@@ -81,10 +92,22 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
         for (nt, g) in layout::wg_configs() {
             inst.push_str(&format!("WG_KERNELS({nt}, {g}, {})\n", layout::wg_stages(f, nt, g)));
         }
+        for nt in layout::STREAM_TOKEN_TILES {
+            inst.push_str(&format!(
+                "DS_KERNELS({nt}, {}, {})\n",
+                layout::stream_chunks_per_stage(f),
+                layout::stream_stages(f, nt)
+            ));
+        }
     }
     ModuleSpec {
         name: format!("gemm_tc-{}", f.name()),
-        sources: vec![runtime::GEMM_COMMON.into(), runtime::GEMM_TC.into(), inst.into()],
+        sources: vec![
+            runtime::GEMM_COMMON.into(),
+            runtime::GEMM_TC.into(),
+            runtime::GEMM_TC_STREAM.into(),
+            inst.into(),
+        ],
         defines,
     }
 }
@@ -101,6 +124,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     v.extend(layout::TOKEN_TILES.iter().map(|&nt| trace_name(nt)));
     if has_wgmma(arch) {
         v.extend(layout::wg_configs().flat_map(|(nt, g)| [wg_name(1, nt, g), wg_name(2, nt, g)]));
+        v.extend(layout::STREAM_TOKEN_TILES.iter().flat_map(|&nt| [ds_name(1, nt), ds_name(2, nt)]));
     }
     v
 }
@@ -116,6 +140,9 @@ fn trace_name(nt: usize) -> String {
 fn wg_name(layer: u8, nt: usize, groups: usize) -> String {
     format!("moe_wg_l{layer}_n{nt}_g{groups}")
 }
+fn ds_name(layer: u8, nt: usize) -> String {
+    format!("moe_ds_l{layer}_n{nt}")
+}
 
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
     dev.cached(&format!("gemm_tc-{}", f.name()), || {
@@ -128,7 +155,17 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             l1_trace: HashMap::new(),
             wg_l1: HashMap::new(),
             wg_l2: HashMap::new(),
+            ds_l1: HashMap::new(),
+            ds_l2: HashMap::new(),
+            pdl: std::env::var("MEGAMOE_PDL").map_or(true, |v| v != "0"),
         };
+        if has_wgmma(dev.arch()) && stream_enabled(f) {
+            for nt in layout::STREAM_TOKEN_TILES {
+                let smem = layout::stream_smem_bytes(f, nt);
+                k.ds_l1.insert(nt, Kernel::load(&m, &ds_name(1, nt), DS_THREADS, smem)?);
+                k.ds_l2.insert(nt, Kernel::load(&m, &ds_name(2, nt), DS_THREADS, smem)?);
+            }
+        }
         if has_wgmma(dev.arch()) && std::env::var("MEGAMOE_WGMMA").map_or(true, |v| v != "0") {
             for (nt, g) in layout::wg_configs() {
                 let smem = layout::wg_smem_bytes(f, nt, g);
@@ -153,6 +190,28 @@ impl TcKernels {
     /// Whether launch `l` runs the wgmma kernels (prefill tiles of large batches on sm_90a).
     fn wgmma(&self, l: &GemmLaunch) -> bool {
         l.a_rows >= layout::WG_MIN_SLOTS && self.wg_l1.contains_key(&(l.block_m, 1))
+    }
+
+    /// The split scratch of launch `l`'s L1 and L2 when it runs the streaming kernels (decode
+    /// tiles; GEMMs of `p`'s sizes whose chunks fit the kernels' 32-bit indices).
+    fn stream(&self, l: &GemmLaunch, p: &GemmOperands) -> Option<(u64, u64)> {
+        let base = l.split?;
+        let (h, i) = (p.h as usize, p.inter as usize);
+        let fits = layout::stream_fits(l.grid_tiles as usize, 2 * i, h)
+            && layout::stream_fits(l.grid_tiles as usize, h, i);
+        (fits && self.ds_l1.contains_key(&l.block_m)).then(|| {
+            let one = layout::stream_scratch_bytes(layout::stream_ctas(self.sm_count)) as u64;
+            (base, base + one)
+        })
+    }
+
+    /// The launch of a streaming GEMM (persistent, [`layout::stream_ctas`] CTAs); `pdl`: it may
+    /// start while its predecessor on the stream runs (the L2 after the L1; `MEGAMOE_PDL=0` turns
+    /// it off).
+    fn stream_cfg(&self, l: &GemmLaunch, pdl: bool) -> LaunchCfg {
+        let grid = (layout::stream_ctas(self.sm_count) as u32, 1, 1);
+        let pdl = pdl && self.pdl;
+        LaunchCfg { pdl, ..LaunchCfg::grid(grid, layout::stream_smem_bytes(self.format, l.block_m)) }
     }
 
     /// Groups per CTA and the launch of a wgmma GEMM over `rows` packed rows per expert.
@@ -203,6 +262,17 @@ impl GemmKernels for TcKernels {
             // SAFETY: as below; the tensor map covers A's `a_rows` rows.
             return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap }) };
         }
+        if let (None, Some((split, _))) = (trace, self.stream(l, &p.g)) {
+            let (partials, counters) = split_parts(split, layout::stream_ctas(self.sm_count));
+            // SAFETY: as below; the scratch holds `stream_scratch_bytes` for this grid, zeroed.
+            return unsafe {
+                self.ds_l1[&l.block_m].launch(
+                    s,
+                    &self.stream_cfg(l, false),
+                    &DsL1Params { l1: *p, partials, counters },
+                )
+            };
+        }
         let missing = || err(format!("tensor-core family: no L1 kernel for tiles of {} rows", l.block_m));
         // SAFETY: the caller's operands cover the plan's rows and the packed weights.
         unsafe {
@@ -226,6 +296,18 @@ impl GemmKernels for TcKernels {
             // SAFETY: the tensor map covers A's `a_rows` rows; the operands the packed weights.
             return unsafe { self.wg_l2[&key].launch(s, &cfg, &WgL2Params { l2: *p, amap }) };
         }
+        if let Some((_, split)) = self.stream(l, &p.g) {
+            let (partials, counters) = split_parts(split, layout::stream_ctas(self.sm_count));
+            // SAFETY: as in `l1`; programmatic launch: the kernel waits (griddepcontrol) before it
+            // reads A, the only operand its predecessor writes.
+            return unsafe {
+                self.ds_l2[&l.block_m].launch(
+                    s,
+                    &self.stream_cfg(l, true),
+                    &DsL2Params { l2: *p, partials, counters },
+                )
+            };
+        }
         let (spc, cfg) = self.cfg(l, p.g.h as usize, None);
         let k = self.l2.get(&(l.block_m, spc)).ok_or_else(|| {
             err(format!("tensor-core family: no L2 kernel for tiles of {} rows", l.block_m))
@@ -233,6 +315,23 @@ impl GemmKernels for TcKernels {
         // SAFETY: as in `l1`.
         unsafe { k.launch(s, &cfg, p) }
     }
+}
+
+/// Whether the streaming decode kernels serve weight format `f`: by default the FP4 formats (the
+/// bf16 shared expert stays on the mma.sync kernels: its streaming variant repeated
+/// non-bitwise on the V4-Pro-sized verify rows, under investigation, docs/PERFORMANCE.md);
+/// `MEGAMOE_STREAM=0`: none; `1`: every format; else a comma-separated list of format names.
+fn stream_enabled(f: WeightFormat) -> bool {
+    match std::env::var("MEGAMOE_STREAM") {
+        Err(_) => f != WeightFormat::Bf16,
+        Ok(v) if v.trim() == "1" => true,
+        Ok(v) => v.split(',').any(|n| n.trim().eq_ignore_ascii_case(f.name())),
+    }
+}
+
+/// The partials and counters of one streaming GEMM's scratch at `base`, for `ctas` CTAs.
+fn split_parts(base: u64, ctas: usize) -> (u64, u64) {
+    (base, base + layout::stream_partials_bytes(ctas) as u64)
 }
 
 /// The architectures whose NVRTC target has `mma.sync` bf16 and `cvt.rn.f16x2.e4m3x2` (sm_89+;

@@ -148,6 +148,21 @@ __device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
     return d;
 }
+// a * (low half of s in both halves) / a * (high half of s in both halves): ptxas folds the
+// half-replicating move into HMUL2's operand swizzle (.H0_H0 / .H1_H1), so one register carries
+// two rows' scales and costs no permute per use.
+__device__ __forceinline__ unsigned bf16x2_mul_lo(unsigned a, unsigned s) {
+    unsigned d;
+    asm("{\n.reg .b16 l, h;\n.reg .b32 t;\nmov.b32 {l, h}, %2;\nmov.b32 t, {l, l};\nfma.rn.bf16x2 %0, %1, t, %3;\n}"
+        : "=r"(d) : "r"(a), "r"(s), "r"(0x80008000u));
+    return d;
+}
+__device__ __forceinline__ unsigned bf16x2_mul_hi(unsigned a, unsigned s) {
+    unsigned d;
+    asm("{\n.reg .b16 l, h;\n.reg .b32 t;\nmov.b32 {l, h}, %2;\nmov.b32 t, {h, h};\nfma.rn.bf16x2 %0, %1, t, %3;\n}"
+        : "=r"(d) : "r"(a), "r"(s), "r"(0x80008000u));
+    return d;
+}
 
 #ifdef TC_WGMMA
 // ---- sm_90a only: mbarriers, bulk / tensor copies, wgmma (the Hopper prefill path of gemm_tc.cu).

@@ -12,7 +12,7 @@
 // - W: per expert, rows padded to 128 (R_pad), blocks of (slab = 16 rows, chunk = 64 k) of BLK bytes
 //   at ((G * nch + c) * 8 + s) * BLK, G = row group of 128, s = slab in the group, nch = K / 64.
 //   FP4 block: 32 lanes x 16 bytes of codes (word q = the four A registers of k16 step q, 9-op
-//   decode to e2m1 * 2^-126 in bf16) + scales (NVFP4: 64 bytes, 8g + 2q + h = e4m3 of row g+8h at
+//   decode to e2m1 * 2^-126 in bf16) + scales (NVFP4: 64 bytes, 8g + 2q + h = e5m3 |scale| of row g+8h at
 //   step q; MXFP4: 32 bytes, 4g + 2j + h = e8m0 + K2 of row g+8h, 32-block j). bf16 block: 32 lanes
 //   x 64 bytes, word 4q + r = register r of step q. L1 rows: slab j = gate rows 8j..8j+7, then up
 //   rows 8j..8j+7 (so one lane holds gate and up of one column: SwiGLU in registers).
@@ -85,6 +85,10 @@ __device__ __forceinline__ TcLane tc_load_lane(const unsigned char* wl, const un
     return l;
 }
 
+// bf16x2 exponent bias of an NVFP4 scale byte shifted left by 4 (= gpu_layout::tc::NVFP4_SCALE_BF16_BIAS
+// in both halves): exponent field E5 + 218 for the value 2^(E5 - 9) * 2^NVFP4_K2.
+constexpr unsigned NVFP4_SCALE_BIAS2 = 0x6D006D00u;
+
 // The A registers of k16 step Q: bf16 as stored; FP4 decoded to e2m1 * 2^-126 (9 integer ops) and
 // multiplied by the rows' block scales in bf16 (scale * 2^K2, exact; the alpha undoes 2^(K2-126)).
 template <int Q>
@@ -100,27 +104,24 @@ __device__ __forceinline__ void tc_decode(unsigned (&a)[4], const TcLane& l)
         a[1] = __funnelshift_l(w, w, 4) & M;
         a[2] = __funnelshift_l(w, w, 10) & M;
         a[3] = (__funnelshift_l(w, w, 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
-        unsigned s_lo, s_hi;
+        // s2 = the bf16 scales of rows g (low half) and g+8 (high half) at step Q: one byte permute
+        // and one shift(-add); the multiplies take each half through HMUL2's operand swizzle.
+        // NVFP4: e5m3 bytes (gpu_layout::tc::nvfp4_scale_byte: |e4m3| with a 5-bit exponent, so
+        // e4m3 subnormals are normal) sit just below the bf16 exponent, plus its bias: scale * 2^100.
+        // MXFP4: (e8m0 + K2) bytes of 32-block Q/2 are the bf16 exponent: byte << 7.
+        unsigned s2;
         if constexpr (MM_WF == WF_NVFP4) {
-            // e4m3 pair (row g, row g+8) -> f16x2 (exact) -> bf16x2 of scale * 2^100 (bit ops; every
-            // nonzero e4m3 is a normal f16, zero scales were rewritten to 1.0 at upload).
             const unsigned word = (Q < 2) ? l.sc.x : l.sc.y;
-            const unsigned short pr = (unsigned short)((Q & 1) ? (word >> 16) : word);
-            unsigned h2;
-            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pr));
-            const unsigned s2 = (((h2 >> 3) & 0x0FFF0FFFu) + 0x6A006A00u) | (h2 & 0x80008000u);
-            s_lo = __byte_perm(s2, 0u, 0x1010);
-            s_hi = __byte_perm(s2, 0u, 0x3232);
+            constexpr unsigned SEL = (Q & 1) ? 0x4342u : 0x4140u;
+            s2 = (__byte_perm(word, 0u, SEL) << 4) + NVFP4_SCALE_BIAS2;
         } else {
-            // (e8m0 + K2) bytes of 32-block Q/2: the bf16 scale is byte << 7.
-            constexpr unsigned SEL_LO = (Q < 2) ? 0x4040u : 0x4242u, SEL_HI = (Q < 2) ? 0x4141u : 0x4343u;
-            s_lo = __byte_perm(l.sc.x, 0u, SEL_LO) << 7;
-            s_hi = __byte_perm(l.sc.x, 0u, SEL_HI) << 7;
+            constexpr unsigned SEL = (Q < 2) ? 0x4140u : 0x4342u;
+            s2 = __byte_perm(l.sc.x, 0u, SEL) << 7;
         }
-        a[0] = bf16x2_mul(a[0], s_lo);
-        a[2] = bf16x2_mul(a[2], s_lo);
-        a[1] = bf16x2_mul(a[1], s_hi);
-        a[3] = bf16x2_mul(a[3], s_hi);
+        a[0] = bf16x2_mul_lo(a[0], s2);
+        a[2] = bf16x2_mul_lo(a[2], s2);
+        a[1] = bf16x2_mul_hi(a[1], s2);
+        a[3] = bf16x2_mul_hi(a[3], s2);
     }
 }
 

@@ -151,6 +151,20 @@ struct GemmL2Params {
 };
 static_assert(sizeof(GemmL2Params) == 96, "GemmL2Params mirrors params.rs");
 
+struct DsL1Params {
+    GemmL1Params l1;
+    float* partials;
+    unsigned* counters;
+};
+static_assert(sizeof(DsL1Params) == 136, "DsL1Params mirrors params.rs");
+
+struct DsL2Params {
+    GemmL2Params l2;
+    float* partials;
+    unsigned* counters;
+};
+static_assert(sizeof(DsL2Params) == 112, "DsL2Params mirrors params.rs");
+
 struct WgL1Params {
     GemmL1Params l1;
     TmaDesc amap;

@@ -1,0 +1,247 @@
+// gemm_tc_stream.cu — Hopper (sm_90a) weight-streaming decode GEMMs (moe_ds_*): the tensor-core
+// family's kernels for token tiles of 1..8 rows, where a MoE layer is bound by the bytes of the
+// experts that received tokens. Appended after gemm_tc.cu in the same module (one per weight
+// format): it reuses that file's block format (TcFmt, TcLane, tc_decode) and epilogues.
+//
+// Data layouts: the weights as gemm_tc.cu's (per expert, per 128-row group G, per 64-k chunk c, the
+// 8 slabs' blocks: ((G * nch + c) * 8 + s) * BLK), so the chunks [c0, c1) of one group are ONE
+// contiguous run of (c1 - c0) * 8 * BLK bytes, and consecutive groups of an expert follow each
+// other. A: bf16 rows [rows, K], row m of a tile from A[a_rows[m] / a_div] (or A[m]).
+// Split scratch (gpu_layout::tc::stream_scratch_bytes, zeroed once; every launch leaves it zeroed):
+// partials [gridDim.x][2][8 warps][32 lanes] float4 (a CTA's first and last partial segment), then
+// counters [gridDim.x] u32.
+//
+// Work (Stream-K): a launch's work is every (tile, group, chunk) of the plan, flattened as
+// ((tile * groups + G) * nch + c); CTA b takes the `per = max(ceil(total / gridDim.x), DS_MIN_CHUNKS)`
+// consecutive chunks from b * per on, so every SM streams the same number of weight bytes however
+// few experts are active (one expert's L1 over 396 CTAs, 3 per SM: ~14 chunks, ~63 KB each), and a CTA's range
+// is one or two contiguous weight runs. A range cuts at most its first and last (tile, group) unit:
+// such a unit's K parts are summed by the last of its CTAs to arrive (an integer counter), in CTA
+// order, i.e. in k order: the result depends only on the launch's shape and routing, bitwise.
+//
+// CTA = 8 consumer warps (warp w = slab w of the group: 16 rows, all of its chunks) + 1 producer
+// warp, one lane of which streams the range through an ST-deep ring: stage = S chunks of the 8 slabs
+// (one bulk copy, S * 8 * BLK bytes) + the tile's token rows (one bulk copy per row, S * 128 bytes,
+// row pitch S * 128 + 16 so the 8 rows an ldmatrix reads hit distinct banks), full / empty
+// mbarriers per stage (empty: every consumer thread arrives). Per chunk a consumer warp decodes
+// its block (as gemm_tc.cu) and issues 4 n8 MMAs over the tile's rows (the other B columns re-read
+// them and are never stored). K parts meet through one acq_rel atomic per cut unit and CTA.
+// With programmatic dependent launch (L2 after L1): the L1 kernel lets its dependent start at once;
+// the L2 producer streams its ring's first weight stages (which depend only on the plan, finished
+// before L1 started) before `griddepcontrol.wait`, then the token rows (L1's output).
+
+#ifdef TC_WGMMA
+
+constexpr int DS_CONSUMERS = 8;                      // one consumer warp per slab of a 128-row group
+constexpr int DS_THREADS = 32 * (DS_CONSUMERS + 1);  // + the producer warp
+constexpr int DS_MIN_CHUNKS = 4;                     // = gpu_layout::tc::STREAM_MIN_CHUNKS
+constexpr int DS_MIN_CTAS = 3;                       // = gpu_layout::tc::STREAM_CTAS_PER_SM
+
+template <int NT, int S>
+struct DsShape {
+    static constexpr int BLK = TcFmt<MM_WF>::BLK;
+    static constexpr int W_STAGE = S * 8 * BLK;      // weight bytes per stage
+    static constexpr int T_PITCH = S * 128 + 16;     // bytes per token row of a stage
+    static constexpr int STAGE = (W_STAGE + NT * T_PITCH + 127) / 128 * 128;   // = gpu_layout::tc::stream_stage_bytes
+};
+
+// One (tile, group) unit's part of a CTA's range: chunks [k0, k1) of unit u = tile * groups + G.
+// (32-bit: the host keeps a launch's chunks below 2^31, gpu_layout::tc::stream_fits.)
+struct DsSeg {
+    unsigned u;
+    int k0, k1, tile, G;
+};
+
+__device__ __forceinline__ DsSeg ds_seg(unsigned x, unsigned e, int nch, int groups) {
+    DsSeg s;
+    s.u = x / (unsigned)nch;
+    s.k0 = (int)(x - s.u * (unsigned)nch);
+    s.k1 = (int)min((unsigned)nch, s.k0 + (e - x));
+    s.tile = (int)(s.u / (unsigned)groups);
+    s.G = (int)(s.u - (unsigned)s.tile * groups);
+    return s;
+}
+
+__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
+// Runs the CTA's range of the launch; `store(acc, grp, m0, mc, gslab)` is one slab's epilogue.
+// PDL_WAIT: the kernel may be a programmatic dependent of the one producing A (see above).
+template <int NT, int S, int ST, bool L1, bool PDL_WAIT, typename Store>
+__device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, unsigned* counters, Store store)
+{
+    using D = DsShape<NT, S>;
+    constexpr int BLK = D::BLK;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+    __shared__ int last_flag;
+    const int R = L1 ? 2 * g.inter : g.h;
+    const int K = L1 ? g.h : g.inter;
+    const int groups = (R + 127) / 128, nch = K / 64;
+    const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
+    const unsigned ntiles = g.tiles ? (unsigned)*g.num_tiles : (unsigned)(g.dense_rows + NT - 1) / NT;
+    const unsigned total = ntiles * groups * nch;
+    const unsigned per = max((total + gridDim.x - 1) / gridDim.x, (unsigned)DS_MIN_CHUNKS);
+    const unsigned b = blockIdx.x * per, e = min(total, b + per);
+    if (b >= e) return;                              // uniform over the CTA
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // Shared-space addresses formed once (no per-use generic-to-shared conversion).
+    const unsigned sbase = smem_u32(smem), full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, 32 * DS_CONSUMERS);
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+
+    if (warp == DS_CONSUMERS) {
+        if (lane != 0) return;
+        // Producer: stage i of the range goes to slot i % ST; slot reuse waits for its consumers.
+        // `issue` walks every stage of the range and acts on those in [from, to): their weights
+        // (with the stage's expected bytes) and / or their token rows.
+        auto issue = [&](bool weights, bool tokens, unsigned from, unsigned to) {
+            unsigned i = 0;
+            for (unsigned x = b; x < e && i < to;) {
+                const DsSeg sg = ds_seg(x, e, nch, groups);
+                int grp, m0, mend;
+                gemm_tile<NT>(g, sg.tile, grp, m0, mend);
+                const int mc = min(mend - m0, NT);
+                const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)sg.G * nch * 8 * BLK;
+                for (int k = sg.k0; k < sg.k1 && i < to; k += S, ++i) {
+                    if (i < from) continue;
+                    const int n = min(S, sg.k1 - k);
+                    const unsigned s = i % ST, fb = full0 + 8 * s, dst = sbase + s * D::STAGE;
+                    if (weights) {
+                        if (i >= ST) mbar_wait(empty0 + 8 * s, (i / ST - 1) & 1);
+                        mbar_arrive_expect_tx(fb, n * (8 * BLK + mc * 128));
+                        bulk_g2s(dst, wsrc + (size_t)k * 8 * BLK, n * 8 * BLK, fb);
+                    }
+                    if (tokens) {
+                        for (int r = 0; r < mc; ++r) {
+                            const unsigned row = g.a_rows ? g.a_rows[m0 + r] / (unsigned)g.a_div : (unsigned)(m0 + r);
+                            const unsigned char* src = (const unsigned char*)g.a + ((size_t)row * K + (size_t)k * 64) * 2;
+                            bulk_g2s(dst + D::W_STAGE + r * D::T_PITCH, src, n * 128, fb);
+                        }
+                    }
+                }
+                x += sg.k1 - sg.k0;
+            }
+        };
+        if constexpr (PDL_WAIT) {
+            // The ring's first stages of weights before the predecessor (which writes A) is done.
+            issue(true, false, 0, ST);
+            griddep_wait();
+            issue(false, true, 0, ST);
+            issue(true, true, ST, ~0u);
+        } else {
+            issue(true, true, 0, ~0u);
+        }
+        return;
+    }
+    if constexpr (L1) griddep_launch_dependents();
+
+    // Consumers. This lane's fixed offsets inside a stage: its slice of the warp's block, its
+    // scales, and the ldmatrix row address of (matrix mi = lane / 8, row li = lane % 8).
+    const int mi = lane >> 3, li = lane & 7;
+    const int wl_off = warp * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
+    const int sc_off = warp * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
+    const unsigned tk_lane = (unsigned)(D::W_STAGE + (li % NT) * D::T_PITCH + mi * 16);
+    unsigned i = 0;
+    for (unsigned x = b; x < e;) {
+        const DsSeg sg = ds_seg(x, e, nch, groups);
+        int grp, m0, mend;
+        gemm_tile<NT>(g, sg.tile, grp, m0, mend);
+        const int mc = min(mend - m0, NT);
+        float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+        for (int k = sg.k0; k < sg.k1; k += S, ++i) {
+            const int n = min(S, sg.k1 - k);
+            const unsigned s = i % ST;
+            mbar_wait(full0 + 8 * s, (i / ST) & 1);
+            const unsigned char* st = smem + s * D::STAGE;
+            const unsigned tk = sbase + s * D::STAGE + tk_lane;
+            #pragma unroll
+            for (int h = 0; h < S; ++h) {
+                if (h >= n) break;                   // uniform over the CTA
+                const TcLane ln = tc_load_lane(st + h * 8 * BLK + wl_off, st + h * 8 * BLK + sc_off);
+                unsigned a[4][4];
+                tc_decode<0>(a[0], ln);
+                tc_decode<1>(a[1], ln);
+                tc_decode<2>(a[2], ln);
+                tc_decode<3>(a[3], ln);
+                #pragma unroll
+                for (int q = 0; q < 4; q += 2) {
+                    // Matrices (step q lo, q hi, q + 1 lo, q + 1 hi): 16-byte units 2q + mi of chunk h.
+                    unsigned b0, b1, b2, b3;
+                    ldmatrix_x4(b0, b1, b2, b3, tk + (h * 8 + 2 * q) * 16);
+                    mma_bf16_16816(acc[0], a[q], b0, b1);
+                    mma_bf16_16816(acc[0], a[q + 1], b2, b3);
+                }
+            }
+            // Every consumer thread releases the slot after its own reads (its arrive is a release
+            // of them; one lane's arrive after __syncwarp left other lanes' reads unordered before
+            // the producer's next bulk copy: racecheck).
+            mbar_arrive(empty0 + 8 * s);
+        }
+        const int gslab = sg.G * 8 + warp;
+        if (sg.k0 == 0 && sg.k1 == nch) {
+            store(acc, grp, m0, mc, gslab);          // the whole unit is this CTA's
+        } else {
+            // A K part: leave it in the scratch; the unit's last CTA sums all parts in CTA order.
+            const unsigned ustart = sg.u * nch;
+            const int cf = (int)(ustart / per), cl = (int)((ustart + nch - 1) / per);
+            const int mine = (x == b) ? 0 : 1;       // slot 0: the segment holding the range's first chunk
+            float4* part = (float4*)partials;
+            __stcg(part + (((size_t)blockIdx.x * 2 + mine) * DS_CONSUMERS + warp) * 32 + lane,
+                   make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]));
+            // The CTA's stores, then one acq_rel arrival at GPU scope (a release of everything the
+            // barrier ordered before it, and for the last CTA an acquire of every other part): no
+            // full fences.
+            named_bar(1, 32 * DS_CONSUMERS);
+            if (threadIdx.x == 0) {
+                const unsigned old = atom_add_acq_rel_gpu(&counters[cf], 1u);
+                const int last = old == (unsigned)(cl - cf);
+                if (last) counters[cf] = 0u;         // every part has arrived: ready for the next launch
+                last_flag = last;
+            }
+            named_bar(1, 32 * DS_CONSUMERS);
+            if (last_flag) {
+                float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int c = cf; c <= cl; ++c) {
+                    const int sl = ((unsigned)c * per < ustart) ? 1 : 0;
+                    const float4 v = __ldcg(part + (((size_t)c * 2 + sl) * DS_CONSUMERS + warp) * 32 + lane);
+                    sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+                }
+                float out[1][4] = {{sum.x, sum.y, sum.z, sum.w}};
+                store(out, grp, m0, mc, gslab);
+            }
+        }
+        x += sg.k1 - sg.k0;
+    }
+}
+
+// Entry points of token tile NT with S chunks per stage and ST stages (appended by the host,
+// gemm/tc.rs, one line per gpu_layout::tc::STREAM_TOKEN_TILES entry).
+#define DS_KERNELS(NT, S, ST)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS, DS_MIN_CTAS) moe_ds_l1_n##NT(const __grid_constant__ DsL1Params p) \
+    {                                                                                                            \
+        ds_gemm<NT, S, ST, true, false>(p.l1.g, p.partials, p.counters,                                          \
+            [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {                                     \
+                tc_store_l1<8, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                            \
+            });                                                                                                  \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS, DS_MIN_CTAS) moe_ds_l2_n##NT(const __grid_constant__ DsL2Params p) \
+    {                                                                                                            \
+        ds_gemm<NT, S, ST, false, true>(p.l2.g, p.partials, p.counters,                                          \
+            [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {                                     \
+                tc_store_l2<8>(p.l2, acc, grp, m0, mc, gs);                                                     \
+            });                                                                                                  \
+    }
+
+#endif  // TC_WGMMA
