@@ -20,13 +20,24 @@ for l in sys.stdin:
     except Exception: continue
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
         print(m["target"]["name"], m["executable"])')
-rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/data"
+rm -rf "$carry" && mkdir -p "$carry/bin"
 cp "$CARGO_TARGET_DIR/release/megamoe" "$carry/bin/"
 while read -r name exe; do [ -n "$name" ] && cp "$exe" "$carry/bin/$name"; done <<<"$tests"
 strip --strip-debug "$carry"/bin/* 2>/dev/null || true
+# The kernels, compiled here for sm_90a into the cache the device run loads them from (keyed by the
+# source, the options and the NVRTC version: both sides use NVRTC 13.0, the include path below and
+# ptxas' verbose report), so a fresh device machine spends no time in NVRTC. PRECOMPILE=0 skips it.
+if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
+  # shellcheck disable=SC1091
+  source scripts/nvrtc_env.sh
+  MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
+    "$carry/bin/megamoe" kernels --arch sm_90a >/dev/null || echo "warning: precompiling the kernels failed" >&2
+  # Compressed: the device tool carries at most 64 MiB with the working tree.
+  [ -d "$carry/kcache" ] && tar -cJf "$carry/kcache.tar.xz" -C "$carry" kcache && rm -rf "$carry/kcache"
+fi
 cp scripts/device/run.sh "$carry/run.sh"
 cp scripts/device/fp8_rate.py "$carry/fp8_rate.py"
-cp -r crates/megamoe/tests/data/* "$carry/data/"
+# (The golden fixtures travel with the working tree: run.sh reads crates/megamoe/tests/data.)
 # The peers (torch baselines, triton_kernels' MXFP4 MoE) travel beside the binaries when present.
 if [ -d ../shared/peers ]; then rm -rf .peers && cp -r ../shared/peers .peers; fi
 du -sh "$carry" .peers 2>/dev/null

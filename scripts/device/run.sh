@@ -7,14 +7,22 @@
 # SANITIZE=0, BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
 # EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
 # forwards against the reference, device-memory growth), W4A8=1 (the FP8 W4A8
-# bench rows on MXFP4 beside W4A16 on the same weights, and ncu of the FP8 kernels).
+# bench rows on MXFP4 beside W4A16 on the same weights, and ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
+# (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
 OUT="${OUT:-/tmp/megamoe-out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export MEGAMOE_CACHE="/tmp/megamoe-kernels" MEGAMOE_TEST_DATA="$here/data" MEGAMOE_REQUIRE_GPU=1
+# The golden fixtures: the working tree's (run from the repository root), else a staged copy.
+data="$PWD/crates/megamoe/tests/data"; [ -d "$data" ] || data="$here/data"
+export MEGAMOE_CACHE="/tmp/megamoe-kernels" MEGAMOE_TEST_DATA="$data" MEGAMOE_REQUIRE_GPU=1
 export MEGAMOE_LOG="${MEGAMOE_LOG:-megamoe=info}"
+# The kernels precompiled by scripts/device.sh (same NVRTC version, include path and ptxas options).
+export MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_PTXAS_VERBOSE=1
+if [ -f "$here/kcache.tar.xz" ]; then
+  mkdir -p "$MEGAMOE_CACHE" && tar -xJf "$here/kcache.tar.xz" -C /tmp && cp -n /tmp/kcache/* "$MEGAMOE_CACHE"/
+fi
 declare -A status
 order=()
 step() { # name, command...
@@ -32,25 +40,28 @@ step() { # name, command...
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 chmod +x "$here"/bin/*
 bin="$here/bin/megamoe"
-[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests timeout 480 "$here/bin/cuda_engine" --test-threads 1 --nocapture
+# TEST_FILTER: only the cuda_engine tests matching it (e.g. a first run of a new kernel), TEST_TIMEOUT.
+[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests timeout "${TEST_TIMEOUT:-480}" \
+  "$here/bin/cuda_engine" --test-threads 1 --nocapture ${TEST_FILTER:-}
 [ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_fixtures" ] && step fixtures "$here/bin/cuda_fixtures" --test-threads 1 --nocapture
 if [ "${SKIP_VERIFY:-0}" != 1 ]; then
   step verify timeout "${VERIFY_TIMEOUT:-300}" "$bin" verify --backend cuda ${VERIFY_ARGS:-}
 fi
 # The main job on the GPU: the full V4-Pro layer (384 experts) against the CPU reference.
 [ "${SKIP_DEMO:-0}" != 1 ] && step demo timeout 240 "$bin" demo --backend cuda
-act="$here/data/activations"
-[ "${SKIP_TESTS:-0}" != 1 ] && step trace_clean "$bin" trace --backend cuda --checkpoint "$here/data/nvfp4-tiny" --layer 1 \
+act="$data/activations"
+[ "${SKIP_TESTS:-0}" != 1 ] && step trace_clean "$bin" trace --backend cuda --checkpoint "$data/nvfp4-tiny" --layer 1 \
   --input "$act/nvfp4-L1-in.safetensors" --expect "$act/nvfp4-L1-expect.safetensors"
 [ "${SKIP_TESTS:-0}" != 1 ] && step trace_fault env MEGAMOE_FAULT=scale_layout "$bin" trace --backend cuda \
-  --checkpoint "$here/data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
+  --checkpoint "$data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
 if [ "${SANITIZE:-1}" != 0 ]; then
+  # SANITIZE_TESTS / RACECHECK_TESTS: narrower lists for a short call.
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted
+    ${SANITIZE_TESTS:-trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted decode_split}
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    trace_records external_routing w4a8_fp8
+    ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split}
   [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
-    --test-threads 1 w4a8_fp8 prefill_tiles decode_path
+    --test-threads 1 w4a8_fp8 prefill_tiles decode_path decode_split
 fi
 if [ "${TIMINGS:-1}" != 0 ]; then
   step timings_tc env MEGAMOE_GEMM=tc "$bin" verify --backend cuda --timings-only
@@ -62,6 +73,12 @@ if [ "${BENCH:-0}" != 0 ]; then
     --tokens "${BENCH_TOKENS:-1,8,64,512,4096,16384}" --json "$OUT/bench.json" ${BENCH_ARGS:-}
   step bench_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --whole-layer \
     --tokens "${FLASH_TOKENS:-1,64,4096}" --json "$OUT/bench_flash.json" ${BENCH_ARGS:-}
+fi
+if [ -n "${BENCH_AB:-}" ]; then
+  # The same EP-rank rows under another configuration (e.g. BENCH_AB="MEGAMOE_STREAM=0": the
+  # decode tiles on the mma.sync kernels instead of the streaming ones), in the same call.
+  step bench_ab timeout 300 env $BENCH_AB "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
+    --whole-layer --tokens "${BENCH_AB_TOKENS:-1,8,64}" --json "$OUT/bench_ab.json"
 fi
 if [ "${W4A8:-0}" != 0 ]; then
   # W4A8 (DeepSeek's act_quant activations) on MXFP4 experts: the FP8 kernels take the prefill
@@ -154,7 +171,7 @@ for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; g
 for f in ep2 ep8 ep2tp2 ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
-for f in fp8_rate soak run_model bench bench_flash bench_w4a8 bench_mx16 bench_w4a8_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
+for f in fp8_rate soak run_model bench bench_ab bench_flash bench_w4a8 bench_mx16 bench_w4a8_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 # The device tool returns at most 8 files: the JSON results and plots travel inside the archive.
 for f in "$OUT"/*.json "$OUT"/*.png; do [ -f "$f" ] && mv "$f" "$LOGS/"; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
