@@ -322,10 +322,15 @@ impl GemmKernels for TcKernels {
 /// non-bitwise on the V4-Pro-sized verify rows, under investigation, docs/PERFORMANCE.md);
 /// `MEGAMOE_STREAM=0`: none; `1`: every format; else a comma-separated list of format names.
 fn stream_enabled(f: WeightFormat) -> bool {
-    match std::env::var("MEGAMOE_STREAM") {
-        Err(_) => f != WeightFormat::Bf16,
-        Ok(v) if v.trim() == "1" => true,
-        Ok(v) => v.split(',').any(|n| n.trim().eq_ignore_ascii_case(f.name())),
+    stream_selects(std::env::var("MEGAMOE_STREAM").ok().as_deref(), f)
+}
+
+/// [`stream_enabled`] for a given `MEGAMOE_STREAM` value.
+fn stream_selects(setting: Option<&str>, f: WeightFormat) -> bool {
+    match setting.map(str::trim) {
+        None => f != WeightFormat::Bf16,
+        Some("1") => true,
+        Some(v) => v.split(',').any(|n| n.trim().eq_ignore_ascii_case(f.name())),
     }
 }
 
@@ -389,5 +394,23 @@ impl GemmFamily for TcFamily {
             inter: is,
             kernels: kernels(dev, WeightFormat::Bf16)?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_setting_selects_formats() {
+        use WeightFormat::*;
+        let on = |v: Option<&str>| {
+            WeightFormat::ALL.into_iter().filter(|&f| stream_selects(v, f)).collect::<Vec<_>>()
+        };
+        assert_eq!(on(None), vec![Nvfp4, Mxfp4], "default: the FP4 formats");
+        assert_eq!(on(Some("1")), WeightFormat::ALL.to_vec());
+        assert!(on(Some("0")).is_empty());
+        assert_eq!(on(Some(" MXFP4 , bf16")), vec![Mxfp4, Bf16]);
+        assert!(on(Some("fp8")).is_empty(), "an unknown name selects nothing");
     }
 }
