@@ -67,6 +67,9 @@ __device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v
     asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
 }
+// Orders this thread's prior generic-proxy shared-memory accesses before later async-proxy ones
+// (the bulk copies that will overwrite what it read).
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
@@ -184,9 +187,15 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
                     mma_bf16_16816(acc[0], a[q + 1], b2, b3);
                 }
             }
-            // Every consumer thread releases the slot after its own reads (its arrive is a release
-            // of them; one lane's arrive after __syncwarp left other lanes' reads unordered before
-            // the producer's next bulk copy: racecheck).
+            // Every consumer thread releases the slot after its own reads (one lane's arrive after
+            // __syncwarp left the other lanes' reads unordered: racecheck). The reads are
+            // generic-proxy loads and the producer's next copy an async-proxy write: the arrive
+            // alone does not wait for an LDS still in flight. In the FP4 kernels ptxas issues the
+            // arrive after the stage's last MMA, which consumes every load (SASS checked); in the
+            // bf16 kernel it issued it right after the last LDS, and the next copy overwrote data
+            // not yet read (verify repeated non-bitwise), so there a cross-proxy fence orders the
+            // reads first. (The fence in the FP4 kernels too is the next step, once measured.)
+            if constexpr (MM_WF == WF_BF16) fence_proxy_async_smem();
             mbar_arrive(empty0 + 8 * s);
         }
         const int gslab = sg.G * 8 + warp;
