@@ -792,12 +792,12 @@ mod tests {
 
     #[test]
     fn stream_ranges_cover_the_work_once_and_their_parts_meet_in_distinct_slots() {
-        // (tiles * groups) units of nch chunks over 264 CTAs, as the kernel walks them.
-        for (units, nch) in
-            [(48usize, 112usize), (56, 48), (6 * 48, 112), (1, 8), (3, 4), (40 * 56, 48), (7, 5)]
-        {
+        // (tiles * groups) units of nch chunks over an H200's CTAs (and another count), as the
+        // kernel walks them.
+        let cases = [(48usize, 112usize), (56, 48), (6 * 48, 112), (1, 8), (3, 4), (40 * 56, 48), (7, 5)];
+        for ((units, nch), ctas) in cases.into_iter().flat_map(|c| [(c, stream_ctas(132)), (c, 264)]) {
             let total = units * nch;
-            let (per, ranges) = stream_ranges(total, 264);
+            let (per, ranges) = stream_ranges(total, ctas);
             let mut next = 0;
             // (unit) -> the (cta, slot) its K parts were written to, in the order the CTAs hold them.
             let mut written: std::collections::HashMap<usize, Vec<(usize, usize)>> = Default::default();
