@@ -131,6 +131,12 @@ impl WorkspaceDims {
     }
 }
 
+/// The split scratch layout of one GEMM pair on a GPU of `sm_count` SMs.
+fn split_layout(sm_count: usize) -> crate::backend::gpu_layout::tc::StreamPairScratch {
+    use crate::backend::gpu_layout::tc::{stream_ctas, stream_pair_scratch};
+    stream_pair_scratch(stream_ctas(sm_count))
+}
+
 /// The SM count the memory estimate assumes for the split scratch (an upper bound: the scratch
 /// grows with the SMs, a few MB).
 const SPLIT_ESTIMATE_SMS: usize = 256;
@@ -293,9 +299,17 @@ impl Workspace {
     /// Bytes of one GEMM pair's split scratch ([`super::gemm::GemmLaunch::split`]) on a GPU of
     /// `sm_count` SMs: the tensor-core family's streaming L1 and L2.
     pub(crate) fn split_bytes(sm_count: usize) -> usize {
-        2 * crate::backend::gpu_layout::tc::stream_scratch_bytes(crate::backend::gpu_layout::tc::stream_ctas(
-            sm_count,
-        ))
+        split_layout(sm_count).bytes
+    }
+
+    /// `(buffer, offset, bytes)` of every arrival-counter range of the split scratch (routed L1,
+    /// L2, shared L1, L2).
+    fn split_counter_ranges(&self) -> Vec<(&DevBuf, usize, usize)> {
+        let l = split_layout(self.device.sm_count());
+        [&self.split_routed, &self.split_shared]
+            .into_iter()
+            .flat_map(|buf| l.sides.map(|(_, counters)| (buf, counters, l.counter_bytes)))
+            .collect()
     }
 
     /// A workspace for forwards of up to `max_tokens` tokens through any of `layers`.
@@ -404,17 +418,7 @@ impl Workspace {
                 .map_err(derr("poison"))?;
         }
         let mut zero = vec![(self.status.ptr(), 4)];
-        {
-            use crate::backend::gpu_layout::tc::{stream_ctas, stream_partials_bytes, stream_scratch_bytes};
-            let ctas = stream_ctas(self.device.sm_count());
-            let one = stream_scratch_bytes(ctas);
-            for buf in [&self.split_routed, &self.split_shared] {
-                for half in 0..2 {
-                    let at = (half * one + stream_partials_bytes(ctas)) as u64;
-                    zero.push((buf.ptr() + at, one - stream_partials_bytes(ctas)));
-                }
-            }
-        }
+        zero.extend(self.split_counter_ranges().into_iter().map(|(b, at, n)| (b.ptr() + at as u64, n)));
         for (ptr, n) in zero {
             // SAFETY: each range lies inside its buffer (the status word, a split scratch's counters).
             unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, n, st.cu_stream()) }
@@ -423,19 +427,14 @@ impl Workspace {
         st.synchronize().map_err(derr("poison"))
     }
 
-    /// The split scratch's arrival counters (routed L1, L2, shared L1, L2), read back after a
-    /// synchronisation: every streaming launch must leave them all zero. Diagnostics and tests.
+    /// The split scratch's arrival counters (routed L1, L2, shared L1, L2, each padded to 256
+    /// bytes), read back after a synchronisation: every streaming launch must leave them all
+    /// zero. Diagnostics and tests.
     pub(crate) fn split_counters(&self) -> Result<Vec<u32>> {
-        use crate::backend::gpu_layout::tc::{stream_ctas, stream_partials_bytes, stream_scratch_bytes};
         self.device.synchronize()?;
-        let ctas = stream_ctas(self.device.sm_count());
-        let one = stream_scratch_bytes(ctas);
-        let mut v = Vec::with_capacity(4 * ctas);
-        for buf in [&self.split_routed, &self.split_shared] {
-            for half in 0..2 {
-                let at = half * one + stream_partials_bytes(ctas);
-                v.extend(buf.read::<u32>(self.device.stream(), at, ctas)?);
-            }
+        let mut v = Vec::new();
+        for (buf, at, bytes) in self.split_counter_ranges() {
+            v.extend(buf.read::<u32>(self.device.stream(), at, bytes / 4)?);
         }
         Ok(v)
     }

@@ -729,6 +729,29 @@ pub fn stream_scratch_bytes(ctas: usize) -> usize {
     stream_partials_bytes(ctas) + (ctas * 4).div_ceil(256) * 256
 }
 
+/// Where things lie in the split scratch of one GEMM pair (the L1's, then the L2's) on `ctas`
+/// CTAs: each side's `(partials, counters)` byte offsets and, for the workspace, the counters'
+/// bytes per side and the pair's total.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamPairScratch {
+    /// `(partials, counters)` offsets of the L1 and of the L2.
+    pub sides: [(usize, usize); 2],
+    /// Bytes of one side's counters (zero between launches).
+    pub counter_bytes: usize,
+    /// Bytes of the pair's scratch.
+    pub bytes: usize,
+}
+
+/// The split scratch layout of one GEMM pair on `ctas` CTAs.
+pub fn stream_pair_scratch(ctas: usize) -> StreamPairScratch {
+    let (one, partials) = (stream_scratch_bytes(ctas), stream_partials_bytes(ctas));
+    StreamPairScratch {
+        sides: [(0, partials), (one, one + partials)],
+        counter_bytes: one - partials,
+        bytes: 2 * one,
+    }
+}
+
 /// Whether a streaming launch of at most `tiles` tiles over `rows` x `k` weights keeps its flattened
 /// chunk count below 2^31 (the kernel's 32-bit work indices).
 pub fn stream_fits(tiles: usize, rows: usize, k: usize) -> bool {
@@ -772,6 +795,18 @@ mod tests {
         let want = format!("NVFP4_SCALE_BIAS2 = {:#010X}u", (NVFP4_SCALE_BF16_BIAS << 7) * 0x10001)
             .replace("0X", "0x");
         assert!(src.contains(&want), "gemm_tc.cu must define {want}");
+    }
+
+    #[test]
+    fn stream_pair_scratch_sides_do_not_overlap() {
+        for ctas in [1, 264, stream_ctas(132)] {
+            let l = stream_pair_scratch(ctas);
+            let [(p1, c1), (p2, c2)] = l.sides;
+            assert_eq!(p1, 0);
+            assert_eq!(c1 - p1, stream_partials_bytes(ctas));
+            assert!(c1 + l.counter_bytes <= p2 && c2 - p2 == c1 - p1, "{l:?}");
+            assert!(c2 + l.counter_bytes <= l.bytes && l.counter_bytes >= 4 * ctas, "{l:?}");
+        }
     }
 
     #[test]

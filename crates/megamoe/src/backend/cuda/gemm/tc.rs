@@ -192,16 +192,18 @@ impl TcKernels {
         l.a_rows >= layout::WG_MIN_SLOTS && self.wg_l1.contains_key(&(l.block_m, 1))
     }
 
-    /// The split scratch of launch `l`'s L1 and L2 when it runs the streaming kernels (decode
-    /// tiles; GEMMs of `p`'s sizes whose chunks fit the kernels' 32-bit indices).
-    fn stream(&self, l: &GemmLaunch, p: &GemmOperands) -> Option<(u64, u64)> {
+    /// The `(partials, counters)` pointers of launch `l`'s L1 and L2 scratch when it runs the
+    /// streaming kernels (decode tiles; GEMMs of `p`'s sizes whose chunks fit the kernels' 32-bit
+    /// indices).
+    fn stream(&self, l: &GemmLaunch, p: &GemmOperands) -> Option<[(u64, u64); 2]> {
         let base = l.split?;
         let (h, i) = (p.h as usize, p.inter as usize);
         let fits = layout::stream_fits(l.grid_tiles as usize, 2 * i, h)
             && layout::stream_fits(l.grid_tiles as usize, h, i);
         (fits && self.ds_l1.contains_key(&l.block_m)).then(|| {
-            let one = layout::stream_scratch_bytes(layout::stream_ctas(self.sm_count)) as u64;
-            (base, base + one)
+            layout::stream_pair_scratch(layout::stream_ctas(self.sm_count))
+                .sides
+                .map(|(pa, co)| (base + pa as u64, base + co as u64))
         })
     }
 
@@ -262,8 +264,7 @@ impl GemmKernels for TcKernels {
             // SAFETY: as below; the tensor map covers A's `a_rows` rows.
             return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap }) };
         }
-        if let (None, Some((split, _))) = (trace, self.stream(l, &p.g)) {
-            let (partials, counters) = split_parts(split, layout::stream_ctas(self.sm_count));
+        if let (None, Some([(partials, counters), _])) = (trace, self.stream(l, &p.g)) {
             // SAFETY: as below; the scratch holds `stream_scratch_bytes` for this grid, zeroed.
             return unsafe {
                 self.ds_l1[&l.block_m].launch(
@@ -296,8 +297,7 @@ impl GemmKernels for TcKernels {
             // SAFETY: the tensor map covers A's `a_rows` rows; the operands the packed weights.
             return unsafe { self.wg_l2[&key].launch(s, &cfg, &WgL2Params { l2: *p, amap }) };
         }
-        if let Some((_, split)) = self.stream(l, &p.g) {
-            let (partials, counters) = split_parts(split, layout::stream_ctas(self.sm_count));
+        if let Some([_, (partials, counters)]) = self.stream(l, &p.g) {
             // SAFETY: as in `l1`; programmatic launch: the kernel waits (griddepcontrol) before it
             // reads A, the only operand its predecessor writes.
             return unsafe {
@@ -332,11 +332,6 @@ fn stream_selects(setting: Option<&str>, f: WeightFormat) -> bool {
         Some("1") => true,
         Some(v) => v.split(',').any(|n| n.trim().eq_ignore_ascii_case(f.name())),
     }
-}
-
-/// The partials and counters of one streaming GEMM's scratch at `base`, for `ctas` CTAs.
-fn split_parts(base: u64, ctas: usize) -> (u64, u64) {
-    (base, base + layout::stream_partials_bytes(ctas) as u64)
 }
 
 /// The architectures whose NVRTC target has `mma.sync` bf16 and `cvt.rn.f16x2.e4m3x2` (sm_89+;

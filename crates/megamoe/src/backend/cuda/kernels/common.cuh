@@ -141,16 +141,10 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const unsigned (&a
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// a * b on bf16x2, rounded once (fma with -0 keeps the sign of zero products; subnormal inputs are
-// exact: bf16 arithmetic has no flush to zero). sm_80+.
-__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
-    unsigned d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-    return d;
-}
 // a * (low half of s in both halves) / a * (high half of s in both halves): ptxas folds the
 // half-replicating move into HMUL2's operand swizzle (.H0_H0 / .H1_H1), so one register carries
-// two rows' scales and costs no permute per use.
+// two rows' scales and costs no permute per use. Rounded once (fma with -0 keeps the sign of zero
+// products; subnormal inputs are exact: bf16 arithmetic has no flush to zero). sm_80+.
 __device__ __forceinline__ unsigned bf16x2_mul_lo(unsigned a, unsigned s) {
     unsigned d;
     asm("{\n.reg .b16 l, h;\n.reg .b32 t;\nmov.b32 {l, h}, %2;\nmov.b32 t, {l, l};\nfma.rn.bf16x2 %0, %1, t, %3;\n}"
