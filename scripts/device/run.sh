@@ -8,7 +8,8 @@
 # EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
 # forwards against the reference, device-memory growth), W4A8=1 (the FP8 W4A8
 # bench rows on MXFP4 beside W4A16 on the same weights, and ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
-# (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0).
+# (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
+# prefill tests and rows under each MEGAMOE_WG_CONSUMERS).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
@@ -79,6 +80,18 @@ if [ -n "${BENCH_AB:-}" ]; then
   # decode tiles on the mma.sync kernels instead of the streaming ones), in the same call.
   step bench_ab timeout 300 env $BENCH_AB "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
     --whole-layer --tokens "${BENCH_AB_TOKENS:-1,8,64}" --json "$OUT/bench_ab.json"
+fi
+if [ -n "${WG_AB:-}" ]; then
+  # The wgmma prefill kernels under each consumer-warpgroup count of WG_AB (MEGAMOE_WG_CONSUMERS,
+  # e.g. "2 3 4"): the prefill tests, then the EP-rank prefill rows and V4-Flash at T=4096.
+  for c in $WG_AB; do
+    [ -x "$here/bin/cuda_engine" ] && step "wg${c}_tests" env MEGAMOE_WG_CONSUMERS="$c" timeout 300 \
+      "$here/bin/cuda_engine" --test-threads 1 --nocapture prefill
+    step "wg${c}_bench" env MEGAMOE_WG_CONSUMERS="$c" timeout 300 "$bin" bench forward --backend cuda --shape v4-pro \
+      --simulate-ep 8 --tokens "${WG_AB_TOKENS:-512,4096,16384}" --json "$OUT/bench_wg$c.json"
+    step "wg${c}_flash" env MEGAMOE_WG_CONSUMERS="$c" timeout 300 "$bin" bench forward --backend cuda --shape v4-flash \
+      --tokens 4096 --json "$OUT/bench_flash_wg$c.json"
+  done
 fi
 if [ "${W4A8:-0}" != 0 ]; then
   # W4A8 (DeepSeek's act_quant activations) on MXFP4 experts: the FP8 kernels take the prefill
@@ -171,6 +184,7 @@ for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; g
 for f in ep2 ep8 ep2tp2 ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
+for c in ${WG_AB:-}; do for f in wg${c}_tests wg${c}_bench wg${c}_flash; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -E "rank |test result|panicked|rel L2|whole-layer" "$LOGS/$f.log" | tail -n 14; }; done; done
 for f in fp8_rate soak run_model bench bench_ab bench_flash bench_w4a8 bench_mx16 bench_w4a8_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 # The device tool returns at most 8 files: the JSON results and plots travel inside the archive.
 for f in "$OUT"/*.json "$OUT"/*.png; do [ -f "$f" ] && mv "$f" "$LOGS/"; done

@@ -35,9 +35,6 @@ const ROUTER_EXPERTS_PER_CTA: u32 = 2;
 /// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
 /// three (count, offsets, scatter over many CTAs).
 const PLAN_SMALL_SLOTS: usize = 32 * PLAN_SMALL_CHUNK as usize;
-/// Local experts `moe_plan_small` holds in shared memory (32 x 512 u16 = 32 KB, under the 48 KB
-/// that needs no opt-in).
-const PLAN_SMALL_EXPERTS: usize = 512;
 // Its u16 rows hold every plan row.
 const _: () = assert!(32 * PLAN_SMALL_CHUNK as usize <= 1 << 16);
 // The chunk kernels run one warp per chunk, PLAN_WARPS warps per CTA.
@@ -291,6 +288,7 @@ impl LayerWeights {
             expected_tiles: (active.ceil() as usize) * (rows / bm as f64).ceil() as usize,
             a_rows: slots,
             split: Some(ws.split_routed.ptr()),
+            next_wq: self.experts.l2.wq.ptr(),
         };
         let p = PlanParams {
             topk_ids,
@@ -317,7 +315,7 @@ impl LayerWeights {
         // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] / the chunk table for
         // these sizes; the shared memory is what each kernel's header asks for.
         unsafe {
-            if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS {
+            if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS as usize {
                 core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 32 * el * 2), &p)?;
             } else {
                 let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;
@@ -503,6 +501,7 @@ impl LayerWeights {
             expected_tiles: tiles,
             a_rows: t,
             split: Some(ws.split_shared.ptr()),
+            next_wq: sh.l2.wq.ptr(),
         };
         let dense = |a: u64, side: &super::gemm::PackedSide| GemmOperands {
             a,

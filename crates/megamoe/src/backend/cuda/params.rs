@@ -97,6 +97,10 @@ kernel_abi! {
         PLAN_WARPS = 8;
         /// Slots per warp chunk of `moe_plan_small` (32 warps: up to 8192 slots).
         PLAN_SMALL_CHUNK = 256;
+        /// Local experts `moe_plan_small` holds in shared memory: 32 x 512 u16 chunk rows (32 KB)
+        /// and the experts' counts, offsets and tile starts (6 KB), under the 48 KB that need no
+        /// opt-in.
+        PLAN_SMALL_EXPERTS = 512;
     }
 
     /// `moe_router_logits`: gate logits of every (token, expert) into `scores`.
@@ -323,6 +327,12 @@ kernel_abi! {
         partials: DevPtr => "float*",
         /// `[gridDim.x]` u32 arrival counters (0 between launches).
         counters: DevPtr => "unsigned*",
+        /// Nullable: the packed L2 weights of the same plan; each CTA's producer, once its own
+        /// copies are out, prefetches into the L2 cache the first `prefetch_bytes` of the weights
+        /// its CTA index streams in the L2 launch (same grid, same ranges).
+        next_wq: DevPtr => "const unsigned char*",
+        /// Bytes per CTA of that prefetch (multiple of 16).
+        prefetch_bytes: i32 => "int",
     }
 
     /// The Hopper weight-streaming decode L2 kernel.

@@ -594,23 +594,81 @@ pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64) -> usize {
 /// through a tensor map, so the workspace stages the expert inputs for them.
 pub const WG_MIN_SLOTS: usize = 2048;
 
-/// 128-row groups per CTA the wgmma kernels are built for: 2 shares one token tile between 256
-/// weight rows (half the token traffic per MAC of 1).
-pub const WG_GROUPS: [usize; 2] = [1, 2];
-
-/// Every wgmma configuration `(token tile, groups per CTA)`.
-pub fn wg_configs() -> impl Iterator<Item = (usize, usize)> {
-    WG_TOKEN_TILES.into_iter().flat_map(|nt| WG_GROUPS.into_iter().map(move |g| (nt, g)))
+/// One wgmma kernel configuration (`moe_wg_l{1,2}_n{nt}_g{groups}_c{consumers}`): token tile,
+/// 128-row groups per CTA (2 shares one token tile between 256 weight rows: half the token traffic
+/// per MAC of 1) and consumer warpgroups (each owns `2 * groups / consumers` m64 blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WgConfig {
+    /// Token tile (rows of the MMA's N side).
+    pub nt: usize,
+    /// 128-row weight groups per CTA.
+    pub groups: usize,
+    /// Consumer warpgroups (besides the producer warpgroup).
+    pub consumers: usize,
 }
 
-/// Groups per CTA of a wgmma launch over `groups` 128-row groups and `tiles` expected token
-/// tiles: two while that still gives every SM two CTAs, else one.
+impl WgConfig {
+    /// Threads per CTA: the producer warpgroup and the consumers.
+    pub fn threads(&self) -> u32 {
+        128 * (self.consumers as u32 + 1)
+    }
+}
+
+/// `(groups, consumers)` of every token tile: one or two groups over two consumer warpgroups.
+pub const WG_SHAPES: [(usize, usize); 2] = [(1, 2), (2, 2)];
+
+/// Further `(groups, consumers)` of the token tiles up to [`WG_WIDE_MAX_TILE`] rows, whose
+/// accumulators leave registers for more consumer warpgroups: three groups over three consumers
+/// (two m64 blocks each, 160 registers). More consumer warps per scheduler hide the FP4 decode's
+/// latencies (ncu: ~0.5 eligible warps of 2.2 with two consumers). Measured on a V4-Pro EP8 rank at
+/// T=4096 (80-token tiles, H200): two consumers 1.116 ms, three 1.060, two groups over four
+/// consumers (one block each, 112 registers) 1.103 — the kernel takes any such shape
+/// (`gemm_tc.cu`), only the best one is built.
+pub const WG_WIDE_SHAPES: [(usize, usize); 1] = [(3, 3)];
+
+/// The largest token tile built with [`WG_WIDE_SHAPES`].
+pub const WG_WIDE_MAX_TILE: usize = 96;
+
+/// Every wgmma configuration.
+pub fn wg_configs() -> impl Iterator<Item = WgConfig> {
+    WG_TOKEN_TILES.into_iter().flat_map(|nt| {
+        let wide = if nt <= WG_WIDE_MAX_TILE { &WG_WIDE_SHAPES[..] } else { &[] };
+        WG_SHAPES.iter().chain(wide).map(move |&(groups, consumers)| WgConfig { nt, groups, consumers })
+    })
+}
+
+/// Groups per CTA of a two-consumer wgmma launch over `groups` 128-row groups and `tiles` expected
+/// token tiles: two while that still gives every SM two CTAs, else one.
 pub fn choose_wg_groups(groups: usize, tiles: usize, sm_count: usize) -> usize {
     if groups >= 2 && tiles * groups.div_ceil(2) >= 2 * sm_count {
         2
     } else {
         1
     }
+}
+
+/// The wgmma configuration of a launch of token tile `nt` over `groups` 128-row groups and `tiles`
+/// expected token tiles, with `consumers` consumer warpgroups where that tile is built with them
+/// and the launch still gives every SM two CTAs (else the two-consumer choice).
+pub fn choose_wg_config(
+    nt: usize,
+    groups: usize,
+    tiles: usize,
+    sm_count: usize,
+    consumers: usize,
+) -> WgConfig {
+    match wg_wide_config(nt, groups, consumers) {
+        Some(c) if tiles * groups.div_ceil(c.groups) >= 2 * sm_count => c,
+        _ => WgConfig { nt, groups: choose_wg_groups(groups, tiles, sm_count), consumers: 2 },
+    }
+}
+
+/// The configuration of token tile `nt` with `consumers` consumer warpgroups of
+/// [`WG_WIDE_SHAPES`], where that tile is built with them and a launch over `groups` 128-row
+/// groups fills at least one CTA.
+pub fn wg_wide_config(nt: usize, groups: usize, consumers: usize) -> Option<WgConfig> {
+    let &(g, c) = WG_WIDE_SHAPES.iter().find(|&&(_, c)| c == consumers)?;
+    (nt <= WG_WIDE_MAX_TILE && groups >= g).then_some(WgConfig { nt, groups: g, consumers: c })
 }
 
 /// Bytes of one stage of the wgmma kernels: the token tile (`nt` rows x 64 bf16) and the 8 weight
@@ -685,6 +743,13 @@ pub const STREAM_CTAS_PER_SM: usize = 3;
 
 /// The shared memory one streaming CTA's ring may take (three per SM).
 const STREAM_RING_BUDGET: usize = 72 * 1024;
+
+/// Bytes per CTA of the L2's weights that the streaming L1 prefetches into the L2 cache once its
+/// own copies are out (the first bytes of the range the same CTA index streams in the L2 launch):
+/// 396 CTAs x 32 KB = 12.7 MB, all of a one-expert V4-Pro L2 (12.4 MB), well within the H200's
+/// 50 MB L2 beside the L1's last copies in flight (~28 MB); larger batches prefetch each L2
+/// range's start, so the L2 kernel opens from the cache instead of DRAM.
+pub const STREAM_PREFETCH_BYTES: usize = 32 * 1024;
 
 /// Chunks per stage of the streaming kernels for `format`: up to 18 KB of weights per stage (one
 /// bulk copy), i.e. 4 FP4 chunks or 1 bf16 chunk.
@@ -977,6 +1042,17 @@ mod tests {
         assert_eq!(choose_wg_groups(48, 72, 132), 2);
         assert_eq!(choose_wg_groups(48, 1, 132), 1);
         assert_eq!(choose_wg_groups(1, 500, 132), 1);
+        // Wider consumer shapes where built and the launch keeps two CTAs per SM, else two consumers.
+        let cfg = |nt, g, c| WgConfig { nt, groups: g, consumers: c };
+        assert_eq!(choose_wg_config(80, 56, 48, 132, 3), cfg(80, 3, 3));
+        assert_eq!(choose_wg_config(144, 48, 72, 132, 3), cfg(144, 2, 2));
+        assert_eq!(choose_wg_config(80, 48, 2, 132, 3), cfg(80, 1, 2));
+        assert_eq!(choose_wg_config(80, 48, 48, 132, 2), cfg(80, 2, 2));
+        assert_eq!(choose_wg_config(80, 48, 48, 132, 4), cfg(80, 2, 2));
+        assert_eq!(wg_wide_config(96, 9, 3), Some(cfg(96, 3, 3)));
+        assert_eq!(wg_wide_config(128, 48, 3), None);
+        assert_eq!(wg_wide_config(64, 2, 3), None);
+        assert!(wg_configs().all(|c| (2 * c.groups) % c.consumers == 0 && c.threads() <= 640));
         for f in WeightFormat::ALL {
             for (nt, s) in configs() {
                 let smem = smem_bytes(f, nt, s);
@@ -989,8 +1065,8 @@ mod tests {
             assert!(3 * smem_bytes(WeightFormat::Nvfp4, 8, s) <= 227 * 1024, "spc {s}");
         }
         for f in WeightFormat::ALL {
-            for (nt, g) in wg_configs() {
-                assert!(wg_smem_bytes(f, nt, g) <= 227 * 1024, "{f} {nt} {g}");
+            for c in wg_configs() {
+                assert!(wg_smem_bytes(f, c.nt, c.groups) <= 227 * 1024, "{f} {c:?}");
             }
         }
     }

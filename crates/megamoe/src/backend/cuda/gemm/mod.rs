@@ -113,6 +113,9 @@ pub(crate) struct GemmLaunch {
     ///
     /// [`Workspace::split_bytes`]: super::workspace::Workspace::split_bytes
     pub split: Option<u64>,
+    /// The packed weights of the pair's L2 (0: none): a family's decode L1 may prefetch the first
+    /// bytes of the L2's work into the L2 cache ([`crate::backend::gpu_layout::tc::STREAM_PREFETCH_BYTES`]).
+    pub next_wq: u64,
 }
 
 impl GemmLaunch {

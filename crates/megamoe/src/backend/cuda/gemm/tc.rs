@@ -31,23 +31,32 @@ struct TcKernels {
     l2: HashMap<(usize, usize), Kernel<GemmL2Params>>,
     /// Trace variants (8 slabs per CTA), by token tile.
     l1_trace: HashMap<usize, Kernel<GemmL1TraceParams>>,
-    /// Hopper wgmma kernels (sm_90a), by `(token tile, groups per CTA)`; used for prefill tiles
-    /// unless `MEGAMOE_WGMMA=0`.
-    wg_l1: HashMap<(usize, usize), Kernel<WgL1Params>>,
-    wg_l2: HashMap<(usize, usize), Kernel<WgL2Params>>,
+    /// Hopper wgmma kernels (sm_90a), by configuration; used for prefill tiles unless
+    /// `MEGAMOE_WGMMA=0`.
+    wg_l1: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
+    wg_l2: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
+    /// Consumer warpgroups of every wgmma launch whose tile is built with them
+    /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
+    /// launch still gives every SM two CTAs.
+    wg_consumers: Option<usize>,
     /// Hopper weight-streaming decode kernels (sm_90a), by token tile; used for decode tiles of
     /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_enabled`]).
     ds_l1: HashMap<usize, Kernel<DsL1Params>>,
     ds_l2: HashMap<usize, Kernel<DsL2Params>>,
     /// Whether the streaming L2 is a programmatic dependent of the L1 (`MEGAMOE_PDL=0`: no).
     pdl: bool,
+    /// Bytes per CTA of the L2's weights the streaming L1 prefetches into the L2 cache
+    /// ([`layout::STREAM_PREFETCH_BYTES`]; `MEGAMOE_PREFETCH=<bytes>`, 0: none).
+    prefetch_bytes: i32,
 }
 
 /// Threads of the streaming kernels: 8 consumer warps and a producer warp.
 const DS_THREADS: u32 = 288;
 
-/// Threads of the wgmma kernels: a producer warpgroup and two consumer warpgroups.
-const WG_THREADS: u32 = 384;
+/// Consumer warpgroups of the wgmma launches whose tile is built with them and that still give
+/// every SM two CTAs, unless `MEGAMOE_WG_CONSUMERS` says otherwise
+/// ([`layout::WG_WIDE_SHAPES`]: measured fastest).
+const DEFAULT_WG_CONSUMERS: usize = 3;
 
 /// Whether `arch` runs the wgmma and streaming kernels (sm_90a features: wgmma, bulk copies,
 /// mbarriers, programmatic dependent launch).
@@ -89,8 +98,9 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     let mut defines = vec![define(f).to_string()];
     if has_wgmma(arch) {
         defines.push("TC_WGMMA=1".into());
-        for (nt, g) in layout::wg_configs() {
-            inst.push_str(&format!("WG_KERNELS({nt}, {g}, {})\n", layout::wg_stages(f, nt, g)));
+        for c in layout::wg_configs() {
+            let st = layout::wg_stages(f, c.nt, c.groups);
+            inst.push_str(&format!("WG_KERNELS({}, {}, {}, {st})\n", c.nt, c.groups, c.consumers));
         }
         for nt in layout::STREAM_TOKEN_TILES {
             inst.push_str(&format!(
@@ -123,7 +133,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
         layout::configs().flat_map(|(nt, s)| [mma_name(1, nt, s), mma_name(2, nt, s)]).collect();
     v.extend(layout::TOKEN_TILES.iter().map(|&nt| trace_name(nt)));
     if has_wgmma(arch) {
-        v.extend(layout::wg_configs().flat_map(|(nt, g)| [wg_name(1, nt, g), wg_name(2, nt, g)]));
+        v.extend(layout::wg_configs().flat_map(|c| [wg_name(1, c), wg_name(2, c)]));
         v.extend(layout::STREAM_TOKEN_TILES.iter().flat_map(|&nt| [ds_name(1, nt), ds_name(2, nt)]));
     }
     v
@@ -137,8 +147,8 @@ fn mma_name(layer: u8, nt: usize, spc: usize) -> String {
 fn trace_name(nt: usize) -> String {
     format!("moe_tc_l1_trace_n{nt}")
 }
-fn wg_name(layer: u8, nt: usize, groups: usize) -> String {
-    format!("moe_wg_l{layer}_n{nt}_g{groups}")
+fn wg_name(layer: u8, c: layout::WgConfig) -> String {
+    format!("moe_wg_l{layer}_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
 }
 fn ds_name(layer: u8, nt: usize) -> String {
     format!("moe_ds_l{layer}_n{nt}")
@@ -158,6 +168,13 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             ds_l1: HashMap::new(),
             ds_l2: HashMap::new(),
             pdl: std::env::var("MEGAMOE_PDL").map_or(true, |v| v != "0"),
+            prefetch_bytes: std::env::var("MEGAMOE_PREFETCH")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(layout::STREAM_PREFETCH_BYTES)
+                .min(1 << 20) as i32
+                & !15,
+            wg_consumers: std::env::var("MEGAMOE_WG_CONSUMERS").ok().and_then(|v| v.trim().parse().ok()),
         };
         if has_wgmma(dev.arch()) && stream_enabled(f) {
             for nt in layout::STREAM_TOKEN_TILES {
@@ -167,10 +184,10 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             }
         }
         if has_wgmma(dev.arch()) && std::env::var("MEGAMOE_WGMMA").map_or(true, |v| v != "0") {
-            for (nt, g) in layout::wg_configs() {
-                let smem = layout::wg_smem_bytes(f, nt, g);
-                k.wg_l1.insert((nt, g), Kernel::load(&m, &wg_name(1, nt, g), WG_THREADS, smem)?);
-                k.wg_l2.insert((nt, g), Kernel::load(&m, &wg_name(2, nt, g), WG_THREADS, smem)?);
+            for c in layout::wg_configs() {
+                let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
+                k.wg_l1.insert(c, Kernel::load(&m, &wg_name(1, c), c.threads(), smem)?);
+                k.wg_l2.insert(c, Kernel::load(&m, &wg_name(2, c), c.threads(), smem)?);
             }
         }
         for (nt, s) in layout::configs() {
@@ -189,7 +206,8 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
 impl TcKernels {
     /// Whether launch `l` runs the wgmma kernels (prefill tiles of large batches on sm_90a).
     fn wgmma(&self, l: &GemmLaunch) -> bool {
-        l.a_rows >= layout::WG_MIN_SLOTS && self.wg_l1.contains_key(&(l.block_m, 1))
+        l.a_rows >= layout::WG_MIN_SLOTS
+            && self.wg_l1.contains_key(&layout::WgConfig { nt: l.block_m, groups: 1, consumers: 2 })
     }
 
     /// The `(partials, counters)` pointers of launch `l`'s L1 and L2 scratch when it runs the
@@ -216,12 +234,17 @@ impl TcKernels {
         LaunchCfg { pdl, ..LaunchCfg::grid(grid, layout::stream_smem_bytes(self.format, l.block_m)) }
     }
 
-    /// Groups per CTA and the launch of a wgmma GEMM over `rows` packed rows per expert.
-    fn wg_cfg(&self, l: &GemmLaunch, rows: usize) -> ((usize, usize), LaunchCfg) {
+    /// The configuration and the launch of a wgmma GEMM over `rows` packed rows per expert.
+    fn wg_cfg(&self, l: &GemmLaunch, rows: usize) -> (layout::WgConfig, LaunchCfg) {
         let groups = layout::padded_rows(rows) / layout::GROUP_ROWS;
-        let g = layout::choose_wg_groups(groups, l.expected_tiles.max(1), self.sm_count);
-        let grid = (l.looping_grid(), groups.div_ceil(g) as u32, 1);
-        ((l.block_m, g), LaunchCfg::grid(grid, layout::wg_smem_bytes(self.format, l.block_m, g)))
+        let tiles = l.expected_tiles.max(1);
+        let nt = l.block_m;
+        let c = match self.wg_consumers.and_then(|c| layout::wg_wide_config(nt, groups, c)) {
+            Some(c) => c,
+            None => layout::choose_wg_config(nt, groups, tiles, self.sm_count, DEFAULT_WG_CONSUMERS),
+        };
+        let grid = (l.looping_grid(), groups.div_ceil(c.groups) as u32, 1);
+        (c, LaunchCfg::grid(grid, layout::wg_smem_bytes(self.format, c.nt, c.groups)))
     }
 
     /// Slabs per CTA and the launch of a GEMM over `rows` packed rows per group.
@@ -270,7 +293,13 @@ impl GemmKernels for TcKernels {
                 self.ds_l1[&l.block_m].launch(
                     s,
                     &self.stream_cfg(l, false),
-                    &DsL1Params { l1: *p, partials, counters },
+                    &DsL1Params {
+                        l1: *p,
+                        partials,
+                        counters,
+                        next_wq: if self.prefetch_bytes > 0 { l.next_wq } else { 0 },
+                        prefetch_bytes: self.prefetch_bytes,
+                    },
                 )
             };
         }

@@ -381,55 +381,64 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 
 #ifdef TC_WGMMA
 // ---- Hopper (sm_90a) prefill path: warp-specialised wgmma over the same packed weights.
-// CTA = 384 threads, MB 128-row groups (blockIdx.y * MB ..): warpgroup 0 = producer (one thread
-// issues the copies; setmaxnreg gives its registers to the consumers), warpgroups 1, 2 = consumers
-// owning MB m64 blocks each (m64 block mi = cw * MB + b holds slabs 4 mi .. 4 mi + 3 of the CTA),
-// A from registers (the same per-warp fragments as the mma.sync kernels), B = the token tile in
-// shared memory, shared by all 2 * MB blocks: MB = 2 halves the token-tile traffic per MAC.
+// CTA = NC + 1 warpgroups over GPC 128-row groups (blockIdx.y * GPC ..): warpgroup 0 = producer (one
+// thread issues the copies; setmaxnreg gives its registers to the consumers), warpgroups 1..NC =
+// consumers owning MB = 2 * GPC / NC m64 blocks each (m64 block mi = cw * MB + b holds slabs
+// 4 mi .. 4 mi + 3 of the CTA), A from registers (the same per-warp fragments as the mma.sync
+// kernels), B = the token tile in shared memory, shared by all 2 * GPC blocks (GPC = 2 halves the
+// token-tile traffic per MAC of 1). Configurations (gpu_layout::tc::wg_configs): (GPC, NC) = (1, 2),
+// (2, 2), and for the 64..96-token tiles (3, 3) (two blocks per consumer, 160 registers each: three
+// consumer warps per scheduler hide the decode's latencies). Any (GPC, NC) with whole blocks per
+// consumer compiles (e.g. (2, 4): one block each, 112 registers; measured slower than (3, 3)).
 // Token tiles NT = 64, 80, 96, 128, 144 (gpu_layout::tc::WG_TOKEN_TILES; the host picks the one
 // whose padding and per-tile decode cost least for the experts' expected rows).
-// Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA (1024-aligned)][MB x 8
-// weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage. The token rows come
-// from a 2-D tensor map over A (the staged expert inputs or activations; rows past the tile's end
-// belong to the next expert and are ignored by the epilogue).
-// Consumer pipeline over units u = (chunk u / MB, block u % MB): issue unit u's four wgmma k16
-// steps, load unit u + 1's weights from shared memory, wait until only unit u is in flight (u - 1
-// done), release a finished chunk's stage, decode unit u + 1's A registers while unit u runs. Results are bitwise reproducible (a fixed k order per
-// output).
-// Registers per thread after the hand-over: 128 x 40 + 256 x 232 <= 64 K (one CTA per SM).
-constexpr int WG_PRODUCER_REGS = 40, WG_CONSUMER_REGS = 232;
+// Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA (1024-aligned)][GPC x 8
+// weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage (empty: every
+// consumer thread arrives once its wgmma reads of the stage are done). The token rows come from a
+// 2-D tensor map over A (the staged expert inputs or activations; rows past the tile's end belong to
+// the next expert and are ignored by the epilogue).
+// Consumer pipeline over units u = (chunk u / MB, block u % MB): load unit u + 1's weights from
+// shared memory (its latency hides behind the next steps: ncu put ~11% of the consumers' stalls on
+// the first use of a load issued just before its decode), issue unit u's four wgmma k16 steps, wait
+// until only unit u is in flight (u - 1 done), release a finished chunk's stage, decode unit u + 1's
+// A registers while unit u runs. Results are bitwise reproducible (a fixed k order per output).
 
-template <int NT, int MB, int ST>
+// Registers per thread: the entry count 65536 / threads (multiple of 8), the producer's cut to
+// wg_producer_regs(nc) handed to the consumers (NC 2: 168 -> 40 / 232; 3: 128 -> 32 / 160;
+// 4: 96 -> 32 / 112).
+__host__ __device__ constexpr int wg_entry_regs(int nc) { return 65536 / (128 * (nc + 1)) / 8 * 8; }
+__host__ __device__ constexpr int wg_producer_regs(int nc) { return nc == 2 ? 40 : 32; }
+__host__ __device__ constexpr int wg_consumer_regs(int nc) {
+    return (wg_entry_regs(nc) * (nc + 1) - wg_producer_regs(nc)) / nc / 8 * 8;
+}
+
+template <int NT, int GPC, int ST>
 struct WgShape {
     static constexpr int BLK = TcFmt<MM_WF>::BLK;
     static constexpr int T_BYTES = NT * 128;
     static constexpr int W_GROUP = 8 * BLK;              // one group's blocks of a chunk
-    static constexpr int STAGE = (T_BYTES + MB * W_GROUP + 1023) / 1024 * 1024;   // = gpu_layout::tc::wg_stage_bytes
+    static constexpr int STAGE = (T_BYTES + GPC * W_GROUP + 1023) / 1024 * 1024;   // = gpu_layout::tc::wg_stage_bytes
 };
 
-// One consumer warpgroup's view of the stage ring (chunks counted over the CTA's whole run).
+// One consumer warpgroup's view of the stage ring (chunks c counted over the CTA's whole run; ST
+// stages of STAGE bytes, compile-time, so the slot and phase of a chunk cost a mask or a multiply).
+template <int ST, int STAGE>
 struct WgRing {
     unsigned base;                       // shared address of stage 0 (1024-aligned)
     const unsigned char* gbase;          // the same, generic
-    unsigned long long* full;
-    unsigned long long* empty;
-    int stages, stage_bytes;
+    unsigned full0, empty0;              // shared addresses of the full / empty barriers
     int wl_off[2], sc_off[2];            // this lane's slice of block b inside a stage
-    unsigned bar_id;                     // the warpgroup's named barrier
 
-    __device__ __forceinline__ void wait_full(unsigned c) const {
-        mbar_wait(smem_u32(&full[c % stages]), (c / stages) & 1);
-    }
-    // The whole warpgroup is done with chunk c's stage: hand it back to the producer.
-    __device__ __forceinline__ void release(unsigned c) const {
-        named_bar(bar_id, 128);
-        if ((threadIdx.x & 127) == 0) mbar_arrive(smem_u32(&empty[c % stages]));
-    }
+    __device__ __forceinline__ void wait_full(unsigned c) const { mbar_wait(full0 + 8 * (c % ST), (c / ST) & 1); }
+    // This thread is done with chunk c's stage (its loads consumed, its wgmma reads complete).
+    __device__ __forceinline__ void release(unsigned c) const { mbar_arrive(empty0 + 8 * (c % ST)); }
     // This lane's slice of block b of chunk c (whose stage has landed), from shared memory.
     __device__ __forceinline__ TcLane load(unsigned c, int b) const {
-        const unsigned char* st = gbase + (c % stages) * stage_bytes;
+        const unsigned char* st = gbase + (c % ST) * STAGE;
         return tc_load_lane(st + wl_off[b], st + sc_off[b]);
     }
+    // The B descriptor of chunk c's token tile.
+    __device__ __forceinline__ unsigned long long desc(unsigned c) const { return wgmma_desc_k128(base + (c % ST) * STAGE); }
     // Its A registers.
     static __device__ __forceinline__ void decode(const TcLane& ln, unsigned (&a)[4][4]) {
         tc_decode<0>(a[0], ln);
@@ -440,62 +449,68 @@ struct WgRing {
 };
 
 // Unit u of a tile whose first chunk is c0, its A registers in a[BUF] (BUF = u & 1; with MB = 2
-// the block is BUF too): issue its four wgmma k16 steps; when NEXT (every unit but the tile's last),
-// load unit u + 1's weights from shared memory (before the wait, so the load's latency hides behind
-// it: ncu put 12% of the consumers' stalls on the first use of that load), wait for unit u - 1,
-// release the chunk it finished and decode unit u + 1 while unit u runs.
+// the block is BUF too): when NEXT (every unit but the tile's last), load unit u + 1's weights from
+// shared memory; issue unit u's four wgmma k16 steps; then wait for unit u - 1, release the chunk
+// it finished and decode unit u + 1 while unit u runs.
 // (No wgmma sits under a run-time branch: ptxas would drain the pipe at the join.)
-template <int NT, int MB, int BUF, bool NEXT>
-__device__ __forceinline__ void wg_unit(const WgRing& r, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
+template <int NT, int MB, int BUF, bool NEXT, typename Ring>
+__device__ __forceinline__ void wg_unit(const Ring& r, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
                                         unsigned c0, int u)
 {
     constexpr int B = (MB == 2) ? BUF : 0, BN = (MB == 2) ? (BUF ^ 1) : 0;
     const unsigned c = c0 + (unsigned)(u / MB);
-    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes);
+    TcLane ln;
+    if constexpr (NEXT) {
+        const unsigned cn = c0 + (unsigned)((u + 1) / MB);
+        if (BN == 0) r.wait_full(cn);
+        ln = r.load(cn, BN);
+    }
+    const unsigned long long desc = r.desc(c);
     wgmma_fence();
     #pragma unroll
     for (int q = 0; q < 4; ++q) WgmmaBf16<NT>::mma(acc[B], a[BUF][q], desc + 2 * q);   // +32 bytes per k16 step
     wgmma_commit();
     if constexpr (NEXT) {
-        const unsigned cn = c0 + (unsigned)((u + 1) / MB);
-        if (BN == 0) r.wait_full(cn);
-        const TcLane ln = r.load(cn, BN);
         wgmma_wait<1>();                       // unit u - 1 is done: its registers and, at a chunk's
         wgmma_fence_a(a[BUF ^ 1]);             // end, its stage are free
         if (B == 0 && u > 0) r.release(c - 1);
-        WgRing::decode(ln, a[BUF ^ 1]);
+        Ring::decode(ln, a[BUF ^ 1]);
     }
 }
 
 // Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one m64 block.
-template <int NT, int MB, int ST, bool L1, typename Store>
+template <int NT, int GPC, int NC, int ST, bool L1, typename Store>
 __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& amap, Store store)
 {
-    using S = WgShape<NT, MB, ST>;
+    static_assert((2 * GPC) % NC == 0, "every consumer warpgroup owns whole m64 blocks");
+    constexpr int MB = 2 * GPC / NC;
+    static_assert(MB == 1 || MB == 2, "one or two m64 blocks per consumer warpgroup");
+    using S = WgShape<NT, GPC, ST>;
     constexpr int BLK = S::BLK;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
+    const unsigned full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
     const int R = L1 ? 2 * g.inter : g.h;
     const int K = L1 ? g.h : g.inter;
     const int groups = (R + 127) / 128;
     const int nch = K / 64;
-    const int G0 = blockIdx.y * MB;
+    const int G0 = blockIdx.y * GPC;
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
-            mbar_init(smem_u32(&full[s]), 1);
-            mbar_init(smem_u32(&empty[s]), 2);
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, 128 * NC);
         }
         fence_mbar_init();
     }
     __syncthreads();
     if (wg == 0) {
-        setmaxnreg_dec<WG_PRODUCER_REGS>();
+        setmaxnreg_dec<wg_producer_regs(NC)>();
         if (threadIdx.x != 0) return;
-        // A CTA past an odd group count loads (and later stores) only the groups that exist.
-        const int ng = min(MB, groups - G0);
+        // A CTA past the last whole set of groups loads (and later stores) only the groups that exist.
+        const int ng = min(GPC, groups - G0);
         const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
         unsigned it = 0;
         for (int tile = blockIdx.x;; tile += gridDim.x) {
@@ -503,10 +518,9 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
             if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
             const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * nch * 8 * BLK;
             for (int c = 0; c < nch; ++c, ++it) {
-                const int s = it % ST;
-                const unsigned u = it / ST;
-                if (u > 0) mbar_wait(smem_u32(&empty[s]), (u - 1) & 1);
-                const unsigned fb = smem_u32(&full[s]);
+                const unsigned s = it % ST, u = it / ST;
+                if (u > 0) mbar_wait(empty0 + 8 * s, (u - 1) & 1);
+                const unsigned fb = full0 + 8 * s;
                 const unsigned dst = base + s * S::STAGE;
                 mbar_arrive_expect_tx(fb, S::T_BYTES + ng * S::W_GROUP);
                 tma_load_2d(dst, &amap, c * 64, m0, fb);
@@ -516,9 +530,9 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
             }
         }
     }
-    setmaxnreg_inc<WG_CONSUMER_REGS>();
+    setmaxnreg_inc<wg_consumer_regs(NC)>();
     const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    WgRing ring{base, gbase, full, empty, ST, S::STAGE, {0, 0}, {0, 0}, 1u + (unsigned)cw};
+    WgRing<ST, S::STAGE> ring{base, gbase, full0, empty0, {0, 0}, {0, 0}};
     #pragma unroll
     for (int b = 0; b < MB; ++b) {
         const int slab = 4 * (cw * MB + b) + warp;    // slab of the CTA = its block in the stage
@@ -540,7 +554,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
                 for (int v = 0; v < 4; ++v) acc[b][i][v] = 0.f;
         unsigned a[2][4][4];
         ring.wait_full(it);
-        WgRing::decode(ring.load(it, 0), a[0]);
+        decltype(ring)::decode(ring.load(it, 0), a[0]);
         #pragma unroll
         for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
         int u = 0;
@@ -592,18 +606,21 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     }
 
 #ifdef TC_WGMMA
-// wgmma entry points of token tile NT over MB 128-row groups per CTA with ST stages (appended by
-// the host like TC_KERNELS). Min 1 CTA per SM: setmaxnreg needs the entry register count known.
-#define WG_KERNELS(NT, MB, ST)                                                                            \
-    extern "C" __global__ void __launch_bounds__(384, 1) moe_wg_l1_n##NT##_g##MB(const __grid_constant__ WgL1Params p) \
+// wgmma entry points of token tile NT over G 128-row groups per CTA, C consumer warpgroups, ST
+// stages (appended by the host like TC_KERNELS, one line per gpu_layout::tc::wg_configs entry).
+// Min 1 CTA per SM: setmaxnreg needs the entry register count known.
+#define WG_KERNELS(NT, G, C, ST)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
+    moe_wg_l1_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                                  \
     {                                                                                                     \
-        wg_gemm<NT, MB, ST, true>(p.l1.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        wg_gemm<NT, G, C, ST, true>(p.l1.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
         });                                                                                               \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(384, 1) moe_wg_l2_n##NT##_g##MB(const __grid_constant__ WgL2Params p) \
+    extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
+    moe_wg_l2_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                                  \
     {                                                                                                     \
-        wg_gemm<NT, MB, ST, false>(p.l2.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        wg_gemm<NT, G, C, ST, false>(p.l2.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
         });                                                                                               \
     }

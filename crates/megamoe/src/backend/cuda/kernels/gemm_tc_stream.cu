@@ -29,6 +29,10 @@
 // With programmatic dependent launch (L2 after L1): the L1 kernel lets its dependent start at once;
 // the L2 producer streams its ring's first weight stages (which depend only on the plan, finished
 // before L1 started) before `griddepcontrol.wait`, then the token rows (L1's output).
+// L2 cache: the weight copies carry an evict-first policy (read once); the L1 producer, once its
+// last copy is out, prefetches the first `prefetch_bytes` of the weights its CTA index will stream
+// in the L2 launch (evict-last; the ranges are a function of the plan and the grid only), so the L2
+// opens from the cache while the L1 finishes (one expert's whole L2 at T=1).
 
 #ifdef TC_WGMMA
 
@@ -73,10 +77,73 @@ __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.p
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
+// Cache policies of the bulk copies: the streamed weights are read once (evict first, so they do
+// not push out what is still to be read); the L2 weights prefetched during the L1 stay until the
+// L2 launch reads them (evict last; that read, evict first, ends their stay).
+__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+// bulk_g2s with an L2 cache policy.
+__device__ __forceinline__ void bulk_g2s_hint(unsigned dst, const void* src, unsigned bytes, unsigned bar,
+                                              unsigned long long policy) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+}
+// `bytes` (multiple of 16) at `src` into the L2 cache (no shared-memory destination).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes, unsigned long long policy) {
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" :: "l"(src), "r"(bytes), "l"(policy) : "memory");
+}
+
+// The launch's work split (see the top): `total` chunks of `nch` per (tile, group) unit over
+// gridDim.x CTAs; CTA `cta` takes [b, e).
+struct DsRange {
+    unsigned per, b, e;
+};
+__device__ __forceinline__ DsRange ds_range(unsigned total, unsigned cta) {
+    DsRange r;
+    r.per = max((total + gridDim.x - 1) / gridDim.x, (unsigned)DS_MIN_CHUNKS);
+    r.b = cta * r.per;
+    r.e = min(total, r.b + r.per);
+    return r;
+}
+
+// The L1 producer's last act: the first `budget` bytes of the weights this CTA index streams in the
+// L2 launch of the same plan (K = inter, rows = h: the L2's ranges, computed as that launch will),
+// into the L2 cache, so the L2 starts from the cache instead of DRAM while the L1 finishes.
+template <int NT>
+__device__ __forceinline__ void ds_prefetch_next(const GemmOperands& g, const unsigned char* next_wq, unsigned ntiles,
+                                                 int budget)
+{
+    constexpr int BLK = TcFmt<MM_WF>::BLK;
+    const int groups = (g.h + 127) / 128, nch = g.inter / 64;
+    const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
+    const DsRange r = ds_range(ntiles * groups * nch, blockIdx.x);
+    const unsigned long long pol = l2_policy_evict_last();
+    for (unsigned x = r.b; x < r.e && budget > 0;) {
+        const DsSeg sg = ds_seg(x, r.e, nch, groups);
+        int grp, m0, mend;
+        gemm_tile<NT>(g, sg.tile, grp, m0, mend);
+        const unsigned char* src = next_wq + (size_t)grp * expert_bytes + ((size_t)sg.G * nch + sg.k0) * 8 * BLK;
+        const int bytes = min(budget, (sg.k1 - sg.k0) * 8 * BLK) & ~15;
+        if (bytes > 0) bulk_prefetch_l2(src, (unsigned)bytes, pol);
+        budget -= bytes;
+        x += sg.k1 - sg.k0;
+    }
+}
+
 // Runs the CTA's range of the launch; `store(acc, grp, m0, mc, gslab)` is one slab's epilogue.
 // PDL_WAIT: the kernel may be a programmatic dependent of the one producing A (see above).
+// next_wq / prefetch_bytes (the L1): see ds_prefetch_next.
 template <int NT, int S, int ST, bool L1, bool PDL_WAIT, typename Store>
-__device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, unsigned* counters, Store store)
+__device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, unsigned* counters, Store store,
+                                        const unsigned char* next_wq = nullptr, int prefetch_bytes = 0)
 {
     using D = DsShape<NT, S>;
     constexpr int BLK = D::BLK;
@@ -88,9 +155,8 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
     const int groups = (R + 127) / 128, nch = K / 64;
     const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
     const unsigned ntiles = g.tiles ? (unsigned)*g.num_tiles : (unsigned)(g.dense_rows + NT - 1) / NT;
-    const unsigned total = ntiles * groups * nch;
-    const unsigned per = max((total + gridDim.x - 1) / gridDim.x, (unsigned)DS_MIN_CHUNKS);
-    const unsigned b = blockIdx.x * per, e = min(total, b + per);
+    const DsRange rg = ds_range(ntiles * groups * nch, blockIdx.x);
+    const unsigned per = rg.per, b = rg.b, e = rg.e;
     if (b >= e) return;                              // uniform over the CTA
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // Shared-space addresses formed once (no per-use generic-to-shared conversion).
@@ -109,6 +175,7 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
         // Producer: stage i of the range goes to slot i % ST; slot reuse waits for its consumers.
         // `issue` walks every stage of the range and acts on those in [from, to): their weights
         // (with the stage's expected bytes) and / or their token rows.
+        const unsigned long long wpol = l2_policy_evict_first();
         auto issue = [&](bool weights, bool tokens, unsigned from, unsigned to) {
             unsigned i = 0;
             for (unsigned x = b; x < e && i < to;) {
@@ -124,7 +191,7 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
                     if (weights) {
                         if (i >= ST) mbar_wait(empty0 + 8 * s, (i / ST - 1) & 1);
                         mbar_arrive_expect_tx(fb, n * (8 * BLK + mc * 128));
-                        bulk_g2s(dst, wsrc + (size_t)k * 8 * BLK, n * 8 * BLK, fb);
+                        bulk_g2s_hint(dst, wsrc + (size_t)k * 8 * BLK, n * 8 * BLK, fb, wpol);
                     }
                     if (tokens) {
                         for (int r = 0; r < mc; ++r) {
@@ -146,6 +213,7 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
         } else {
             issue(true, true, 0, ~0u);
         }
+        if (L1 && next_wq) ds_prefetch_next<NT>(g, next_wq, ntiles, prefetch_bytes);
         return;
     }
     if constexpr (L1) griddep_launch_dependents();
@@ -243,7 +311,7 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
         ds_gemm<NT, S, ST, true, false>(p.l1.g, p.partials, p.counters,                                          \
             [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {                                     \
                 tc_store_l1<8, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                            \
-            });                                                                                                  \
+            }, p.next_wq, p.prefetch_bytes);                                                                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(DS_THREADS, DS_MIN_CTAS) moe_ds_l2_n##NT(const __grid_constant__ DsL2Params p) \
     {                                                                                                            \

@@ -24,6 +24,7 @@ constexpr int STATUS_BAD_EXPERT_ID = 2;
 constexpr int PLAN_CHUNK = 512;
 constexpr int PLAN_WARPS = 8;
 constexpr int PLAN_SMALL_CHUNK = 256;
+constexpr int PLAN_SMALL_EXPERTS = 512;
 
 struct RouterLogitsParams {
     const bf16_t* x;
@@ -155,8 +156,10 @@ struct DsL1Params {
     GemmL1Params l1;
     float* partials;
     unsigned* counters;
+    const unsigned char* next_wq;
+    int prefetch_bytes;
 };
-static_assert(sizeof(DsL1Params) == 136, "DsL1Params mirrors params.rs");
+static_assert(sizeof(DsL1Params) == 152, "DsL1Params mirrors params.rs");
 
 struct DsL2Params {
     GemmL2Params l2;

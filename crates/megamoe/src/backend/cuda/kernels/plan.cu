@@ -86,10 +86,13 @@ __device__ __forceinline__ void plan_scatter_chunk(const PlanParams& p, const in
     }
 }
 
-// Offsets and the tile table from counts[E_local], by one whole CTA. The prefix over the experts'
-// counts (rows) and tile counts is a block-wide scan, blockDim experts at a time (integers: the
-// same result in any order), so it costs a few barriers, not E dependent loads.
-__device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
+// Offsets and the tile table from counts[E_local] (`counts`: p.counts or a shared-memory copy), by
+// one whole CTA. The prefix over the experts' counts (rows) and tile counts is a block-wide scan,
+// blockDim experts at a time (integers: the same result in any order), so it costs a few barriers,
+// not E dependent loads. The offsets and tile starts go to p.offsets / p.tile_start and, when `off`
+// / `ts` point elsewhere (shared memory: the small plan), there too; the tile table is built from
+// `off` / `ts`, so the small plan makes no global round trip between its steps.
+__device__ __forceinline__ void plan_offsets_cta(const PlanParams& p, const unsigned* counts, unsigned* off, int* ts)
 {
     const int E = p.experts, BM = p.bm;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -98,7 +101,7 @@ __device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
     __syncthreads();
     for (int base = 0; base < E; base += blockDim.x) {
         const int e = base + threadIdx.x;
-        const unsigned c = e < E ? p.counts[e] : 0u;
+        const unsigned c = e < E ? counts[e] : 0u;
         const unsigned nt = (c + BM - 1) / BM;
         unsigned r = c, t = nt;                       // inclusive warp scans
         #pragma unroll
@@ -123,6 +126,7 @@ __device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
         if (e < E) {
             p.offsets[e] = er;
             p.tile_start[e] = (int)et;
+            if (off != p.offsets) { off[e] = er; ts[e] = (int)et; }
         }
         __syncthreads();
         if (threadIdx.x == blockDim.x - 1) { carry[0] = er + c; carry[1] = et + nt; }
@@ -132,11 +136,12 @@ __device__ __forceinline__ void plan_offsets_cta(const PlanParams& p)
         p.offsets[E] = carry[0];
         p.tile_start[E] = (int)carry[1];
         *p.num_tiles = (int)carry[1];
+        if (off != p.offsets) { off[E] = carry[0]; ts[E] = (int)carry[1]; }
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int t0 = p.tile_start[e], t1 = p.tile_start[e + 1];
-        unsigned r = p.offsets[e];
+        const int t0 = ts[e], t1 = ts[e + 1];
+        unsigned r = off[e];
         for (int t = t0; t < t1; ++t, r += BM) {
             p.tiles[2 * t] = e;
             p.tiles[2 * t + 1] = (int)r;
@@ -176,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_offsets(const __grid
         p.counts[x] = total;
     }
     __syncthreads();
-    plan_offsets_cta(p);
+    plan_offsets_cta(p, p.counts, p.offsets, p.tile_start);
     for (int x = threadIdx.x; x < E; x += blockDim.x) {
         unsigned r = p.offsets[x];
         #pragma unroll 16
@@ -209,11 +214,14 @@ extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p
 }
 
 // The whole plan in one CTA of 32 warps (one PLAN_SMALL_CHUNK chunk each), chunk counts in shared
-// memory: 32 x E_local u16 (rows < 32 * PLAN_SMALL_CHUNK <= 65536; the host keeps E_local <= 512:
-// 32 KB).
+// memory: 32 x E_local u16 (rows < 32 * PLAN_SMALL_CHUNK <= 65536; the host keeps E_local <=
+// PLAN_SMALL_EXPERTS = 512: 32 KB), and the experts' counts, offsets and tile starts there too (a
+// decode's plan is a chain of dependent steps: each global round trip between them cost ~1 us).
 extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_constant__ PlanParams p)
 {
     extern __shared__ unsigned short plan_rows[];     // [32][E]: counts, then each chunk's next row
+    __shared__ unsigned s_counts[PLAN_SMALL_EXPERTS], s_off[PLAN_SMALL_EXPERTS + 1];
+    __shared__ int s_ts[PLAN_SMALL_EXPERTS + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
     for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) plan_rows[i] = 0u;
     __syncthreads();
@@ -227,11 +235,12 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_c
         unsigned total = 0;
         for (int w = 0; w < 32; ++w) total += plan_rows[w * E + x];
         p.counts[x] = total;
+        s_counts[x] = total;
     }
     __syncthreads();
-    plan_offsets_cta(p);
+    plan_offsets_cta(p, s_counts, s_off, s_ts);
     for (int x = threadIdx.x; x < E; x += blockDim.x) {
-        unsigned r = p.offsets[x];
+        unsigned r = s_off[x];
         for (int w = 0; w < 32; ++w) {
             const unsigned n = plan_rows[w * E + x];
             plan_rows[w * E + x] = (unsigned short)r;
