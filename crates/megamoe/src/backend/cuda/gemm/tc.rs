@@ -225,13 +225,15 @@ impl TcKernels {
         })
     }
 
-    /// The launch of a streaming GEMM (persistent, [`layout::stream_ctas`] CTAs); `pdl`: it may
-    /// start while its predecessor on the stream runs (the L2 after the L1; `MEGAMOE_PDL=0` turns
-    /// it off).
-    fn stream_cfg(&self, l: &GemmLaunch, pdl: bool) -> LaunchCfg {
+    /// The launch of a streaming GEMM (persistent, [`layout::stream_ctas`] CTAs), a programmatic
+    /// dependent of its predecessor on the stream (the L1 after the plan or a staging kernel,
+    /// waiting before its first read; the L2 after the L1) unless `MEGAMOE_PDL=0`.
+    fn stream_cfg(&self, l: &GemmLaunch) -> LaunchCfg {
         let grid = (layout::stream_ctas(self.sm_count) as u32, 1, 1);
-        let pdl = pdl && self.pdl;
-        LaunchCfg { pdl, ..LaunchCfg::grid(grid, layout::stream_smem_bytes(self.format, l.block_m)) }
+        LaunchCfg {
+            pdl: self.pdl,
+            ..LaunchCfg::grid(grid, layout::stream_smem_bytes(self.format, l.block_m))
+        }
     }
 
     /// The configuration and the launch of a wgmma GEMM over `rows` packed rows per expert.
@@ -292,7 +294,7 @@ impl GemmKernels for TcKernels {
             return unsafe {
                 self.ds_l1[&l.block_m].launch(
                     s,
-                    &self.stream_cfg(l, false),
+                    &self.stream_cfg(l),
                     &DsL1Params {
                         l1: *p,
                         partials,
@@ -332,7 +334,7 @@ impl GemmKernels for TcKernels {
             return unsafe {
                 self.ds_l2[&l.block_m].launch(
                     s,
-                    &self.stream_cfg(l, true),
+                    &self.stream_cfg(l),
                     &DsL2Params { l2: *p, partials, counters },
                 )
             };

@@ -26,7 +26,8 @@
 // mbarriers per stage (empty: every consumer thread arrives). Per chunk a consumer warp decodes
 // its block (as gemm_tc.cu) and issues 4 n8 MMAs over the tile's rows (the other B columns re-read
 // them and are never stored). K parts meet through one acq_rel atomic per cut unit and CTA.
-// With programmatic dependent launch (L2 after L1): the L1 kernel lets its dependent start at once;
+// With programmatic dependent launch (L1 after the plan, L2 after L1): the L1 waits for its
+// predecessor before it reads the tile table, then lets its dependent start at once;
 // the L2 producer streams its ring's first weight stages (which depend only on the plan, finished
 // before L1 started) before `griddepcontrol.wait`, then the token rows (L1's output).
 // L2 cache: the weight copies carry an evict-first policy (read once); the L1 producer, once its
@@ -154,6 +155,9 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
     const int K = L1 ? g.h : g.inter;
     const int groups = (R + 127) / 128, nch = K / 64;
     const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
+    // The L1 may be a programmatic dependent of the plan (whose tile table sizes its work): wait for
+    // it before the first read (a no-op when launched without). The L2's wait comes later (below).
+    if constexpr (!PDL_WAIT) griddep_wait();
     const unsigned ntiles = g.tiles ? (unsigned)*g.num_tiles : (unsigned)(g.dense_rows + NT - 1) / NT;
     const DsRange rg = ds_range(ntiles * groups * nch, blockIdx.x);
     const unsigned per = rg.per, b = rg.b, e = rg.e;
@@ -258,12 +262,12 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
             // Every consumer thread releases the slot after its own reads (one lane's arrive after
             // __syncwarp left the other lanes' reads unordered: racecheck). The reads are
             // generic-proxy loads and the producer's next copy an async-proxy write: the arrive
-            // alone does not wait for an LDS still in flight. In the FP4 kernels ptxas issues the
-            // arrive after the stage's last MMA, which consumes every load (SASS checked); in the
-            // bf16 kernel it issued it right after the last LDS, and the next copy overwrote data
-            // not yet read (verify repeated non-bitwise), so there a cross-proxy fence orders the
-            // reads first. (The fence in the FP4 kernels too is the next step, once measured.)
-            if constexpr (MM_WF == WF_BF16) fence_proxy_async_smem();
+            // alone does not wait for an LDS still in flight (the bf16 kernel's ptxas schedule put
+            // it right after the stage's last LDS, and the next copy overwrote data not yet read:
+            // verify repeated non-bitwise), so a cross-proxy fence orders the reads first. The FP4
+            // kernels' schedule happened to put the arrive after the last MMA, which consumes every
+            // load; the fence makes that a guarantee rather than a scheduling accident.
+            fence_proxy_async_smem();
             mbar_arrive(empty0 + 8 * s);
         }
         const int gslab = sg.G * 8 + warp;

@@ -222,6 +222,11 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_c
     extern __shared__ unsigned short plan_rows[];     // [32][E]: counts, then each chunk's next row
     __shared__ unsigned s_counts[PLAN_SMALL_EXPERTS], s_off[PLAN_SMALL_EXPERTS + 1];
     __shared__ int s_ts[PLAN_SMALL_EXPERTS + 1];
+#if __CUDA_ARCH__ >= 900
+    // A decode GEMM launched as a programmatic dependent (the streaming L1) may start now: it waits
+    // for this grid's completion before it reads the plan, and its launch overlaps this one.
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
     for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) plan_rows[i] = 0u;
     __syncthreads();
