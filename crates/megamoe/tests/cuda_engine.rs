@@ -460,6 +460,29 @@ fn prefill_fitted_token_tiles_match_host_model() {
     w4a16_matches_host_model(&tiny, 1024, 25, "80-token tiles, one group per CTA");
 }
 
+/// Large prefill batches of 64..96-row tiles on sm_90a run the wgmma kernels with three consumer
+/// warpgroups over three 128-row groups per CTA (the default wherever the launch still gives every
+/// SM two CTAs): 128 experts at ~66 rows each (80-token tiles, ~128 tiles), L1 over 10 groups (the
+/// last CTA holds one) and L2 over 9; the configuration choice is asserted on the host, the
+/// forward against the host model and a repeat bitwise equal.
+#[test]
+fn prefill_three_consumer_ctas_match_host_model() {
+    use megamoe::backend::gpu_layout::tc as layout;
+    let cfg = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
+    let t = 1400;
+    // The engine's expectation (plan_raw): every expert active, t * k / E rows each.
+    let rows = (t * cfg.num_experts_per_tok) as f64 / cfg.n_routed_experts as f64;
+    let nt = layout::choose_wg_tile(&layout::WG_TOKEN_TILES, rows, rows.sqrt());
+    assert_eq!(nt, 80, "~{rows:.0} rows per expert");
+    let tiles = cfg.n_routed_experts * (rows / nt as f64).ceil() as usize;
+    for rows_packed in [2 * cfg.moe_intermediate_size, cfg.hidden_size] {
+        let groups = layout::padded_rows(rows_packed) / layout::GROUP_ROWS;
+        let c = layout::choose_wg_config(nt, groups, tiles, 132, 3);
+        assert_eq!((c.groups, c.consumers), (3, 3), "{groups} groups, {tiles} tiles");
+    }
+    w4a16_matches_host_model(&cfg, t, 27, "prefill three-consumer");
+}
+
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
 /// evenly (Stream-K): with K = 1152 (18 chunks) and 640 (10) a (tile, group)'s K parts land in
 /// several CTAs and are summed by the last to arrive, and a CTA's range crosses units (T=8: ~23

@@ -891,6 +891,22 @@ mod tests {
     }
 
     #[test]
+    fn l2_prefetch_covers_a_one_expert_v4_pro_l2_and_stays_a_fraction_of_the_cache() {
+        // A V4-Pro L2 (H 7168 rows = 56 groups, K = I 3072 = 48 chunks) of one expert over an
+        // H200's streaming CTAs: every CTA's range fits the prefetch, so the whole L2 is prefetched.
+        let ctas = stream_ctas(132);
+        for f in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
+            let (per, _) = stream_ranges(56 * 48, ctas);
+            let range_bytes = per * GROUP_SLABS * block_bytes(f);
+            assert!(range_bytes <= STREAM_PREFETCH_BYTES, "{f}: {range_bytes} B per CTA");
+        }
+        // The kernel prefetches whole 16-byte units, and the grid's prefetch stays well under the
+        // H200's 50 MB L2 beside the L1's copies in flight.
+        assert_eq!(STREAM_PREFETCH_BYTES % 16, 0);
+        assert!(ctas * STREAM_PREFETCH_BYTES <= 16 << 20);
+    }
+
+    #[test]
     fn stream_ranges_cover_the_work_once_and_their_parts_meet_in_distinct_slots() {
         // (tiles * groups) units of nch chunks over an H200's CTAs (and another count), as the
         // kernel walks them.

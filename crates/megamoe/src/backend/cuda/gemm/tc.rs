@@ -241,8 +241,10 @@ impl TcKernels {
         let groups = layout::padded_rows(rows) / layout::GROUP_ROWS;
         let tiles = l.expected_tiles.max(1);
         let nt = l.block_m;
-        let c = match self.wg_consumers.and_then(|c| layout::wg_wide_config(nt, groups, c)) {
-            Some(c) => c,
+        let two = || layout::choose_wg_config(nt, groups, tiles, self.sm_count, 2);
+        let c = match self.wg_consumers {
+            // Forced (A/B runs, tests): that count wherever the tile is built with it, else two.
+            Some(c) => layout::wg_wide_config(nt, groups, c).unwrap_or_else(two),
             None => layout::choose_wg_config(nt, groups, tiles, self.sm_count, DEFAULT_WG_CONSUMERS),
         };
         let grid = (l.looping_grid(), groups.div_ceil(c.groups) as u32, 1);
