@@ -216,7 +216,7 @@ extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p
 // The whole plan in one CTA of 32 warps (one PLAN_SMALL_CHUNK chunk each), chunk counts in shared
 // memory: 32 x E_local u16 (rows < 32 * PLAN_SMALL_CHUNK <= 65536; the host keeps E_local <=
 // PLAN_SMALL_EXPERTS = 512: 32 KB), and the experts' counts, offsets and tile starts there too (a
-// decode's plan is a chain of dependent steps: each global round trip between them cost ~1 us).
+// decode's plan is a chain of dependent steps, and a global write read back costs an L2 round trip).
 extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_constant__ PlanParams p)
 {
     extern __shared__ unsigned short plan_rows[];     // [32][E]: counts, then each chunk's next row
