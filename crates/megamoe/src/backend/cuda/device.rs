@@ -46,6 +46,7 @@ core_kernels! {
     plan_scatter: PlanParams = "moe_plan_scatter", CORE_THREADS;
     /// The three plan steps in one CTA (decode-sized batches).
     plan_small: PlanParams = "moe_plan_small", 1024;
+    plan_tiny: PlanParams = "moe_plan_tiny", 32;
     quant_rows: QuantRowsParams = "moe_quant_rows", CORE_THREADS;
     combine: CombineParams = "moe_combine", CORE_THREADS;
     residual_norm: ResidualNormParams = "moe_residual_norm", CORE_THREADS;

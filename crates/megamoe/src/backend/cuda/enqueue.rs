@@ -35,6 +35,8 @@ const ROUTER_EXPERTS_PER_CTA: u32 = 2;
 /// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
 /// three (count, offsets, scatter over many CTAs).
 const PLAN_SMALL_SLOTS: usize = 32 * PLAN_SMALL_CHUNK as usize;
+/// Up to this many slots (a decode step) the one launch is `moe_plan_tiny`, one warp.
+const PLAN_TINY_SLOTS: usize = 32 * PLAN_TINY_GROUPS as usize;
 // Its u16 rows hold every plan row.
 const _: () = assert!(32 * PLAN_SMALL_CHUNK as usize <= 1 << 16);
 // The chunk kernels run one warp per chunk, PLAN_WARPS warps per CTA.
@@ -315,7 +317,9 @@ impl LayerWeights {
         // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] / the chunk table for
         // these sizes; the shared memory is what each kernel's header asks for.
         unsafe {
-            if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS as usize {
+            if slots <= PLAN_TINY_SLOTS && el <= PLAN_SMALL_EXPERTS as usize {
+                core.plan_tiny.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
+            } else if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS as usize {
                 core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 32 * el * 2), &p)?;
             } else {
                 let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;

@@ -101,6 +101,8 @@ kernel_abi! {
         /// and the experts' counts, offsets and tile starts (6 KB), under the 48 KB that need no
         /// opt-in.
         PLAN_SMALL_EXPERTS = 512;
+        /// Slot groups of 32 `moe_plan_tiny` (one warp) takes: up to 256 slots.
+        PLAN_TINY_GROUPS = 8;
     }
 
     /// `moe_router_logits`: gate logits of every (token, expert) into `scores`.

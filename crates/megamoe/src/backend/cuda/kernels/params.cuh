@@ -25,6 +25,7 @@ constexpr int PLAN_CHUNK = 512;
 constexpr int PLAN_WARPS = 8;
 constexpr int PLAN_SMALL_CHUNK = 256;
 constexpr int PLAN_SMALL_EXPERTS = 512;
+constexpr int PLAN_TINY_GROUPS = 8;
 
 struct RouterLogitsParams {
     const bf16_t* x;
