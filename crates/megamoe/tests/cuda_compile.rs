@@ -3,7 +3,7 @@
 //! (Blackwell), on a machine without a GPU, and contains every entry point the runtime loads.
 //! NVRTC comes from the PyPI wheels that `scripts/nvrtc_env.sh` installs
 //! (`MEGAMOE_NVRTC_LIB_DIR`). Without them the test is skipped with a printed reason, except under
-//! CI (`CI` set), where it fails. With `MEGAMOE_PTXAS_VERBOSE=1` (and `--nocapture`) it prints
+//! CI (`CI` set), where it fails. With `MEGAMOE_COMPILE_LOG=1` (and `--nocapture`) it prints
 //! ptxas' registers / shared memory / spills of every kernel.
 #![cfg(feature = "cuda")]
 
@@ -30,6 +30,8 @@ fn every_kernel_compiles_for_hopper_and_blackwell() {
     // A private cache so this test really compiles.
     let dir = tempfile::tempdir().unwrap();
     std::env::set_var("MEGAMOE_CACHE", dir.path());
+    // ptxas' report, so its notes on the wgmma pipeline can be checked below.
+    std::env::set_var("MEGAMOE_PTXAS_VERBOSE", "1");
     eprintln!("NVRTC {:?}, include {:?}", runtime::nvrtc_version().unwrap(), runtime::include_dir());
     let archs: Vec<String> = match std::env::var("MEGAMOE_COMPILE_ARCHS") {
         Ok(a) => a.split(',').map(String::from).collect(),
@@ -45,8 +47,16 @@ fn every_kernel_compiles_for_hopper_and_blackwell() {
                 c.image.len(),
                 t0.elapsed().as_secs_f64()
             );
-            if !c.log.trim().is_empty() {
+            if !c.log.trim().is_empty() && std::env::var_os("MEGAMOE_COMPILE_LOG").is_some() {
                 eprintln!("{}", c.log);
+            }
+            // ptxas serialises a kernel's wgmmas (note C7512) when their accumulators leave it too
+            // few registers: the FP4 kernels' narrower-width loops are built only where it does
+            // not (gpu_layout::tc::wg_narrow_steps). The bf16-weight kernels (the shared expert's)
+            // are known to take the note at their widest tiles.
+            if !spec.name.contains("bf16") {
+                let serialised: Vec<&str> = c.log.lines().filter(|l| l.contains("C7512")).collect();
+                assert!(serialised.is_empty(), "{} for {arch}: {serialised:#?}", spec.name);
             }
             assert!(!c.cache_hit);
             assert_eq!(&c.image[..4], b"\x7fELF", "{} for {arch}: a CUBIN is an ELF file", spec.name);

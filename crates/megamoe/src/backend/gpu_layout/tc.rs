@@ -556,15 +556,49 @@ pub fn wg_eligible(rows: f64, slots: usize) -> bool {
 /// many decode instructions per 64-token tile as the tensor pipe takes cycles for its MMAs).
 pub const WG_TILE_OVERHEAD_TOKENS: f64 = 64.0;
 
+/// Narrower MMA widths of the wgmma kernels (`NS` of `WG_KERNELS`): a tile of `r` rows issues its
+/// wgmmas [`wg_mma_width`] columns wide, so an expert's last tile computes less than 8 padding
+/// columns unless it holds fewer than `nt - 8 * WG_NARROW_STEPS` rows. One step: with two, ptxas
+/// serialises the wgmmas of the three-consumer kernels for want of registers (its C7512 note).
+pub const WG_NARROW_STEPS: usize = 1;
+
+/// The narrower widths configuration `c` is built with for `format`: [`WG_NARROW_STEPS`] for the
+/// FP4 formats, none for bf16 weights (16 A registers per k16 step instead of 4) and for the
+/// three-consumer kernels of 96-token tiles (96 accumulators per thread): a second loop there
+/// leaves ptxas too few registers and it serialises the wgmmas (its C7512 note).
+pub fn wg_narrow_steps(format: WeightFormat, c: WgConfig) -> usize {
+    if format == WeightFormat::Bf16 || (c.consumers >= 3 && c.nt >= 96) {
+        0
+    } else {
+        WG_NARROW_STEPS
+    }
+}
+
+/// The MMA width the wgmma kernel of token tile `nt` with `steps` narrower widths runs a tile of
+/// `rows` rows at (`wg_tile_k_loop` in gemm_tc.cu): the narrowest of `nt`, `nt - 8`, .., `nt - 8 *
+/// steps` (and at least 8) that holds them.
+pub fn wg_mma_width(nt: usize, rows: usize, steps: usize) -> usize {
+    (0..=steps).rev().map(|s| nt.saturating_sub(8 * s)).find(|&n| n >= 8 && n >= rows).unwrap_or(nt)
+}
+
 /// The wgmma token tile among `tiles` for experts expecting `expected` rows spread by `spread`
-/// (standard deviation): the least expected cost, `E[ceil(rows / nt)] * (nt + overhead)` with the
-/// rows normally distributed (summed over +-5 sigma). Ties go to the smaller tile.
-pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64) -> usize {
+/// (standard deviation): the least expected cost with the rows normally distributed (summed over
+/// +-5 sigma), where an expert of `r` rows costs `ceil(r / nt)` tile overheads plus the MMA width
+/// of each of its tiles (the last one may run up to `narrow_steps` x 8 columns narrower:
+/// [`wg_mma_width`]; 0 for kernels of one width). Ties go to the smaller tile.
+pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64, narrow_steps: usize) -> usize {
     let cost = |nt: usize| {
         let nt_f = nt as f64;
-        let tiles_of = |rows: f64| (rows.max(1.0) / nt_f).ceil();
-        let e = if spread <= 0.0 {
-            tiles_of(expected)
+        let expert_cost = |rows: f64| {
+            let r = rows.max(1.0).round() as usize;
+            let n = r.div_ceil(nt);
+            let last = r - (n - 1) * nt;
+            (n - 1) as f64 * (nt_f + WG_TILE_OVERHEAD_TOKENS)
+                + wg_mma_width(nt, last, narrow_steps) as f64
+                + WG_TILE_OVERHEAD_TOKENS
+        };
+        if spread <= 0.0 {
+            expert_cost(expected)
         } else {
             // Integer row counts weighted by the normal density (normalised over the window).
             let (lo, hi) = ((expected - 5.0 * spread).floor().max(1.0), (expected + 5.0 * spread).ceil());
@@ -573,13 +607,12 @@ pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64) -> usize {
             while r <= hi {
                 let z = (r - expected) / spread;
                 let w = (-0.5 * z * z).exp();
-                num += w * tiles_of(r);
+                num += w * expert_cost(r);
                 den += w;
                 r += 1.0;
             }
             num / den
-        };
-        e * (nt_f + WG_TILE_OVERHEAD_TOKENS)
+        }
     };
     let mut best = tiles[0];
     for &nt in &tiles[1..] {
@@ -751,17 +784,30 @@ const STREAM_RING_BUDGET: usize = 72 * 1024;
 /// range's start, so the L2 kernel opens from the cache instead of DRAM.
 pub const STREAM_PREFETCH_BYTES: usize = 32 * 1024;
 
-/// Chunks per stage of the streaming kernels for `format`: up to 18 KB of weights per stage (one
-/// bulk copy), i.e. 4 FP4 chunks or 1 bf16 chunk.
-pub fn stream_chunks_per_stage(format: WeightFormat) -> usize {
-    (18 * 1024 / (GROUP_SLABS * block_bytes(format))).max(1)
+/// Chunks per stage of the streaming kernels for `format` and token tile `nt`: as many as keep
+/// three stages within the ring budget (one bulk copy of weights per stage: FP4 4-5 chunks,
+/// 17-23 KB; bf16 1). Five FP4 chunks at one or two tokens let a one-expert V4-Pro L1's 14
+/// chunks per CTA fit the ring at once (with four, the last two waited for a slot: ncu at T=1
+/// put 27% of the L1's stalls on the stages' data).
+pub fn stream_chunks_per_stage(format: WeightFormat, nt: usize) -> usize {
+    (1..=MAX_STREAM_CHUNKS_PER_STAGE)
+        .rev()
+        .find(|&s| 3 * stage_bytes_of(format, nt, s) <= STREAM_RING_BUDGET)
+        .unwrap_or(1)
 }
+
+/// The most chunks a streaming stage holds (the kernel unrolls its chunk loop over them).
+const MAX_STREAM_CHUNKS_PER_STAGE: usize = 5;
 
 /// Bytes of one streaming stage of token tile `nt`: the 8 slabs' blocks of its chunks, then `nt`
 /// token rows of `chunks * 128 + 16` bytes (the pad keeps an ldmatrix's 8 rows on distinct
 /// banks), rounded to 128 (= `DsShape::STAGE`).
 pub fn stream_stage_bytes(format: WeightFormat, nt: usize) -> usize {
-    let s = stream_chunks_per_stage(format);
+    stage_bytes_of(format, nt, stream_chunks_per_stage(format, nt))
+}
+
+/// [`stream_stage_bytes`] of a stage of `s` chunks.
+fn stage_bytes_of(format: WeightFormat, nt: usize, s: usize) -> usize {
     (s * GROUP_SLABS * block_bytes(format) + nt * (s * 128 + 16)).div_ceil(128) * 128
 }
 
@@ -883,11 +929,27 @@ mod tests {
                 assert!(STREAM_CTAS_PER_SM * (smem + 2048) <= 228 * 1024, "{f:?} nt {nt}: {smem}");
                 assert!(stream_stages(f, nt) >= 3, "{f:?} nt {nt}: shallow ring");
                 // Every bulk copy's size and destination is a multiple of 16 bytes.
-                let s = stream_chunks_per_stage(f);
+                let s = stream_chunks_per_stage(f, nt);
                 assert_eq!((s * GROUP_SLABS * block_bytes(f)) % 16, 0);
                 assert_eq!((s * 128 + 16) % 16, 0);
             }
         }
+    }
+
+    #[test]
+    fn a_one_expert_v4_pro_l1_range_fits_the_decode_ring_at_once() {
+        // V4-Pro L1 of one expert: 6144 rows = 48 groups x 112 chunks over an H200's streaming
+        // CTAs; at one or two tokens per tile every CTA's range lies in its ring at once.
+        let (per, _) = stream_ranges(48 * 112, stream_ctas(132));
+        for f in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
+            for nt in [1, 2] {
+                let held = stream_stages(f, nt) * stream_chunks_per_stage(f, nt);
+                assert!(held >= per, "{f} nt {nt}: {held} chunks held, {per} per CTA");
+            }
+            assert_eq!(stream_chunks_per_stage(f, 1), 5);
+            assert_eq!(stream_chunks_per_stage(f, 8), 4);
+        }
+        assert_eq!(stream_chunks_per_stage(WeightFormat::Bf16, 1), 1);
     }
 
     #[test]
@@ -1046,13 +1108,39 @@ mod tests {
         // wgmma tiles: a V4-Pro EP8 rank at T=4096 (64 +- 8 rows per expert) takes 80-row tiles
         // (64 would give half of the experts a second tile), at T=16384 (256 +- 16) 144; V4-Flash
         // at T=4096 (96 +- 10) 128; a dense GEMM of exactly 64 or 128 rows its own height.
-        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 64.0, 8.0), 80);
-        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 256.0, 16.0), 144);
-        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 96.0, 96f64.sqrt()), 128);
-        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 64.0, 0.0), 64);
-        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 128.0, 0.0), 128);
-        assert_eq!(choose_wg_tile(&[64, 128], 64.0, 8.0), 64);
-        assert_eq!(choose_wg_tile(&[64, 128], 256.0, 16.0), 128);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 64.0, 8.0, WG_NARROW_STEPS), 80);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 256.0, 16.0, WG_NARROW_STEPS), 144);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 96.0, 96f64.sqrt(), WG_NARROW_STEPS), 128);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 64.0, 0.0, WG_NARROW_STEPS), 64);
+        assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 128.0, 0.0, WG_NARROW_STEPS), 128);
+        assert_eq!(choose_wg_tile(&[64, 128], 64.0, 8.0, WG_NARROW_STEPS), 64);
+        assert_eq!(choose_wg_tile(&[64, 128], 256.0, 16.0, WG_NARROW_STEPS), 128);
+        assert_eq!(choose_wg_tile(&[64, 128], 64.0, 8.0, 0), 64);
+        // A tile runs its wgmmas as narrow as its rows allow, in steps of 8.
+        assert_eq!(wg_mma_width(80, 65, 2), 72);
+        assert_eq!(wg_mma_width(80, 64, 2), 64);
+        assert_eq!(wg_mma_width(80, 3, 2), 64);
+        assert_eq!(wg_mma_width(80, 64, 1), 72);
+        assert_eq!(wg_mma_width(80, 73, 1), 80);
+        assert_eq!(wg_mma_width(80, 80, 1), 80);
+        assert_eq!(wg_mma_width(144, 130, 1), 136);
+        assert_eq!(wg_mma_width(64, 1, 1), 56);
+        assert_eq!(wg_mma_width(80, 3, 0), 80);
+        // Every width a built kernel can run is a multiple of 8 the wgmma wrappers are built for
+        // (WgmmaBf16 in common.cuh: 48..96 and 112..144 by 8).
+        for c in wg_configs() {
+            let steps = wg_narrow_steps(WeightFormat::Nvfp4, c);
+            for r in 1..=c.nt {
+                let w = wg_mma_width(c.nt, r, steps);
+                assert!(w >= r && w.is_multiple_of(8) && w <= c.nt && w + 8 * steps >= c.nt, "{c:?} {r}");
+                assert!((48..=96).contains(&w) || (112..=144).contains(&w), "{c:?} {r}: {w}");
+            }
+        }
+        let (c96, c80) =
+            (WgConfig { nt: 96, groups: 3, consumers: 3 }, WgConfig { nt: 80, groups: 3, consumers: 3 });
+        assert_eq!(wg_narrow_steps(WeightFormat::Nvfp4, c96), 0);
+        assert_eq!(wg_narrow_steps(WeightFormat::Mxfp4, c80), WG_NARROW_STEPS);
+        assert_eq!(wg_narrow_steps(WeightFormat::Bf16, c80), 0);
         // wgmma: 256-row CTAs for a V4-Pro rank's prefill (48 groups, ~72 tiles), one group for a
         // single expert's tile or a one-group matrix.
         assert_eq!(choose_wg_groups(48, 72, 132), 2);

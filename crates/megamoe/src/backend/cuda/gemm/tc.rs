@@ -100,12 +100,18 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
         defines.push("TC_WGMMA=1".into());
         for c in layout::wg_configs() {
             let st = layout::wg_stages(f, c.nt, c.groups);
-            inst.push_str(&format!("WG_KERNELS({}, {}, {}, {st})\n", c.nt, c.groups, c.consumers));
+            inst.push_str(&format!(
+                "WG_KERNELS({}, {}, {}, {st}, {})\n",
+                c.nt,
+                c.groups,
+                c.consumers,
+                layout::wg_narrow_steps(f, c)
+            ));
         }
         for nt in layout::STREAM_TOKEN_TILES {
             inst.push_str(&format!(
                 "DS_KERNELS({nt}, {}, {})\n",
-                layout::stream_chunks_per_stage(f),
+                layout::stream_chunks_per_stage(f, nt),
                 layout::stream_stages(f, nt)
             ));
         }
@@ -272,7 +278,7 @@ impl GemmKernels for TcKernels {
         // Prefill tiles the wgmma kernels take trade padding against per-tile decode work; the
         // weight-streaming ones keep a margin over the expected rows.
         if !d.trace && !self.wg_l1.is_empty() && layout::wg_eligible(d.rows, d.slots) {
-            layout::choose_wg_tile(&layout::WG_TOKEN_TILES, d.rows, d.spread)
+            layout::choose_wg_tile(&layout::WG_TOKEN_TILES, d.rows, d.spread, layout::WG_NARROW_STEPS)
         } else {
             layout::choose_token_tile(d.rows, d.spread, d.max_rows)
         }

@@ -126,7 +126,7 @@ impl W4a8Experts {
     /// take the FP8 kernels (`None`: the bf16 family's own choice stands).
     pub fn block_m(&self, d: TileDemand) -> Option<usize> {
         (!d.trace && wg_eligible(d.rows, d.slots))
-            .then(|| choose_wg_tile(&layout::TOKEN_TILES, d.rows, d.spread))
+            .then(|| choose_wg_tile(&layout::TOKEN_TILES, d.rows, d.spread, 0))
     }
 
     /// Whether launch `l` takes the FP8 kernels (the prefill launches the bf16 wgmma kernels take).

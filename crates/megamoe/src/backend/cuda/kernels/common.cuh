@@ -209,24 +209,35 @@ __device__ __forceinline__ unsigned long long wgmma_desc_k128(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 // acc (m64 x nN f32: the m16n8 C fragment per warp per 8 columns) += A (bf16 registers, the m64k16
-// fragment) * B (K-major bf16 tile, desc): one specialization per token tile N of the wgmma kernels
-// (gpu_layout::tc::WG_TOKEN_TILES), each from the register list of its N / 2 accumulators.
+// fragment) * B (K-major bf16 tile, desc): one specialization per MMA width N of the wgmma kernels
+// (each token tile of gpu_layout::tc::WG_TOKEN_TILES and its WG_NARROW_STEPS narrower widths), each
+// from the register list of its N / 2 accumulators.
 template <int N> struct WgmmaBf16;
 #define WG_ACC(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+// d may be a wider tile's accumulators (NA >= N / 8 columns of 8): the MMA updates its first N / 8.
 #define WGMMA_BF16(N, ACC_REGS, A_REGS, DESC_REG, ...)                                                   \
     template <> struct WgmmaBf16<N> {                                                                   \
-        static __device__ __forceinline__ void mma(float (&d)[N / 8][4], const unsigned (&a)[4],        \
+        template <int NA>                                                                               \
+        static __device__ __forceinline__ void mma(float (&d)[NA][4], const unsigned (&a)[4],           \
                                                    unsigned long long desc) {                           \
+            static_assert(NA >= N / 8, "the accumulators hold the MMA's columns");                    \
             asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" ACC_REGS "}, {"    \
                          A_REGS "}, " DESC_REG ", 1, 1, 1, 0;\n"                                         \
                          : __VA_ARGS__                                                                  \
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));                      \
         }                                                                                               \
     };
+WGMMA_BF16(48, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23", "%24, %25, %26, %27", "%28", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5))
+WGMMA_BF16(56, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27", "%28, %29, %30, %31", "%32", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6))
 WGMMA_BF16(64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", "%32, %33, %34, %35", "%36", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7))
+WGMMA_BF16(72, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35", "%36, %37, %38, %39", "%40", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8))
 WGMMA_BF16(80, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39", "%40, %41, %42, %43", "%44", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8), WG_ACC(9))
+WGMMA_BF16(88, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43", "%44, %45, %46, %47", "%48", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8), WG_ACC(9), WG_ACC(10))
 WGMMA_BF16(96, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47", "%48, %49, %50, %51", "%52", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8), WG_ACC(9), WG_ACC(10), WG_ACC(11))
+WGMMA_BF16(112, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55", "%56, %57, %58, %59", "%60", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8), WG_ACC(9), WG_ACC(10), WG_ACC(11), WG_ACC(12), WG_ACC(13))
+WGMMA_BF16(120, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59", "%60, %61, %62, %63", "%64", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8), WG_ACC(9), WG_ACC(10), WG_ACC(11), WG_ACC(12), WG_ACC(13), WG_ACC(14))
 WGMMA_BF16(128, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63", "%64, %65, %66, %67", "%68", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8), WG_ACC(9), WG_ACC(10), WG_ACC(11), WG_ACC(12), WG_ACC(13), WG_ACC(14), WG_ACC(15))
+WGMMA_BF16(136, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67", "%68, %69, %70, %71", "%72", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8), WG_ACC(9), WG_ACC(10), WG_ACC(11), WG_ACC(12), WG_ACC(13), WG_ACC(14), WG_ACC(15), WG_ACC(16))
 WGMMA_BF16(144, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71", "%72, %73, %74, %75", "%76", WG_ACC(0), WG_ACC(1), WG_ACC(2), WG_ACC(3), WG_ACC(4), WG_ACC(5), WG_ACC(6), WG_ACC(7), WG_ACC(8), WG_ACC(9), WG_ACC(10), WG_ACC(11), WG_ACC(12), WG_ACC(13), WG_ACC(14), WG_ACC(15), WG_ACC(16), WG_ACC(17))
 #undef WGMMA_BF16
 #undef WG_ACC

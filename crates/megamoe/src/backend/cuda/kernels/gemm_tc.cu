@@ -391,7 +391,10 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // consumer warps per scheduler hide the decode's latencies). Any (GPC, NC) with whole blocks per
 // consumer compiles (e.g. (2, 4): one block each, 112 registers; measured slower than (3, 3)).
 // Token tiles NT = 64, 80, 96, 128, 144 (gpu_layout::tc::WG_TOKEN_TILES; the host picks the one
-// whose padding and per-tile decode cost least for the experts' expected rows).
+// whose padding and per-tile decode cost least for the experts' expected rows). A tile's wgmmas are
+// as wide as its rows need, in steps of 8 down to NT - 8 * NS (ncu, V4-Pro EP8 rank at T=4096: ~65
+// rows per expert in 80-row tiles left a fifth of the tensor pipe's work on padding columns); the
+// token tile in shared memory is NT rows whatever the width.
 // Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA (1024-aligned)][GPC x 8
 // weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage (empty: every
 // consumer thread arrives once its wgmma reads of the stage are done). The token rows come from a
@@ -453,7 +456,7 @@ struct WgRing {
 // shared memory; issue unit u's four wgmma k16 steps; then wait for unit u - 1, release the chunk
 // it finished and decode unit u + 1 while unit u runs.
 // (No wgmma sits under a run-time branch: ptxas would drain the pipe at the join.)
-template <int NT, int MB, int BUF, bool NEXT, typename Ring>
+template <int NT, int N, int MB, int BUF, bool NEXT, typename Ring>
 __device__ __forceinline__ void wg_unit(const Ring& r, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
                                         unsigned c0, int u)
 {
@@ -468,7 +471,7 @@ __device__ __forceinline__ void wg_unit(const Ring& r, float (&acc)[MB][NT / 8][
     const unsigned long long desc = r.desc(c);
     wgmma_fence();
     #pragma unroll
-    for (int q = 0; q < 4; ++q) WgmmaBf16<NT>::mma(acc[B], a[BUF][q], desc + 2 * q);   // +32 bytes per k16 step
+    for (int q = 0; q < 4; ++q) WgmmaBf16<N>::mma(acc[B], a[BUF][q], desc + 2 * q);    // +32 bytes per k16 step
     wgmma_commit();
     if constexpr (NEXT) {
         wgmma_wait<1>();                       // unit u - 1 is done: its registers and, at a chunk's
@@ -478,8 +481,42 @@ __device__ __forceinline__ void wg_unit(const Ring& r, float (&acc)[MB][NT / 8][
     }
 }
 
+// A tile's K loop (U units from chunk c0) with its wgmmas N columns wide, ending with every wgmma
+// complete: one whole loop per width, so no wgmma sits under a branch inside it.
+template <int NT, int N, int MB, typename Ring>
+__device__ __forceinline__ void wg_k_loop(const Ring& ring, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
+                                          unsigned c0, int U)
+{
+    int u = 0;
+    for (; u + 2 < U; u += 2) {
+        wg_unit<NT, N, MB, 0, true>(ring, acc, a, c0, u);
+        wg_unit<NT, N, MB, 1, true>(ring, acc, a, c0, u + 1);
+    }
+    if (u + 2 == U) {                          // the last pair (always, with MB = 2)
+        wg_unit<NT, N, MB, 0, true>(ring, acc, a, c0, u);
+        wg_unit<NT, N, MB, 1, false>(ring, acc, a, c0, u + 1);
+    } else {
+        wg_unit<NT, N, MB, 0, false>(ring, acc, a, c0, u);
+    }
+    wgmma_wait<0>();
+}
+
+// The K loop of a tile of mc rows at the narrowest width of NT, NT - 8, .., NT - 8 * NS that holds
+// them (gpu_layout::tc::wg_mma_width; the columns past mc are padding the epilogue drops).
+template <int NT, int NS, int MB, typename Ring>
+__device__ __forceinline__ void wg_tile_k_loop(const Ring& ring, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
+                                               unsigned c0, int U, int mc)
+{
+    if constexpr (NS == 0 || NT - 8 * NS < 8) {
+        wg_k_loop<NT, NT>(ring, acc, a, c0, U);
+    } else {
+        if (mc <= NT - 8 * NS) wg_k_loop<NT, NT - 8 * NS>(ring, acc, a, c0, U);
+        else wg_tile_k_loop<NT, NS - 1>(ring, acc, a, c0, U, mc);
+    }
+}
+
 // Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one m64 block.
-template <int NT, int GPC, int NC, int ST, bool L1, typename Store>
+template <int NT, int GPC, int NC, int ST, int NS, bool L1, typename Store>
 __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& amap, Store store)
 {
     static_assert((2 * GPC) % NC == 0, "every consumer warpgroup owns whole m64 blocks");
@@ -557,18 +594,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
         decltype(ring)::decode(ring.load(it, 0), a[0]);
         #pragma unroll
         for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
-        int u = 0;
-        for (; u + 2 < U; u += 2) {
-            wg_unit<NT, MB, 0, true>(ring, acc, a, it, u);
-            wg_unit<NT, MB, 1, true>(ring, acc, a, it, u + 1);
-        }
-        if (u + 2 == U) {                      // the last pair (always, with MB = 2)
-            wg_unit<NT, MB, 0, true>(ring, acc, a, it, u);
-            wg_unit<NT, MB, 1, false>(ring, acc, a, it, u + 1);
-        } else {
-            wg_unit<NT, MB, 0, false>(ring, acc, a, it, u);
-        }
-        wgmma_wait<0>();
+        wg_tile_k_loop<NT, NS>(ring, acc, a, it, U, mc);
         wgmma_fence_a(a[0]);
         wgmma_fence_a(a[1]);
         #pragma unroll
@@ -607,20 +633,21 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
 
 #ifdef TC_WGMMA
 // wgmma entry points of token tile NT over G 128-row groups per CTA, C consumer warpgroups, ST
-// stages (appended by the host like TC_KERNELS, one line per gpu_layout::tc::wg_configs entry).
+// stages, NS narrower MMA widths (gpu_layout::tc::WG_NARROW_STEPS; appended by the host like
+// TC_KERNELS, one line per gpu_layout::tc::wg_configs entry).
 // Min 1 CTA per SM: setmaxnreg needs the entry register count known.
-#define WG_KERNELS(NT, G, C, ST)                                                                          \
+#define WG_KERNELS(NT, G, C, ST, NS)                                                                      \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l1_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                                  \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, true>(p.l1.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        wg_gemm<NT, G, C, ST, NS, true>(p.l1.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
         });                                                                                               \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l2_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                                  \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, false>(p.l2.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        wg_gemm<NT, G, C, ST, NS, false>(p.l2.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
         });                                                                                               \
     }
