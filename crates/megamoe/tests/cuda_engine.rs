@@ -472,7 +472,7 @@ fn prefill_three_consumer_ctas_match_host_model() {
     let t = 1400;
     // The engine's expectation (plan_raw): every expert active, t * k / E rows each.
     let rows = (t * cfg.num_experts_per_tok) as f64 / cfg.n_routed_experts as f64;
-    let nt = layout::choose_wg_tile(&layout::WG_TOKEN_TILES, rows, rows.sqrt());
+    let nt = layout::choose_wg_tile(&layout::WG_TOKEN_TILES, rows, rows.sqrt(), layout::WG_NARROW_STEPS);
     assert_eq!(nt, 80, "~{rows:.0} rows per expert");
     let tiles = cfg.n_routed_experts * (rows / nt as f64).ceil() as usize;
     for rows_packed in [2 * cfg.moe_intermediate_size, cfg.hidden_size] {
@@ -565,6 +565,14 @@ fn large_batch_and_many_expert_plans_match_host_model() {
     check_case(WeightFormat::Nvfp4, false, true, &[3000], 31);
     let cfg = megamoe::config::MoeConfig { n_routed_experts: 640, ..synthetic::tiny_config() };
     w4a16_matches_host_model(&cfg, 40, 33, "640 experts");
+}
+
+/// The one-warp decode plan (`moe_plan_tiny`, up to 256 slots) at its edges: one token, a skewed
+/// routing's hot experts over several tiles, exactly 256 slots, and 260 (the one-CTA plan), against
+/// the host model.
+#[test]
+fn tiny_plan_edges_match_host_model() {
+    check_case(WeightFormat::Nvfp4, false, true, &[1, 63, 64, 65], 35);
 }
 
 #[test]
@@ -949,6 +957,106 @@ fn enqueue_on_a_caller_stream_into_buffers_at_offsets() {
         eprintln!("caller stream {mode} y {ydt:?}: rel L2 {err:.2e}");
         assert!(err < lim, "{mode}: rel L2 {err:.3e} > {lim}");
         assert_eq!(ws.take_status().unwrap(), 0);
+    }
+}
+
+/// Device memory exhaustion (issue 14): with nearly all free memory taken by a filler buffer, a
+/// layer upload is refused up front with the sizes (not an allocation failure midway) and a
+/// buffer allocation fails with an error naming it; once the filler is dropped the same device
+/// uploads and runs the layer, matching the reference.
+#[test]
+fn exhausted_device_memory_is_a_clear_error_and_the_device_recovers() {
+    let Some(dev) = device() else { return };
+    let cfg = synthetic::tiny_config();
+    let layer = synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 131);
+    let (free, _) = dev.memory_info().unwrap();
+    // Leave less than the upload's reserve free (the allocator's granularity may refuse the first).
+    let filler = [64usize, 128, 192]
+        .iter()
+        .find_map(|&mb| dev.alloc(free - (mb << 20), "filler").ok())
+        .expect("a filler of nearly all free memory");
+    let e =
+        LayerWeights::upload(&dev, &layer).err().expect("a layer beyond free memory is refused").to_string();
+    assert!(e.contains("does not fit the GPU") && e.contains("MB"), "{e}");
+    let e = dev.alloc(1 << 30, "a 1 GiB test buffer").err().expect("1 GiB does not fit").to_string();
+    assert!(e.contains("a 1 GiB test buffer") && e.contains("1073741824 bytes"), "{e}");
+    drop(filler);
+    let layer = Arc::new(layer);
+    let Some(mut eng) = engine(&layer, 16) else { return };
+    let x = synthetic::random_hidden(5, cfg.hidden_size, 132);
+    let input = ForwardInput { x: &x, input_ids: None };
+    let out = eng.forward(&input, Mode::W4A16, None).unwrap();
+    let r = megamoe::reference::forward(&layer, &input, Mode::W4A16, None).unwrap();
+    let (a, b) = agreeing_tokens(&out.y, &out.topk_ids, &r, cfg.hidden_size, cfg.num_experts_per_tok);
+    assert!(
+        !a.is_empty() && rel_l2(&a, &b) < tol(Mode::W4A16),
+        "after recovery: rel L2 {:.3e}",
+        rel_l2(&a, &b)
+    );
+}
+
+/// GPU determinism across streams (issue 14): one layer's forward of the same input, enqueued on
+/// the device's stream and then on two other streams at once (interleaved, several rounds, each
+/// with its own workspace), is bitwise the same in every mode, at decode (streaming kernels, the
+/// one-warp plan), mid-size and prefill (wgmma) batch sizes.
+#[test]
+fn the_same_forward_on_concurrent_streams_is_bitwise_identical() {
+    let Some(dev) = device() else { return };
+    let cfg = synthetic::tiny_config();
+    let layer = synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 97);
+    let w = LayerWeights::upload(&dev, &layer).unwrap();
+    let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
+    let streams: Vec<_> = (0..2).map(|_| dev.new_stream().unwrap()).collect();
+    for t in [1usize, 37, 600] {
+        let x = synthetic::random_hidden(t, h, 98 + t as u64);
+        let xb = dev.upload(&bf16_bits(&x), "x").unwrap();
+        let mut wss: Vec<_> =
+            (0..3).map(|_| Workspace::new(&dev, WorkspaceDims::of(&w, t)).unwrap()).collect();
+        let outs: Vec<_> = (0..3)
+            .map(|_| {
+                (
+                    dev.alloc(t * h * 4, "y").unwrap(),
+                    dev.alloc(t * k * 4, "ids").unwrap(),
+                    dev.alloc(t * k * 4, "w").unwrap(),
+                )
+            })
+            .collect();
+        let io = |i: usize| ForwardIo {
+            tokens: t,
+            x: DeviceTensor::new(xb.ptr(), t, h, DType::Bf16),
+            input_ids: None,
+            y: DeviceTensor::new(outs[i].0.ptr(), t, h, DType::F32),
+            topk_ids: Some(DeviceTensor::new(outs[i].1.ptr(), t, k, DType::I32)),
+            topk_weights: Some(DeviceTensor::new(outs[i].2.ptr(), t, k, DType::F32)),
+            routing: Routing::Internal,
+        };
+        for mode in Mode::ALL {
+            for ws in wss.iter_mut() {
+                ws.prepare(mode, false).unwrap();
+                ws.poison(0xC3).unwrap();
+            }
+            w.enqueue_forward(&wss[0], &io(0), mode, dev.stream_ref()).unwrap();
+            dev.synchronize().unwrap();
+            let want = outs[0].0.read::<f32>(dev.stream(), 0, t * h).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for _ in 0..3 {
+                for i in 1..3 {
+                    // SAFETY: the streams live until the end of the test.
+                    let s = unsafe { StreamRef::from_raw(streams[i - 1].cu_stream()) };
+                    w.enqueue_forward(&wss[i], &io(i), mode, s).unwrap();
+                }
+            }
+            for (i, st) in streams.iter().enumerate() {
+                st.synchronize().unwrap();
+                let got = outs[i + 1].0.read::<f32>(dev.stream(), 0, t * h).unwrap();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "T={t} {mode}: stream {} differs from the device stream",
+                    i + 1
+                );
+            }
+        }
     }
 }
 
