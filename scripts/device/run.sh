@@ -58,11 +58,11 @@ act="$data/activations"
 if [ "${SANITIZE:-1}" != 0 ]; then
   # SANITIZE_TESTS / RACECHECK_TESTS: narrower lists for a short call.
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    ${SANITIZE_TESTS:-trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted decode_split}
+    ${SANITIZE_TESTS:-trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted decode_split tiny_plan concurrent_streams}
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split}
+    ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split tiny_plan}
   [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
-    --test-threads 1 w4a8_fp8 prefill_tiles decode_path decode_split
+    --test-threads 1 ${INITCHECK_TESTS:-w4a8_fp8 prefill_tiles decode_path decode_split tiny_plan}
 fi
 if [ "${TIMINGS:-1}" != 0 ]; then
   step timings_tc env MEGAMOE_GEMM=tc "$bin" verify --backend cuda --timings-only

@@ -962,8 +962,9 @@ fn enqueue_on_a_caller_stream_into_buffers_at_offsets() {
 
 /// Device memory exhaustion (issue 14): with nearly all free memory taken by a filler buffer, a
 /// layer upload is refused up front with the sizes (not an allocation failure midway) and a
-/// buffer allocation fails with an error naming it; once the filler is dropped the same device
-/// uploads and runs the layer, matching the reference.
+/// buffer allocation fails with an error naming it; right after the filler is dropped (its memory
+/// returns to the pool in stream order) the same device uploads and runs the layer, matching the
+/// reference.
 #[test]
 fn exhausted_device_memory_is_a_clear_error_and_the_device_recovers() {
     let Some(dev) = device() else { return };

@@ -162,9 +162,13 @@ impl CudaDevice {
     pub fn sm_count(&self) -> usize {
         self.sm_count
     }
-    /// `(free, total)` device memory in bytes.
+    /// `(free, total)` device memory in bytes, after this device's stream has finished: buffers
+    /// are freed in stream order, and the pool returns a dropped buffer's memory only at the next
+    /// synchronisation (without it, an upload right after dropping a large buffer was refused
+    /// with that buffer's memory counted as used: a GPU test). Not for a forward's hot path.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
         self.bind()?;
+        self.stream.synchronize().map_err(derr("synchronizing before cuMemGetInfo"))?;
         self.ctx.mem_get_info().map_err(derr("cuMemGetInfo"))
     }
     /// The device's own stream (uploads, and the host-slice engine's forwards).
