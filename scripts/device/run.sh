@@ -4,7 +4,7 @@
 # compute-sanitizer memcheck/racecheck, timings per GEMM family and an ncu summary of the decode
 # kernels; logs go to $OUT; a summary table is printed last.
 # Env: VERIFY_ARGS (default: the full sweep), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
-# SANITIZE=0, BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
+# SANITIZE=0 (INITCHECK_VERIFY=1: initcheck over `verify --quick` too), BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
 # EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
 # forwards against the reference, device-memory growth), W4A8=1 (the FP8 W4A8
 # bench rows on MXFP4 beside W4A16 on the same weights, and ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
@@ -63,6 +63,9 @@ if [ "${SANITIZE:-1}" != 0 ]; then
     ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split tiny_plan}
   [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
     --test-threads 1 ${INITCHECK_TESTS:-w4a8_fp8 prefill_tiles decode_path decode_split tiny_plan}
+  # initcheck over the verify sweep's quick rows (every family, format and mode): INITCHECK_VERIFY=1.
+  [ "${INITCHECK_VERIFY:-0}" != 0 ] && step initcheck_verify timeout "${INITCHECK_VERIFY_TIMEOUT:-240}" \
+    compute-sanitizer --tool initcheck --error-exitcode 9 "$bin" verify --backend cuda --quick
 fi
 if [ "${TIMINGS:-1}" != 0 ]; then
   step timings_tc env MEGAMOE_GEMM=tc "$bin" verify --backend cuda --timings-only
@@ -173,7 +176,7 @@ if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
 fi
 echo; echo "================ SUMMARY ================"
 for k in "${order[@]}"; do printf "%-13s %s\n" "$k" "${status[$k]}"; done
-grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS"/memcheck.log "$LOGS"/racecheck.log "$LOGS"/initcheck.log 2>/dev/null
+grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS"/memcheck.log "$LOGS"/racecheck.log "$LOGS"/initcheck.log "$LOGS"/initcheck_verify.log 2>/dev/null
 grep -hE "^test result" "$LOGS"/tests.log "$LOGS"/fixtures.log 2>/dev/null
 grep -hE "panicked|FAILED" "$LOGS"/tests.log 2>/dev/null | head -20
 [ -f "$LOGS/verify.log" ] && grep -E "backend under test|FAIL|all rows" "$LOGS/verify.log" | head -12
