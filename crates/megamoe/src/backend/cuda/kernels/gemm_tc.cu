@@ -633,7 +633,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
 
 #ifdef TC_WGMMA
 // wgmma entry points of token tile NT over G 128-row groups per CTA, C consumer warpgroups, ST
-// stages, NS narrower MMA widths (gpu_layout::tc::WG_NARROW_STEPS; appended by the host like
+// stages, NS narrower MMA widths (gpu_layout::tc::wg_narrow_steps; appended by the host like
 // TC_KERNELS, one line per gpu_layout::tc::wg_configs entry).
 // Min 1 CTA per SM: setmaxnreg needs the entry register count known.
 #define WG_KERNELS(NT, G, C, ST, NS)                                                                      \
