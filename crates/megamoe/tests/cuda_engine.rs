@@ -643,6 +643,79 @@ fn nan_rows_route_in_range_and_bad_input_is_an_error() {
     assert!(he.forward(&ForwardInput { x: &x4, input_ids: Some(&bad) }, Mode::W4A16, None).is_err());
 }
 
+/// The bad-input matrix on the CUDA engine as one suite (issue 14; the CPU engine's is
+/// `tests/bad_input_matrix.rs`), each case with its outcome: T = 0 is an empty forward; T = 1 gives
+/// the token's routing bitwise and its rows within the tolerance of the same token inside a batch
+/// (another kernel path: another summation order); a ragged `x`, more tokens than the engine was
+/// built for, missing / short / out-of-vocabulary `input_ids` on a hash layer and W4A4 on MXFP4
+/// experts are errors naming what is wrong; NaN / Inf / bf16-max tokens route in range to distinct
+/// experts in every mode, leave the finite token as it is alone (within tolerance) and are NaN
+/// where the NaN reaches.
+#[test]
+fn bad_input_matrix_on_the_cuda_engine() {
+    let cfg = synthetic::tiny_config();
+    let (h, k, e) = (cfg.hidden_size, cfg.num_experts_per_tok, cfg.n_routed_experts as i32);
+    let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 141));
+    let Some(mut eng) = engine(&layer, 8) else { return };
+    let fwd = |eng: &mut CudaEngine, x: &[bf16], ids: Option<&[i64]>, mode| {
+        eng.forward(&ForwardInput { x, input_ids: ids }, mode, None)
+    };
+    // T = 0, T = 1 against the same tokens in a batch.
+    let empty = fwd(&mut eng, &[], None, Mode::W4A16).unwrap();
+    assert!(empty.y.is_empty() && empty.topk_ids.is_empty() && empty.topk_weights.is_empty());
+    let x = synthetic::random_hidden(5, h, 142);
+    let all = fwd(&mut eng, &x, None, Mode::W4A16).unwrap();
+    for t in [0, 4] {
+        let one = fwd(&mut eng, &x[t * h..(t + 1) * h], None, Mode::W4A16).unwrap();
+        assert_eq!(one.topk_ids, all.topk_ids[t * k..(t + 1) * k], "token {t}: routing");
+        assert_eq!(one.topk_weights, all.topk_weights[t * k..(t + 1) * k], "token {t}: weights");
+        let want: Vec<f64> = all.y[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect();
+        let err = rel_l2(&one.y, &want);
+        assert!(err < tol(Mode::W4A16), "token {t} alone vs in the batch: rel L2 {err:.3e}");
+    }
+    // Shapes and sizes.
+    let err_of =
+        |r: megamoe::Result<megamoe::forward::ForwardOutput>| r.expect_err("must be an error").to_string();
+    let m = err_of(fwd(&mut eng, &x[..h + 7], None, Mode::W4A16));
+    assert!(m.contains("x has") && m.contains("H=256"), "ragged x: {m}");
+    let big = synthetic::random_hidden(9, h, 143);
+    let m = err_of(fwd(&mut eng, &big, None, Mode::W4A16));
+    assert!(m.contains("9 tokens exceed") && m.contains("max_tokens 8"), "9 tokens on an engine of 8: {m}");
+    let hl = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, true, 144));
+    let mut he = engine(&hl, 8).unwrap();
+    let x4 = synthetic::random_hidden(4, h, 145);
+    assert!(err_of(fwd(&mut he, &x4, None, Mode::W4A16)).contains("input_ids"));
+    assert!(err_of(fwd(&mut he, &x4, Some(&[0, 1]), Mode::W4A16)).contains("input_ids"));
+    assert!(err_of(fwd(&mut he, &x4, Some(&[0, 1, 2, 1_000_000]), Mode::W4A16))
+        .contains("input_ids[3] = 1000000"));
+    let mx = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Mxfp4, 1, false, 146));
+    let mut me = engine(&mx, 8).unwrap();
+    assert!(fwd(&mut me, &x4, None, Mode::W4A4).is_err(), "W4A4 on MXFP4 experts");
+    assert!(fwd(&mut me, &x4, None, Mode::W4A8).is_ok());
+    // NaN / Inf / huge tokens.
+    let mut xb = synthetic::random_hidden(4, h, 147);
+    xb[h + 3] = bf16::NAN;
+    xb[2 * h + 9] = bf16::INFINITY;
+    for v in &mut xb[3 * h..4 * h] {
+        *v = bf16::from_f32(v.to_f32().signum() * 3.0e38);
+    }
+    for mode in Mode::ALL {
+        let out = fwd(&mut eng, &xb, None, mode).unwrap();
+        assert!(out.topk_ids.iter().all(|&i| (0..e).contains(&i)), "{mode}: ids out of range");
+        for t in 0..4 {
+            let mut d = out.topk_ids[t * k..(t + 1) * k].to_vec();
+            d.sort();
+            d.dedup();
+            assert_eq!(d.len(), k, "{mode} token {t}: duplicate experts");
+        }
+        let alone = fwd(&mut eng, &xb[..h], None, mode).unwrap();
+        let want: Vec<f64> = alone.y.iter().map(|&v| v as f64).collect();
+        let err = rel_l2(&out.y[..h], &want);
+        assert!(err < tol(mode), "{mode}: the finite token moved by {err:.3e} beside bad ones");
+        assert!(out.y[h..2 * h].iter().any(|v| v.is_nan()), "{mode}: the NaN token's output has no NaN");
+    }
+}
+
 #[test]
 fn trace_records_every_stage_in_canonical_layout() {
     let layer =
