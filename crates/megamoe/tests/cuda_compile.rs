@@ -54,6 +54,9 @@ fn every_kernel_compiles_for_hopper_and_blackwell() {
             // few registers: the FP4 kernels' narrower-width loops are built only where it does
             // not (gpu_layout::tc::wg_narrow_steps). The bf16-weight kernels (the shared expert's)
             // are known to take the note at their widest tiles.
+            if arch == "sm_90a" && spec.name.starts_with("gemm_tc") {
+                assert!(c.log.contains("Used"), "{} for {arch}: no ptxas report to check", spec.name);
+            }
             if !spec.name.contains("bf16") {
                 let serialised: Vec<&str> = c.log.lines().filter(|l| l.contains("C7512")).collect();
                 assert!(serialised.is_empty(), "{} for {arch}: {serialised:#?}", spec.name);

@@ -276,7 +276,9 @@ impl GemmKernels for TcKernels {
     }
     fn block_m(&self, d: TileDemand) -> usize {
         // Prefill tiles the wgmma kernels take trade padding against per-tile decode work; the
-        // weight-streaming ones keep a margin over the expected rows.
+        // weight-streaming ones keep a margin over the expected rows. (The tile comes before the
+        // configuration, so its cost assumes the narrower width every FP4 configuration but the
+        // 96-token three-consumer one is built with.)
         if !d.trace && !self.wg_l1.is_empty() && layout::wg_eligible(d.rows, d.slots) {
             layout::choose_wg_tile(&layout::WG_TOKEN_TILES, d.rows, d.spread, layout::WG_NARROW_STEPS)
         } else {
