@@ -4,10 +4,11 @@
 # compute-sanitizer memcheck/racecheck, timings per GEMM family and an ncu summary of the decode
 # kernels; logs go to $OUT; a summary table is printed last.
 # Env: VERIFY_ARGS (default: the full sweep), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
-# SANITIZE=0 (INITCHECK_VERIFY=1: initcheck over `verify --quick` too), BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
+# SANITIZE=0 (SANITIZE_VERIFY="memcheck racecheck initcheck": those tools over `verify --quick` too,
+# SANITIZE_VERIFY_ARGS=" " the whole sweep; INITCHECK_VERIFY=1 = initcheck), BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
 # EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
-# forwards against the reference, device-memory growth), W4A8=1 (the FP8 W4A8
-# bench rows on MXFP4 beside W4A16 on the same weights, and ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
+# forwards against the reference, device-memory growth), W4A8=1 (W4A8 bench rows on MXFP4 — the
+# opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
 # (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
 # prefill tests and rows under each MEGAMOE_WG_CONSUMERS).
 set -uo pipefail
@@ -63,9 +64,14 @@ if [ "${SANITIZE:-1}" != 0 ]; then
     ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split tiny_plan}
   [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
     --test-threads 1 ${INITCHECK_TESTS:-w4a8_fp8 prefill_tiles decode_path decode_split tiny_plan}
-  # initcheck over the verify sweep's quick rows (every family, format and mode): INITCHECK_VERIFY=1.
-  [ "${INITCHECK_VERIFY:-0}" != 0 ] && step initcheck_verify timeout "${INITCHECK_VERIFY_TIMEOUT:-240}" \
-    compute-sanitizer --tool initcheck --error-exitcode 9 "$bin" verify --backend cuda --quick
+  # compute-sanitizer over the verify sweep (every family, format and mode): SANITIZE_VERIFY="memcheck
+  # racecheck initcheck" (any of them; INITCHECK_VERIFY=1 adds initcheck); SANITIZE_VERIFY_ARGS: the
+  # sweep's options (default --quick; " " runs the whole sweep, its large rows take minutes there).
+  sv="${SANITIZE_VERIFY:-}"; [ "${INITCHECK_VERIFY:-0}" != 0 ] && sv="$sv initcheck"
+  for tool in $sv; do
+    step "${tool}_verify" timeout "${SANITIZE_VERIFY_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      "$bin" verify --backend cuda ${SANITIZE_VERIFY_ARGS:---quick}
+  done
 fi
 if [ "${TIMINGS:-1}" != 0 ]; then
   step timings_tc env MEGAMOE_GEMM=tc "$bin" verify --backend cuda --timings-only
@@ -97,18 +103,23 @@ if [ -n "${WG_AB:-}" ]; then
   done
 fi
 if [ "${W4A8:-0}" != 0 ]; then
-  # W4A8 (DeepSeek's act_quant activations) on MXFP4 experts: the FP8 kernels take the prefill
-  # rows; W4A16 on the same MXFP4 weights beside them; then the FP8 kernels under ncu at T=4096.
+  # W4A8 (DeepSeek's act_quant activations) on MXFP4 experts: the opt-in FP8 kernels
+  # (MEGAMOE_W4A8_FP8=1) and the default exact bf16 path; W4A16 on the same MXFP4 weights beside
+  # them; then the FP8 kernels under ncu at T=4096.
   w8t="${W4A8_TOKENS:-1,64,512,4096,16384}"
   step fp8_rate timeout 120 python3 "$here/fp8_rate.py" --json "$OUT/fp8_rate.json"
-  step bench_w4a8 timeout 400 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --format mxfp4 \
-    --mode w4a8 --tokens "$w8t" --json "$OUT/bench_w4a8.json"
+  step bench_w4a8 timeout 400 env MEGAMOE_W4A8_FP8=1 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
+    --format mxfp4 --mode w4a8 --tokens "$w8t" --json "$OUT/bench_w4a8.json"
+  step bench_w4a8_bf16 timeout 400 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --format mxfp4 \
+    --mode w4a8 --tokens "$w8t" --json "$OUT/bench_w4a8_bf16.json"
   step bench_mx16 timeout 400 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --format mxfp4 \
     --mode w4a16 --tokens "$w8t" --json "$OUT/bench_mx16.json"
-  step bench_w4a8_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --format mxfp4 --mode w4a8 \
-    --tokens 4096 --json "$OUT/bench_w4a8_flash.json"
+  step bench_w4a8_flash timeout 300 env MEGAMOE_W4A8_FP8=1 "$bin" bench forward --backend cuda --shape v4-flash \
+    --format mxfp4 --mode w4a8 --tokens 4096 --json "$OUT/bench_w4a8_flash.json"
+  step bench_w4a8_bf16_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --format mxfp4 \
+    --mode w4a8 --tokens 4096 --json "$OUT/bench_w4a8_bf16_flash.json"
   if command -v ncu >/dev/null; then
-    step ncu_w4a8 timeout 300 ncu --clock-control none -k "regex:moe_(w8|quant)" --launch-count 6 \
+    step ncu_w4a8 timeout 300 env MEGAMOE_W4A8_FP8=1 ncu --clock-control none -k "regex:moe_(w8|quant)" --launch-count 6 \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread \
       "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --format mxfp4 --mode w4a8 --tokens 4096 --iters 1
   fi
@@ -157,12 +168,13 @@ if [ "${NCU_BENCH:-0}" != 0 ] && command -v ncu >/dev/null; then
 fi
 if [ "${NCU_DETAIL:-0}" != 0 ] && command -v ncu >/dev/null; then
   # Full ncu sections (warp stall reasons, pipes, memory) and per-SASS-line counters of the hot GEMMs:
-  # the prefill wgmma L1/L2 at T=4096 and the decode L1/L2 at T=1 and 8 on the EP rank (NVFP4, W4A16).
+  # the prefill wgmma L1/L2 at T=4096 and the decode L1/L2 at T=1 and 8 on the EP rank (NVFP4, W4A16;
+  # NCU_DETAIL_ARGS adds bench options, e.g. "--format mxfp4 --mode w4a8" with a moe_w8_l spec).
   for spec in ${NCU_DETAIL_SPECS:-"wg:regex:moe_wg_l:4096:2" "tc:regex:moe_tc_l:1,8:4"}; do
     IFS=: read -r tag kind kre toks n <<<"$spec"
     step "ncu_detail_$tag" timeout 400 ncu --clock-control none --set full --import-source no -k "$kind:$kre" \
       --launch-count "$n" -o "$OUT/detail_$tag" -f "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
-      --tokens "$toks" --iters 1
+      --tokens "$toks" --iters 1 ${NCU_DETAIL_ARGS:-}
     ncu -i "$OUT/detail_$tag.ncu-rep" --page details > "$LOGS/detail_$tag.txt" 2>&1
     ncu -i "$OUT/detail_$tag.ncu-rep" --page source --csv --print-source sass > "$LOGS/source_$tag.csv" 2>&1
     rm -f "$OUT/detail_$tag.ncu-rep"
@@ -176,7 +188,7 @@ if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
 fi
 echo; echo "================ SUMMARY ================"
 for k in "${order[@]}"; do printf "%-13s %s\n" "$k" "${status[$k]}"; done
-grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS"/memcheck.log "$LOGS"/racecheck.log "$LOGS"/initcheck.log "$LOGS"/initcheck_verify.log 2>/dev/null
+for f in memcheck racecheck initcheck memcheck_verify racecheck_verify initcheck_verify; do [ -f "$LOGS/$f.log" ] && echo "$f: $(grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/$f.log" | tail -1)"; done
 grep -hE "^test result" "$LOGS"/tests.log "$LOGS"/fixtures.log 2>/dev/null
 grep -hE "panicked|FAILED" "$LOGS"/tests.log 2>/dev/null | head -20
 [ -f "$LOGS/verify.log" ] && grep -E "backend under test|FAIL|all rows" "$LOGS/verify.log" | head -12
@@ -188,7 +200,7 @@ for f in ep2 ep8 ep2tp2 ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] 
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
 for c in ${WG_AB:-}; do for f in wg${c}_tests wg${c}_bench wg${c}_flash; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -E "rank |test result|panicked|rel L2|whole-layer" "$LOGS/$f.log" | tail -n 14; }; done; done
-for f in fp8_rate soak run_model bench bench_ab bench_flash bench_w4a8 bench_mx16 bench_w4a8_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
+for f in fp8_rate soak run_model bench bench_ab bench_flash bench_w4a8 bench_w4a8_bf16 bench_mx16 bench_w4a8_flash bench_w4a8_bf16_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 # The device tool returns at most 8 files: the JSON results and plots travel inside the archive.
 for f in "$OUT"/*.json "$OUT"/*.png; do [ -f "$f" ] && mv "$f" "$LOGS/"; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -806,6 +806,18 @@ fn verify_without_a_gpu_is_a_clear_error() {
     sweep.expect_error(&["cuda"]);
 }
 
+#[test]
+fn verify_cases_runs_part_of_the_sweep_and_names_unknown_cases() {
+    // Only the chosen case's rows (a part of the sweep under a slow tool), all passing.
+    let r = run(&["verify", "--backend", "cpu", "--quick", "--cases", "tiny-hash"]);
+    r.expect_code(0).expect_output(&["tiny-hash", "verify: all rows PASS"]);
+    let rows: Vec<&str> = r.stdout.lines().filter(|l| l.contains("PASS (")).collect();
+    assert!(!rows.is_empty() && rows.iter().all(|l| l.starts_with("tiny-hash")), "{}", r.all());
+    // A name the sweep does not have is refused up front, with the names it has.
+    run(&["verify", "--backend", "cpu", "--quick", "--cases", "tiny,nope"])
+        .expect_error(&["no case named \"nope\"", "tiny, tiny-hash, mid-skew"]);
+}
+
 // ---------------------------------------------------------------- bench
 
 #[test]

@@ -374,6 +374,18 @@ fn w4a8_fp8_prefill_matches_host_model() {
         (megamoe::config::MoeConfig { n_routed_experts: 16, ..base.clone() }, 1024, false),
         (megamoe::config::MoeConfig { n_routed_experts: 64, ..base.clone() }, 640, false),
         (megamoe::config::MoeConfig { n_routed_experts: 16, ..base.clone() }, 1024, true),
+        // H 640, I 384: odd chunk counts on both sides, the last L2 CTA with one of its three
+        // half groups (10 of 12), the L1's CTAs full (12 of 12).
+        (
+            megamoe::config::MoeConfig {
+                hidden_size: 640,
+                moe_intermediate_size: 384,
+                n_routed_experts: 16,
+                ..base.clone()
+            },
+            768,
+            false,
+        ),
     ];
     for (cfg, t, wide) in cases {
         let mut layer = synthetic::random_layer(&cfg, WeightFormat::Mxfp4, 0, false, 41);

@@ -30,6 +30,10 @@ pub struct Args {
     /// Base random seed (each row derives its own).
     #[arg(long, default_value_t = 20261117)]
     pub seed: u64,
+    /// Only these cases of the sweep (comma-separated names, e.g. `mid-skew,pro-dims`), each row
+    /// with the seed it has in the whole sweep: a part of the sweep under a slow tool.
+    #[arg(long, value_delimiter = ',')]
+    pub cases: Vec<String>,
     /// Expert / tensor parallelism: with `--ep N` every row runs as an EP group and is checked
     /// against the single engine of the same backend (EP = 1) and the CPU reference.
     #[command(flatten)]
@@ -53,6 +57,28 @@ fn cfg(h: usize, i: usize, e: usize, k: usize) -> MoeConfig {
         num_experts_per_tok: k,
         ..synthetic::tiny_config()
     }
+}
+
+/// The sweep's cases, or an error naming the unknown ones `wanted` asks for.
+fn chosen_cases(args: &Args) -> anyhow::Result<Vec<Case>> {
+    let all = cases(args.quick);
+    let unknown: Vec<&String> =
+        args.cases.iter().filter(|w| !all.iter().any(|c| c.name == w.as_str())).collect();
+    if !unknown.is_empty() {
+        let names: Vec<&str> = all.iter().map(|c| c.name).collect();
+        anyhow::bail!(
+            "--cases: no case named {} in the{} sweep (its cases: {})",
+            unknown.iter().map(|u| format!("{u:?}")).collect::<Vec<_>>().join(", "),
+            if args.quick { " quick" } else { "" },
+            names.join(", ")
+        );
+    }
+    Ok(all)
+}
+
+/// Whether `--cases` keeps `case` (all when empty).
+fn wanted(args: &Args, case: &Case) -> bool {
+    args.cases.is_empty() || args.cases.iter().any(|w| w == case.name)
 }
 
 fn cases(quick: bool) -> Vec<Case> {
@@ -202,6 +228,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 }
 
 fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
+    let chosen = chosen_cases(args)?;
     println!(
         "{:<11} {:>5} {:>5} {:>5} {:>4} {:>3} {:>5} {:<6} {:<6} {:>10} {:>8} {:>7} {:>8} {:>8} result",
         "case",
@@ -221,10 +248,13 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
     );
     let mut failures = 0;
     let mut row = 0u64;
-    for case in cases(args.quick) {
+    for case in chosen {
         for &format in &case.formats {
             row += 1;
             let seed = args.seed.wrapping_add(row * 1000);
+            if !wanted(args, &case) {
+                continue; // the row counter still advances: every kept row has its whole-sweep seed
+            }
             let layer = case_layer(&case, format, seed);
             let max_t = *case.tokens.iter().max().unwrap();
             let mut dut = create_engine(kind, layer.clone(), max_t)?;
@@ -264,6 +294,7 @@ fn case_layer(case: &Case, format: WeightFormat, seed: u64) -> Arc<MoeLayer> {
 /// CPU; within the mode's tolerance on a GPU, whose kernels may tile a rank's smaller batches
 /// differently) and against the CPU reference, and a repeat run bitwise.
 fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -> anyhow::Result<usize> {
+    let chosen = chosen_cases(args)?;
     use super::parallel::{EpGroup, LayerSource};
     let cuda = super::wants_cuda(kind);
     let dut_kind = if cuda { BackendKind::Cuda } else { BackendKind::Cpu };
@@ -298,10 +329,13 @@ fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -
     };
     let mut failures = 0;
     let mut row = 0u64;
-    for case in cases(args.quick) {
+    for case in chosen {
         for &format in &case.formats {
             row += 1;
             let seed = args.seed.wrapping_add(row * 1000);
+            if !wanted(args, &case) {
+                continue; // the row counter still advances: every kept row has its whole-sweep seed
+            }
             let layer = case_layer(&case, format, seed);
             let max_t = *case.tokens.iter().max().unwrap();
             let mut group = match EpGroup::new(&args.par, topo, &LayerSource::Whole(&layer), cuda, max_t) {
