@@ -155,7 +155,7 @@ impl CudaBackend {
             (dev(c.x, t, h), dev(c.topk_ids, t, k), dev(c.topk_weights, t, k), dev(c.y, t, h));
         let ws = self.model.workspace();
         self.ordered(stream, |s| {
-            let plan = w.enqueue_plan(ws, &ti, s)?;
+            let plan = w.enqueue_plan(ws, &ti, mode, s)?;
             w.enqueue_experts(ws, &plan, &x, &tw, mode, s)?;
             w.enqueue_combine(ws, &plan, &y, false, s)
         })

@@ -8,10 +8,11 @@ use half::bf16;
 pub enum Mode {
     /// bf16 activations, exactly dequantized FP4 weights, fp32 accumulation.
     W4A16,
-    /// Activations through DeepSeek-V4's FP8 `act_quant` (128-blocks, power-of-two scales). On
-    /// Hopper, prefill batches of MXFP4 experts run on FP8 tensor cores (the weights converted to
-    /// e4m3 exactly); NVFP4 experts stay on the exact bf16 path (e4m3 block scales times E2M1 are
-    /// not FP8 values).
+    /// Activations through DeepSeek-V4's FP8 `act_quant` (128-blocks, power-of-two scales), on the
+    /// exact bf16 path (the W4A16 kernels on quantize-dequantized activations). On Hopper, with
+    /// `MEGAMOE_W4A8_FP8=1`, prefill batches of MXFP4 experts run on FP8 tensor cores instead (the
+    /// weights converted to e4m3 exactly; slower than the bf16 path today); NVFP4 experts always
+    /// stay on the bf16 path (e4m3 block scales times E2M1 are not FP8 values).
     W4A8,
     /// Activations quantized to NVFP4 under the checkpoint's `input_scale` (Blackwell semantics).
     W4A4,
@@ -19,9 +20,10 @@ pub enum Mode {
 
 /// The command-line help of a `--mode` option.
 pub const MODE_HELP: &str = "Execution mode: w4a16 (bf16 activations, exact), w4a8 (DeepSeek's FP8 \
-act_quant activations; on Hopper, MXFP4 experts run prefill on FP8 tensor cores with the weights \
-converted to e4m3 exactly, NVFP4 experts on the exact bf16 path, since e4m3 block scales times E2M1 \
-are not FP8 values), w4a4 (NVFP4 activations, NVFP4 checkpoints)";
+act_quant activations, on the exact bf16 path; on Hopper MEGAMOE_W4A8_FP8=1 runs MXFP4 experts' \
+prefill on FP8 tensor cores with the weights converted to e4m3 exactly, slower today; NVFP4 experts \
+always take the bf16 path, since e4m3 block scales times E2M1 are not FP8 values), w4a4 (NVFP4 \
+activations, NVFP4 checkpoints)";
 
 impl Mode {
     /// Every mode, in order.

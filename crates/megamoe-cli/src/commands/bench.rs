@@ -942,7 +942,7 @@ mod cuda_bench {
                         (shard.rank, shard.world),
                         t,
                         move |s| {
-                            let plan = wr.enqueue_plan(wsr, &it, s)?;
+                            let plan = wr.enqueue_plan(wsr, &it, mode, s)?;
                             wr.enqueue_experts(wsr, &plan, &xt, &wt, mode, s)?;
                             if shared {
                                 wr.enqueue_shared(wsr, &xt, s)?;

@@ -111,7 +111,7 @@ impl LayerWeights {
         if overlap {
             launch::record(&ws.join, side)?;
         }
-        let plan = self.plan_raw(ws, ids, t, trace, s)?;
+        let plan = self.plan_raw(ws, ids, t, mode, trace, s)?;
         self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, s)?;
         if overlap {
             launch::wait(s, &ws.join)?;
@@ -149,13 +149,21 @@ impl LayerWeights {
     }
 
     /// Enqueues the plan of `topk_ids` `[T, k]` (global ids; -1 and other ranks' experts are not
-    /// planned here; ids outside -1..E set `STATUS_BAD_EXPERT_ID`).
-    pub fn enqueue_plan(&self, ws: &Workspace, topk_ids: &DeviceTensor, stream: StreamRef) -> Result<Plan> {
+    /// planned here; ids outside -1..E set `STATUS_BAD_EXPERT_ID`) for the experts of a `mode`
+    /// forward: its tile heights are the ones that mode's kernels run best (a plan made for one mode
+    /// still serves another, on that mode's general path).
+    pub fn enqueue_plan(
+        &self,
+        ws: &Workspace,
+        topk_ids: &DeviceTensor,
+        mode: Mode,
+        stream: StreamRef,
+    ) -> Result<Plan> {
         let t = topk_ids.rows;
         topk_ids.check("topk_ids", t, self.config.num_experts_per_tok, &[DType::I32], 4)?;
         ws.check_fits(self, t, Mode::W4A16, false)?;
         self.device.bind()?;
-        self.plan_raw(ws, topk_ids.ptr, t, false, stream)
+        self.plan_raw(ws, topk_ids.ptr, t, mode, false, stream)
     }
 
     /// Enqueues the routed experts of `plan` over `x` `[T, H]` with routing weights
@@ -269,7 +277,15 @@ impl LayerWeights {
         }
     }
 
-    fn plan_raw(&self, ws: &Workspace, topk_ids: u64, t: usize, trace: bool, s: StreamRef) -> Result<Plan> {
+    fn plan_raw(
+        &self,
+        ws: &Workspace,
+        topk_ids: u64,
+        t: usize,
+        mode: Mode,
+        trace: bool,
+        s: StreamRef,
+    ) -> Result<Plan> {
         let c = &self.config;
         let (e, k) = (c.n_routed_experts, c.num_experts_per_tok);
         let el = self.local_experts();
@@ -279,8 +295,12 @@ impl LayerWeights {
         let active = local.min(el as f64).max(1.0);
         let rows = (local / active).max(1.0);
         let demand = TileDemand::routed(rows, slots, t).traced(trace);
-        // A layer holding the W4A8 layout plans tiles its FP8 kernels have (one plan, any mode).
-        let bm = match self.w4a8.as_ref().and_then(|w| w.block_m(demand)) {
+        // W4A8 on a layer holding the FP8 layout plans the tiles its FP8 kernels have; every other
+        // forward the tiles of the experts' own family (the bf16 wgmma kernels' fitted heights:
+        // W4A16 on such a layer ran its prefill in the FP8 kernels' 128-row tiles before, half of
+        // them empty at T = 4096 on an EP8 rank).
+        let fp8 = self.w4a8.as_ref().filter(|_| mode == Mode::W4A8);
+        let bm = match fp8.and_then(|w| w.block_m(demand)) {
             Some(bm) => bm,
             None => self.experts.kernels.block_m(demand),
         };

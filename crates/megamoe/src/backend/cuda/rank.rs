@@ -191,7 +191,7 @@ impl RankEngine for CudaRankEngine {
         let it = DeviceTensor::new(self.eng.io.topk_ids.ptr(), r, k, DType::I32);
         let wt = DeviceTensor::new(self.eng.io.topk_w.ptr(), r, k, DType::F32);
         let stream = self.eng.stream_ref();
-        let plan = self.eng.weights.enqueue_plan(&self.eng.ws, &it, stream)?;
+        let plan = self.eng.weights.enqueue_plan(&self.eng.ws, &it, mode, stream)?;
         self.eng.weights.enqueue_experts(&self.eng.ws, &plan, &xt, &wt, mode, stream)?;
         let rows = self.eng.download::<u32>(&self.eng.ws.row_of_slot, r * k, "copying row_of_slot")?;
         let l2 = self.eng.download::<f32>(&self.eng.ws.l2, p * h, "copying the expert rows")?;

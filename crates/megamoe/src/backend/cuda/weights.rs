@@ -130,7 +130,7 @@ pub(crate) fn check_device_fits(need: &DeviceBytes, free: usize, total: usize, i
          shard the experts over more GPUs (expert parallelism), or free device memory",
         mb(need.total()),
         mb(need.experts),
-        if need.w4a8 > 0 { format!(", their W4A8 copy {:.0} MB (MEGAMOE_W4A8_FP8=0 skips it)", mb(need.w4a8)) } else { String::new() },
+        if need.w4a8 > 0 { format!(", their W4A8 copy {:.0} MB (asked for by MEGAMOE_W4A8_FP8=1; unset, the layer holds one copy)", mb(need.w4a8)) } else { String::new() },
         mb(need.shared),
         mb(need.router),
         mb(DEVICE_RESERVE_BYTES),
@@ -409,6 +409,6 @@ mod tests {
         }
         let w8 = DeviceBytes { w4a8: 1_000_000, ..need };
         let e = check_device_fits(&w8, 1_000_000, 2_000_000, 0).unwrap_err().to_string();
-        assert!(e.contains("MEGAMOE_W4A8_FP8=0"), "{e}");
+        assert!(e.contains("MEGAMOE_W4A8_FP8=1"), "{e}");
     }
 }
