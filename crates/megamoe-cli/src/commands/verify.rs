@@ -59,7 +59,7 @@ fn cfg(h: usize, i: usize, e: usize, k: usize) -> MoeConfig {
     }
 }
 
-/// The sweep's cases, or an error naming the unknown ones `wanted` asks for.
+/// The sweep's cases, or an error naming those `--cases` asks for that the sweep does not have.
 fn chosen_cases(args: &Args) -> anyhow::Result<Vec<Case>> {
     let all = cases(args.quick);
     let unknown: Vec<&String> =
