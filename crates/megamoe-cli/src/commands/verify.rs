@@ -59,8 +59,10 @@ fn cfg(h: usize, i: usize, e: usize, k: usize) -> MoeConfig {
     }
 }
 
-/// The sweep's cases, or an error naming those `--cases` asks for that the sweep does not have.
-fn chosen_cases(args: &Args) -> anyhow::Result<Vec<Case>> {
+/// Every case of the sweep (rows `--cases` leaves out are skipped as they come, so that the kept
+/// ones keep their whole-sweep seeds), or an error naming the names `--cases` has that the sweep
+/// does not.
+fn sweep_cases(args: &Args) -> anyhow::Result<Vec<Case>> {
     let all = cases(args.quick);
     let unknown: Vec<&String> =
         args.cases.iter().filter(|w| !all.iter().any(|c| c.name == w.as_str())).collect();
@@ -228,7 +230,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 }
 
 fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
-    let chosen = chosen_cases(args)?;
+    let all = sweep_cases(args)?;
     println!(
         "{:<11} {:>5} {:>5} {:>5} {:>4} {:>3} {:>5} {:<6} {:<6} {:>10} {:>8} {:>7} {:>8} {:>8} result",
         "case",
@@ -248,7 +250,7 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
     );
     let mut failures = 0;
     let mut row = 0u64;
-    for case in chosen {
+    for case in all {
         for &format in &case.formats {
             row += 1;
             let seed = args.seed.wrapping_add(row * 1000);
@@ -294,7 +296,7 @@ fn case_layer(case: &Case, format: WeightFormat, seed: u64) -> Arc<MoeLayer> {
 /// CPU; within the mode's tolerance on a GPU, whose kernels may tile a rank's smaller batches
 /// differently) and against the CPU reference, and a repeat run bitwise.
 fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -> anyhow::Result<usize> {
-    let chosen = chosen_cases(args)?;
+    let all = sweep_cases(args)?;
     use super::parallel::{EpGroup, LayerSource};
     let cuda = super::wants_cuda(kind);
     let dut_kind = if cuda { BackendKind::Cuda } else { BackendKind::Cpu };
@@ -329,7 +331,7 @@ fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -
     };
     let mut failures = 0;
     let mut row = 0u64;
-    for case in chosen {
+    for case in all {
         for &format in &case.formats {
             row += 1;
             let seed = args.seed.wrapping_add(row * 1000);
