@@ -59,11 +59,11 @@ act="$data/activations"
 if [ "${SANITIZE:-1}" != 0 ]; then
   # SANITIZE_TESTS / RACECHECK_TESTS: narrower lists for a short call.
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    ${SANITIZE_TESTS:-trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted decode_split tiny_plan concurrent_streams}
+    ${SANITIZE_TESTS:-trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted decode_split tiny_plan concurrent_streams fused_decode}
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
-    ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split tiny_plan}
+    ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split tiny_plan fused_decode}
   [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
-    --test-threads 1 ${INITCHECK_TESTS:-w4a8_fp8 prefill_tiles decode_path decode_split tiny_plan}
+    --test-threads 1 ${INITCHECK_TESTS:-w4a8_fp8 prefill_tiles decode_path decode_split tiny_plan fused_decode}
   # compute-sanitizer over the verify sweep (every family, format and mode): SANITIZE_VERIFY="memcheck
   # racecheck initcheck" (any of them; INITCHECK_VERIFY=1 adds initcheck); SANITIZE_VERIFY_ARGS: the
   # sweep's options (default --quick; " " runs the whole sweep, its large rows take minutes there).

@@ -1356,3 +1356,110 @@ fn layers_in_one_workspace_capture_as_one_graph_bitwise_equal_to_eager() {
         assert_eq!(eager, replay, "{mode}: graph replay of 4 layers differs from the eager run");
     }
 }
+
+/// The fused decode launch (Hopper `moe_df_*`: plan, L1, L2 and combine in one cooperative kernel,
+/// `enqueue_routed`) against the separate stages (`enqueue_plan` + `enqueue_experts` +
+/// `enqueue_combine`) on the same poisoned workspace: bitwise equal output (same grid, same split,
+/// same combine order), in both FP4 formats, on a rank owning experts 8..16 of 24 with -1 and
+/// foreign ids, at 1..42 tokens (up to the one-warp plan's 256 slots), f32 and bf16 outputs, with
+/// and without the shared expert; the split and barrier counters back at zero after each; the
+/// separate path's plan (the combine reads the workspace's row_of_slot) equal to what CTA 0 wrote.
+#[test]
+fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
+    let Some(dev) = device() else { return };
+    let cfg = megamoe::config::MoeConfig { n_routed_experts: 24, ..synthetic::tiny_config() };
+    let shard = megamoe::parallel::ExpertShard::new(24, 3, 1).unwrap();
+    let stream = dev.new_stream().unwrap();
+    // SAFETY: the stream lives until the end of the test.
+    let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
+    for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
+        let full = synthetic::random_layer(&cfg, format, 1, false, 131);
+        let rank = shard.slice_layer(&full).unwrap();
+        let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
+        let w = LayerWeights::upload(&dev, &rank).unwrap();
+        let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, 42)).unwrap();
+        ws.prepare(Mode::W4A16, false).unwrap();
+        let arena = dev.alloc(8 << 20, "arena").unwrap();
+        for t in [1usize, 2, 3, 8, 17, 42] {
+            let mut ids = vec![0i32; t * k];
+            let mut wts = vec![0f32; t * k];
+            for tok in 0..t {
+                for j in 0..k {
+                    ids[tok * k + j] =
+                        if (tok + 2 * j) % 7 == 0 { -1 } else { ((tok * 5 + j * 7 + tok / 2) % 24) as i32 };
+                    wts[tok * k + j] = 0.05 + 0.15 * ((tok + j) % 5) as f32;
+                }
+            }
+            let x = synthetic::random_hidden(t, h, 140 + t as u64);
+            let (xo, io_, wo, yo) = (0usize, 2 * t * h, 2 * t * h + 4 * t * k, 2 * t * h + 8 * t * k);
+            let yo = yo.next_multiple_of(256);
+            arena.write(dev.stream(), xo, &bf16_bits(&x)).unwrap();
+            arena.write(dev.stream(), io_, &ids).unwrap();
+            arena.write(dev.stream(), wo, &wts).unwrap();
+            let xt = DeviceTensor::new(arena.ptr() + xo as u64, t, h, DType::Bf16);
+            let it = DeviceTensor::new(arena.ptr() + io_ as u64, t, k, DType::I32);
+            let wt = DeviceTensor::new(arena.ptr() + wo as u64, t, k, DType::F32);
+            for (ydt, shared) in [(DType::F32, false), (DType::Bf16, true)] {
+                let ybytes = t * h * ydt.size();
+                let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));
+                let read = |at: usize| arena.read::<u8>(dev.stream(), at, ybytes).unwrap();
+                let what = format!("{format:?} T={t} y {ydt:?} shared {shared}");
+                // Separate stages.
+                ws.poison(0xFF).unwrap();
+                if shared {
+                    w.enqueue_shared(&ws, &xt, s).unwrap();
+                }
+                let plan = w.enqueue_plan(&ws, &it, Mode::W4A16, s).unwrap();
+                w.enqueue_experts(&ws, &plan, &xt, &wt, Mode::W4A16, s).unwrap();
+                w.enqueue_combine(
+                    &ws,
+                    &plan,
+                    &DeviceTensor::new(arena.ptr() + ya as u64, t, h, ydt),
+                    shared,
+                    s,
+                )
+                .unwrap();
+                stream.synchronize().unwrap();
+                let want = read(ya);
+                // One fused launch (where the kernels have it; else the same stages again).
+                ws.poison(0xFF).unwrap();
+                if shared {
+                    w.enqueue_shared(&ws, &xt, s).unwrap();
+                }
+                w.enqueue_routed(
+                    &ws,
+                    &it,
+                    &xt,
+                    &wt,
+                    &DeviceTensor::new(arena.ptr() + yb as u64, t, h, ydt),
+                    shared,
+                    Mode::W4A16,
+                    s,
+                )
+                .unwrap();
+                stream.synchronize().unwrap();
+                assert!(read(yb) == want, "{what}: fused output differs from the separate stages");
+                let left: Vec<(usize, u32)> =
+                    ws.split_counters().unwrap().into_iter().enumerate().filter(|&(_, c)| c != 0).collect();
+                assert!(left.is_empty(), "{what}: counters left non-zero {left:?}");
+                assert_eq!(ws.take_status().unwrap(), 0, "{what}");
+                // The fused launch's plan in the workspace: a separate combine from it agrees.
+                w.enqueue_combine(
+                    &ws,
+                    &plan,
+                    &DeviceTensor::new(arena.ptr() + ya as u64, t, h, ydt),
+                    shared,
+                    s,
+                )
+                .unwrap();
+                stream.synchronize().unwrap();
+                assert!(read(ya) == want, "{what}: the workspace plan CTA 0 wrote differs");
+            }
+            let fused = w.runs_fused(&ws, t, Mode::W4A16);
+            if dev.arch() == "sm_90a" && t <= 8 {
+                assert!(fused, "{format:?} T={t}: a decode step on sm_90a should run the fused kernel");
+            }
+            eprintln!("fused decode {format:?} T={t}: fused {fused}, bitwise equal to the separate stages");
+        }
+    }
+}

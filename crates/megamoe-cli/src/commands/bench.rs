@@ -942,12 +942,12 @@ mod cuda_bench {
                         (shard.rank, shard.world),
                         t,
                         move |s| {
-                            let plan = wr.enqueue_plan(wsr, &it, mode, s)?;
-                            wr.enqueue_experts(wsr, &plan, &xt, &wt, mode, s)?;
                             if shared {
                                 wr.enqueue_shared(wsr, &xt, s)?;
                             }
-                            wr.enqueue_combine(wsr, &plan, &yt, shared, s)?;
+                            // Plan, experts and combine: one fused launch at decode where the
+                            // kernels have one (MEGAMOE_FUSED=0: the separate stages).
+                            wr.enqueue_routed(wsr, &it, &xt, &wt, &yt, shared, mode, s)?;
                             Ok(())
                         },
                         |_| Ok((pairs, active)),

@@ -34,6 +34,15 @@ pub struct Args {
     /// with the seed it has in the whole sweep: a part of the sweep under a slow tool.
     #[arg(long, value_delimiter = ',')]
     pub cases: Vec<String>,
+    /// Only rows of these weight formats (e.g. `mxfp4`), seeds as in the whole sweep.
+    #[arg(long, value_delimiter = ',')]
+    pub formats: Vec<String>,
+    /// Only rows of these modes (e.g. `w4a8`), seeds as in the whole sweep.
+    #[arg(long, value_delimiter = ',')]
+    pub modes: Vec<String>,
+    /// Only rows of these token counts (e.g. `17`), seeds as in the whole sweep.
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Vec<usize>,
     /// Expert / tensor parallelism: with `--ep N` every row runs as an EP group and is checked
     /// against the single engine of the same backend (EP = 1) and the CPU reference.
     #[command(flatten)]
@@ -76,6 +85,16 @@ fn sweep_cases(args: &Args) -> anyhow::Result<Vec<Case>> {
         );
     }
     Ok(all)
+}
+
+/// Whether `--formats` keeps rows of `format` (all when empty).
+fn format_wanted(args: &Args, format: WeightFormat) -> bool {
+    args.formats.is_empty() || args.formats.iter().any(|f| f.eq_ignore_ascii_case(format.name()))
+}
+
+/// Whether `--modes` keeps rows of `mode` (all when empty).
+fn mode_wanted(args: &Args, mode: Mode) -> bool {
+    args.modes.is_empty() || args.modes.iter().any(|m| m.eq_ignore_ascii_case(mode.name()))
 }
 
 /// Whether `--cases` keeps `case` (all when empty).
@@ -254,7 +273,7 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
         for &format in &case.formats {
             row += 1;
             let seed = args.seed.wrapping_add(row * 1000);
-            if !wanted(args, &case) {
+            if !wanted(args, &case) || !format_wanted(args, format) {
                 continue; // the row counter still advances: every kept row has its whole-sweep seed
             }
             let layer = case_layer(&case, format, seed);
@@ -264,12 +283,12 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
             if row == 1 {
                 println!("backend under test: {}", dut.describe());
             }
-            for &t in &case.tokens {
+            for &t in case.tokens.iter().filter(|&&t| args.tokens.is_empty() || args.tokens.contains(&t)) {
                 let x = synthetic::random_hidden(t, case.cfg.hidden_size, seed + t as u64);
                 let ids = synthetic::random_input_ids(t, case.cfg.vocab_size, seed + 1 + t as u64);
                 let input = ForwardInput { x: &x, input_ids: Some(&ids) };
                 for mode in Mode::ALL {
-                    if mode == Mode::W4A4 && format != WeightFormat::Nvfp4 {
+                    if (mode == Mode::W4A4 && format != WeightFormat::Nvfp4) || !mode_wanted(args, mode) {
                         continue;
                     }
                     failures += check_row(&case, &layer, format, t, mode, &input, dut.as_mut(), cpu.as_mut());
@@ -335,7 +354,7 @@ fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -
         for &format in &case.formats {
             row += 1;
             let seed = args.seed.wrapping_add(row * 1000);
-            if !wanted(args, &case) {
+            if !wanted(args, &case) || !format_wanted(args, format) {
                 continue; // the row counter still advances: every kept row has its whole-sweep seed
             }
             let layer = case_layer(&case, format, seed);
@@ -356,14 +375,14 @@ fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -
             let mut single = create_engine(dut_kind, layer.clone(), max_t)?;
             let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
             let c = &layer.config;
-            for &t in &case.tokens {
+            for &t in case.tokens.iter().filter(|&&t| args.tokens.is_empty() || args.tokens.contains(&t)) {
                 let x = synthetic::random_hidden(t, c.hidden_size, seed + t as u64);
                 let ids = synthetic::random_input_ids(t, c.vocab_size, seed + 1 + t as u64);
                 let input = ForwardInput { x: &x, input_ids: Some(&ids) };
                 let span = group.home_tokens(&topo, t);
                 let (h, k) = (c.hidden_size, c.num_experts_per_tok);
                 for mode in Mode::ALL {
-                    if mode == Mode::W4A4 && format != WeightFormat::Nvfp4 {
+                    if (mode == Mode::W4A4 && format != WeightFormat::Nvfp4) || !mode_wanted(args, mode) {
                         continue;
                     }
                     print!(

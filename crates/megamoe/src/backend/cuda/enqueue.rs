@@ -111,12 +111,59 @@ impl LayerWeights {
         if overlap {
             launch::record(&ws.join, side)?;
         }
-        let plan = self.plan_raw(ws, ids, t, mode, trace, s)?;
+        let plan = self.plan_for(ws, ids, t, mode, trace);
+        // A decode step runs plan, experts and combine as one fused launch where the kernels have
+        // one — unless the shared expert runs beside it: the fused kernel is cooperative (all its
+        // CTAs resident at once), so it would wait for the shared expert's kernels to drain
+        // instead of sharing the GPU with them (whole V4-Pro layer, T=1: 0.1458 ms fused against
+        // 0.1352 ms for the separate stages beside the shared expert, one H200 call).
+        if !overlap && self.fused_raw(ws, &plan, io.x.ptr, wts, mode, trace, Some((&io.y, shared)), s)? {
+            return Ok(());
+        }
+        self.launch_plan(ws, &plan, s)?;
         self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, s)?;
         if overlap {
             launch::wait(s, &ws.join)?;
         }
         self.combine_raw(ws, &plan, &io.y, shared, s)
+    }
+
+    /// Enqueues the routed part of a forward on `topk_ids` `[T, k]` (global ids, as
+    /// [`Self::enqueue_plan`]): plan, experts and combine into `y` `[T, H]` (f32 or bf16), adding
+    /// the shared expert's output (enqueued before on the same stream and workspace) when
+    /// `add_shared`. A decode step whose kernels allow it runs as one fused launch (Hopper:
+    /// `moe_df_*`; `MEGAMOE_FUSED=0` turns it off), bitwise equal to the separate stages.
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue_routed(
+        &self,
+        ws: &Workspace,
+        topk_ids: &DeviceTensor,
+        x: &DeviceTensor,
+        topk_weights: &DeviceTensor,
+        y: &DeviceTensor,
+        add_shared: bool,
+        mode: Mode,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let (t, h, k) = (topk_ids.rows, self.config.hidden_size, self.config.num_experts_per_tok);
+        topk_ids.check("topk_ids", t, k, &[DType::I32], 4)?;
+        x.check("x", t, h, &[DType::Bf16], 16)?;
+        topk_weights.check("topk_weights", t, k, &[DType::F32], 4)?;
+        y.check("y", t, h, &[DType::F32, DType::Bf16], 4)?;
+        self.check_mode(mode)?;
+        ws.check_fits(self, t, mode, false)?;
+        if t == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
+        let plan = self.plan_for(ws, topk_ids.ptr, t, mode, false);
+        if self.fused_raw(ws, &plan, x.ptr, topk_weights.ptr, mode, false, Some((y, shared)), stream)? {
+            return Ok(());
+        }
+        self.launch_plan(ws, &plan, stream)?;
+        self.experts_raw(ws, &plan, x.ptr, topk_weights.ptr, mode, false, stream)?;
+        self.combine_raw(ws, &plan, y, shared, stream)
     }
 
     /// Enqueues the router: `x` `[T, H]` bf16 (and `input_ids` `[T, 1]` i32/i64 on hash layers)
@@ -286,6 +333,14 @@ impl LayerWeights {
         trace: bool,
         s: StreamRef,
     ) -> Result<Plan> {
+        let plan = self.plan_for(ws, topk_ids, t, mode, trace);
+        self.launch_plan(ws, &plan, s)?;
+        Ok(plan)
+    }
+
+    /// The plan of `t` tokens' `topk_ids` for a `mode` forward: its tile height and launch sizes
+    /// (host only; [`Self::launch_plan`] enqueues the kernels that build it).
+    fn plan_for(&self, ws: &Workspace, topk_ids: u64, t: usize, mode: Mode, trace: bool) -> Plan {
         let c = &self.config;
         let (e, k) = (c.n_routed_experts, c.num_experts_per_tok);
         let el = self.local_experts();
@@ -312,13 +367,19 @@ impl LayerWeights {
             split: Some(ws.split_routed.ptr()),
             next_wq: self.experts.l2.wq.ptr(),
         };
-        let p = PlanParams {
-            topk_ids,
-            slots: slots as i32,
-            experts: el as i32,
+        Plan { tokens: t, topk_ids, launch }
+    }
+
+    /// The plan kernels' parameters for `plan`.
+    fn plan_params(&self, ws: &Workspace, plan: &Plan) -> PlanParams {
+        let c = &self.config;
+        PlanParams {
+            topk_ids: plan.topk_ids,
+            slots: (plan.tokens * c.num_experts_per_tok) as i32,
+            experts: self.local_experts() as i32,
             expert_base: self.expert_range.start as i32,
-            global_experts: e as i32,
-            bm: bm as i32,
+            global_experts: c.n_routed_experts as i32,
+            bm: plan.launch.block_m as i32,
             counts: ws.counts.ptr(),
             offsets: ws.offsets.ptr(),
             tile_start: ws.tile_start.ptr(),
@@ -328,11 +389,18 @@ impl LayerWeights {
             perm: ws.perm.ptr(),
             row_of_slot: ws.row_of_slot.ptr(),
             status: ws.status.ptr(),
-        };
+        }
+    }
+
+    /// Enqueues the kernels that build `plan` into the workspace.
+    fn launch_plan(&self, ws: &Workspace, plan: &Plan, s: StreamRef) -> Result<()> {
+        let el = self.local_experts();
+        let slots = plan.tokens * self.config.num_experts_per_tok;
+        let p = self.plan_params(ws, plan);
         let core = &self.device.core;
         if slots == 0 {
             // Nothing to plan (and no grid of zero CTAs to launch); experts and combine skip too.
-            return Ok(Plan { tokens: t, topk_ids, launch });
+            return Ok(());
         }
         // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] / the chunk table for
         // these sizes; the shared memory is what each kernel's header asks for.
@@ -349,7 +417,75 @@ impl LayerWeights {
                 core.plan_scatter.launch(s, &LaunchCfg::grid((ctas, 1, 1), smem), &p)?;
             }
         }
-        Ok(Plan { tokens: t, topk_ids, launch })
+        Ok(())
+    }
+
+    /// The split scratch of `plan`'s fused launch, when the experts' kernels have one for it: a
+    /// W4A16 decode step of at most [`PLAN_TINY_SLOTS`] slots whose tiles the streaming kernels take.
+    fn fused_split(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        mode: Mode,
+        trace: bool,
+    ) -> Option<super::gemm::FusedSplit> {
+        let slots = plan.tokens * self.config.num_experts_per_tok;
+        let ex = &self.experts;
+        if trace
+            || mode != Mode::W4A16
+            || slots == 0
+            || slots > PLAN_TINY_SLOTS
+            || self.local_experts() > PLAN_SMALL_EXPERTS as usize
+            || ex.kernels.needs_contiguous_a(&plan.launch)
+        {
+            return None;
+        }
+        ex.kernels.fused_decode(&plan.launch, &self.routed_operands(ws, 0, ws.perm.ptr(), &ex.l1, 0))
+    }
+
+    /// Whether a `mode` forward of `tokens` tokens on `ws` runs its routed experts as one fused
+    /// launch (plan, L1, L2, combine; diagnostics, tests and bench notes).
+    pub fn runs_fused(&self, ws: &Workspace, tokens: usize, mode: Mode) -> bool {
+        let plan = self.plan_for(ws, 0, tokens, mode, false);
+        self.fused_split(ws, &plan, mode, false).is_some()
+    }
+
+    /// Enqueues `plan`'s routed experts as ONE fused launch (plan, L1, L2 and, with `combine` =
+    /// `(y, shared)`, the combine) when the experts' kernels have one for it: a W4A16 decode step
+    /// of at most [`PLAN_TINY_SLOTS`] slots. Returns whether it did (else nothing was enqueued).
+    #[allow(clippy::too_many_arguments)]
+    fn fused_raw(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        x: u64,
+        topk_w: u64,
+        mode: Mode,
+        trace: bool,
+        combine: Option<(&DeviceTensor, u64)>,
+        s: StreamRef,
+    ) -> Result<bool> {
+        let ex = &self.experts;
+        let Some(split) = self.fused_split(ws, plan, mode, trace) else { return Ok(false) };
+        let l1 = self.routed_l1(ws, self.routed_operands(ws, x, ws.perm.ptr(), &ex.l1, 0), topk_w);
+        let combine = match combine {
+            Some((y, shared)) => self.combine_params(ws, plan, y, shared)?,
+            None => CombineParams::default(),
+        };
+        let p = DfParams {
+            plan: self.plan_params(ws, plan),
+            l1,
+            l2: GemmL2Params { g: self.routed_operands(ws, ws.act.ptr(), 0, &ex.l2, 0), out: ws.l2.ptr() },
+            combine,
+            partials1: split.partials1,
+            counters1: split.counters1,
+            partials2: split.partials2,
+            counters2: split.counters2,
+            sync: split.sync,
+            prefetch_bytes: split.prefetch_bytes,
+        };
+        ex.kernels.launch_fused(s, &plan.launch, &p)?;
+        Ok(true)
     }
 
     /// `moe_quant_rows` over the planned rows: the expert inputs (`input`: gather x) or the L1
@@ -563,6 +699,23 @@ impl LayerWeights {
         shared: u64,
         s: StreamRef,
     ) -> Result<()> {
+        let p = self.combine_params(ws, plan, y, shared)?;
+        let col_blocks = self.config.hidden_size.div_ceil(4 * CORE_THREADS as usize) as u32;
+        // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows (16-byte
+        // aligned rows: H % 4 == 0 and device allocations are 256-aligned).
+        unsafe {
+            self.device.core.combine.launch(s, &LaunchCfg::grid((plan.tokens as u32, col_blocks, 1), 0), &p)
+        }
+    }
+
+    /// The combine's parameters: `plan`'s L2 rows into `y`, plus `shared` (0: none).
+    fn combine_params(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        y: &DeviceTensor,
+        shared: u64,
+    ) -> Result<CombineParams> {
         let c = &self.config;
         let p = CombineParams {
             l2: ws.l2.ptr(),
@@ -580,11 +733,6 @@ impl LayerWeights {
                 c.hidden_size
             )));
         }
-        let col_blocks = c.hidden_size.div_ceil(4 * CORE_THREADS as usize) as u32;
-        // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows (16-byte
-        // aligned rows: H % 4 == 0 and device allocations are 256-aligned).
-        unsafe {
-            self.device.core.combine.launch(s, &LaunchCfg::grid((plan.tokens as u32, col_blocks, 1), 0), &p)
-        }
+        Ok(p)
     }
 }

@@ -172,6 +172,9 @@ pub struct LaunchCfg {
     /// Allow programmatic dependent launch (the kernel may start before its predecessor ends and
     /// must `griddepcontrol.wait` before reading its outputs).
     pub pdl: bool,
+    /// A cooperative launch: every CTA of the grid resident at once (the kernel has grid barriers;
+    /// the launch fails rather than starting a grid that cannot all be resident).
+    pub cooperative: bool,
 }
 
 impl LaunchCfg {
@@ -222,6 +225,20 @@ impl<P: Copy> Kernel<P> {
         &self.name
     }
 
+    /// How many CTAs of this kernel one SM holds at once with `smem` bytes of dynamic shared memory.
+    pub fn ctas_per_sm(&self, smem: usize) -> Result<usize> {
+        // SAFETY: a valid function handle; the block size is the one the kernel is launched with.
+        let n = unsafe {
+            cudarc::driver::result::occupancy::max_active_block_per_multiprocessor(
+                self.func.cu_function(),
+                self.threads as i32,
+                smem,
+            )
+        }
+        .map_err(|e| err(format!("kernel {}: occupancy query: {e}", self.name)))?;
+        Ok(n.max(0) as usize)
+    }
+
     /// Enqueues one launch on `stream`.
     ///
     /// # Safety
@@ -237,7 +254,7 @@ impl<P: Copy> Kernel<P> {
         if cfg.grid.0 == 0 || cfg.grid.1 == 0 || cfg.grid.2 == 0 {
             return Ok(());
         }
-        let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+        let mut attrs: [sys::CUlaunchAttribute; 3] = std::mem::zeroed();
         let mut n = 0;
         if let Some((x, y, z)) = cfg.cluster {
             attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
@@ -249,6 +266,11 @@ impl<P: Copy> Kernel<P> {
         if cfg.pdl {
             attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cfg.cooperative {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attrs[n].value.cooperative = 1;
             n += 1;
         }
         let config = sys::CUlaunchConfig {

@@ -347,6 +347,31 @@ kernel_abi! {
         counters: DevPtr => "unsigned*",
     }
 
+    /// The Hopper fused decode kernel (`gemm_tc_fused.cu`): a decode step's plan, L1, L2 and
+    /// (optionally) combine in one cooperative launch, its phases joined by grid barriers.
+    struct DfParams {
+        /// The plan (built in every CTA's shared memory; CTA 0 also writes the workspace's arrays).
+        plan: PlanParams => "PlanParams",
+        /// The L1 parameters (its tile table and `a_rows` / `perm` are the kernel's own plan).
+        l1: GemmL1Params => "GemmL1Params",
+        /// The L2 parameters (A: the L1's `act`).
+        l2: GemmL2Params => "GemmL2Params",
+        /// The combine (`y` null: no combine phase; the forward's own combine runs later).
+        combine: CombineParams => "CombineParams",
+        /// The L1's split scratch: `[gridDim.x][2][8][32]` float4 K-part sums.
+        partials1: DevPtr => "float*",
+        /// The L1's `[gridDim.x]` u32 arrival counters (0 between launches).
+        counters1: DevPtr => "unsigned*",
+        /// The L2's K-part sums.
+        partials2: DevPtr => "float*",
+        /// The L2's arrival counters.
+        counters2: DevPtr => "unsigned*",
+        /// `[3]` u32 grid-barrier counters (L1 done, L2 done, CTAs finished; 0 between launches).
+        sync: DevPtr => "unsigned*",
+        /// Bytes per CTA of the L2's weights prefetched into the L2 cache once the L1's copies are out.
+        prefetch_bytes: i32 => "int",
+    }
+
     /// The Hopper wgmma L1 kernel: the L1 parameters and the tensor map of A (`[rows, H]` bf16,
     /// boxes of 64 columns x the token tile, 128B-swizzled).
     struct WgL1Params {

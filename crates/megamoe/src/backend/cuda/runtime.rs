@@ -15,8 +15,18 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 /// after [`COMMON`].
 pub const PARAMS: &str = include_str!("kernels/params.cuh");
 
-/// The router, plan, staging, combine and residual kernels: one module, compiled once per device.
-pub const CORE_SOURCES: [(&str, &str); 4] = [
+/// The plan's per-warp building blocks and the one-warp decode plan (the core module's plan
+/// kernels and the fused decode kernel).
+pub const PLAN_WARP: &str = include_str!("kernels/plan_warp.cuh");
+
+/// The combine of 4 columns of one token (`moe_combine` and the fused decode kernel).
+pub const COMBINE: &str = include_str!("kernels/combine.cuh");
+
+/// The router, plan, staging, combine and residual kernels: one module, compiled once per device
+/// (after the shared headers [`PLAN_WARP`] and [`COMBINE`]).
+pub const CORE_SOURCES: [(&str, &str); 6] = [
+    ("plan_warp", PLAN_WARP),
+    ("combine", COMBINE),
     ("router", include_str!("kernels/router.cu")),
     ("plan", include_str!("kernels/plan.cu")),
     ("quant", include_str!("kernels/quant.cu")),
@@ -32,6 +42,10 @@ pub const GEMM_TC: &str = include_str!("kernels/gemm_tc.cu");
 /// The tensor-core family's Hopper weight-streaming decode kernels (appended after [`GEMM_TC`]).
 pub const GEMM_TC_STREAM: &str = include_str!("kernels/gemm_tc_stream.cu");
 
+/// The tensor-core family's fused decode kernel: plan, L1, L2 and combine of a decode step in one
+/// launch (appended after [`GEMM_TC_STREAM`], after [`PLAN_WARP`] and [`COMBINE`]).
+pub const GEMM_TC_FUSED: &str = include_str!("kernels/gemm_tc_fused.cu");
+
 /// Device code shared by the GEMM sources (prepended to each).
 pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 
@@ -39,14 +53,17 @@ pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 pub const GEMM_W4A8: &str = include_str!("kernels/gemm_w4a8.cu");
 
 /// Every source with its name (for the layout-comment check and the compile test).
-pub const ALL_SOURCES: [(&str, &str); 9] = [
+pub const ALL_SOURCES: [(&str, &str); 12] = [
     CORE_SOURCES[0],
     CORE_SOURCES[1],
     CORE_SOURCES[2],
     CORE_SOURCES[3],
+    CORE_SOURCES[4],
+    CORE_SOURCES[5],
     ("gemm_simt", GEMM_SIMT),
     ("gemm_tc", GEMM_TC),
     ("gemm_tc_stream", GEMM_TC_STREAM),
+    ("gemm_tc_fused", GEMM_TC_FUSED),
     ("gemm_common", GEMM_COMMON),
     ("gemm_w4a8", GEMM_W4A8),
 ];

@@ -302,13 +302,21 @@ impl Workspace {
         split_layout(sm_count).bytes
     }
 
-    /// `(buffer, offset, bytes)` of every arrival-counter range of the split scratch (routed L1,
-    /// L2, shared L1, L2).
+    /// `(buffer, offset, bytes)` of every counter range of the split scratch (routed L1, L2,
+    /// fused-kernel barriers, then the same for the shared expert).
     fn split_counter_ranges(&self) -> Vec<(&DevBuf, usize, usize)> {
+        use crate::backend::gpu_layout::tc::FUSED_SYNC_COUNTERS;
         let l = split_layout(self.device.sm_count());
         [&self.split_routed, &self.split_shared]
             .into_iter()
-            .flat_map(|buf| l.sides.map(|(_, counters)| (buf, counters, l.counter_bytes)))
+            .flat_map(|buf| {
+                let [(_, c1), (_, c2)] = l.sides;
+                [
+                    (buf, c1, l.counter_bytes),
+                    (buf, c2, l.counter_bytes),
+                    (buf, l.sync, 4 * FUSED_SYNC_COUNTERS),
+                ]
+            })
             .collect()
     }
 
@@ -427,10 +435,10 @@ impl Workspace {
         st.synchronize().map_err(derr("poison"))
     }
 
-    /// The split scratch's arrival counters (routed L1, L2, shared L1, L2, each padded to 256
-    /// bytes), read back after a synchronisation: every streaming launch must leave them all
-    /// zero. Diagnostics and tests.
-    pub(crate) fn split_counters(&self) -> Result<Vec<u32>> {
+    /// The split scratch's counters (routed L1, L2 — each padded to 256 bytes — and the fused
+    /// kernel's barriers, then the same for the shared expert), read back after a
+    /// synchronisation: every streaming launch must leave them all zero. Diagnostics and tests.
+    pub fn split_counters(&self) -> Result<Vec<u32>> {
         self.device.synchronize()?;
         let mut v = Vec::new();
         for (buf, at, bytes) in self.split_counter_ranges() {

@@ -840,15 +840,21 @@ pub fn stream_scratch_bytes(ctas: usize) -> usize {
     stream_partials_bytes(ctas) + (ctas * 4).div_ceil(256) * 256
 }
 
+/// Grid-barrier counters of the fused decode kernel (`moe_df_*`, `DfParams::sync`): L1 done, L2
+/// done, CTAs finished.
+pub const FUSED_SYNC_COUNTERS: usize = 3;
+
 /// Where things lie in the split scratch of one GEMM pair (the L1's, then the L2's) on `ctas`
-/// CTAs: each side's `(partials, counters)` byte offsets and, for the workspace, the counters'
-/// bytes per side and the pair's total.
+/// CTAs: each side's `(partials, counters)` byte offsets, the fused decode kernel's grid-barrier
+/// counters and, for the workspace, the counters' bytes per side and the pair's total.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamPairScratch {
     /// `(partials, counters)` offsets of the L1 and of the L2.
     pub sides: [(usize, usize); 2],
     /// Bytes of one side's counters (zero between launches).
     pub counter_bytes: usize,
+    /// Offset of the [`FUSED_SYNC_COUNTERS`] u32 grid-barrier counters (zero between launches).
+    pub sync: usize,
     /// Bytes of the pair's scratch.
     pub bytes: usize,
 }
@@ -859,7 +865,8 @@ pub fn stream_pair_scratch(ctas: usize) -> StreamPairScratch {
     StreamPairScratch {
         sides: [(0, partials), (one, one + partials)],
         counter_bytes: one - partials,
-        bytes: 2 * one,
+        sync: 2 * one,
+        bytes: 2 * one + 256,
     }
 }
 
@@ -912,6 +919,9 @@ mod tests {
     fn stream_pair_scratch_sides_do_not_overlap() {
         for ctas in [1, 264, stream_ctas(132)] {
             let l = stream_pair_scratch(ctas);
+            let (_, c2) = l.sides[1];
+            assert!(c2 + l.counter_bytes <= l.sync, "the sync counters follow the L2's counters");
+            assert!(l.sync + 4 * FUSED_SYNC_COUNTERS <= l.bytes);
             let [(p1, c1), (p2, c2)] = l.sides;
             assert_eq!(p1, 0);
             assert_eq!(c1 - p1, stream_partials_bytes(ctas));

@@ -16,7 +16,7 @@ pub(crate) mod w4a8;
 use super::buffer::DevBuf;
 use super::device::CudaDevice;
 use super::launch::StreamRef;
-use super::params::{GemmL1Params, GemmL2Params};
+use super::params::{DfParams, GemmL1Params, GemmL2Params, GemmOperands};
 use crate::checkpoint::{MoeLayer, SharedExpert};
 use crate::error::Result;
 use std::sync::Arc;
@@ -143,6 +143,28 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()>;
     /// Enqueues the L2 GEMM.
     fn l2(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL2Params) -> Result<()>;
+    /// The split scratch of a fused decode launch (plan, L1, L2 and combine in one kernel) of
+    /// launch `l` over operands of `g`'s sizes, when the family has one for it.
+    fn fused_decode(&self, _l: &GemmLaunch, _g: &GemmOperands) -> Option<FusedSplit> {
+        None
+    }
+    /// Enqueues the fused decode kernel (only after [`Self::fused_decode`] said it applies).
+    fn launch_fused(&self, _s: StreamRef, _l: &GemmLaunch, _p: &DfParams) -> Result<()> {
+        Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no fused decode kernel"))
+    }
+}
+
+/// The split scratch pointers of a fused decode launch ([`GemmKernels::fused_decode`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FusedSplit {
+    pub partials1: u64,
+    pub counters1: u64,
+    pub partials2: u64,
+    pub counters2: u64,
+    /// The grid-barrier counters.
+    pub sync: u64,
+    /// Bytes per CTA of the L2's weights the kernel prefetches into the L2 cache.
+    pub prefetch_bytes: i32,
 }
 
 /// A GEMM family: its packing and kernels.

@@ -5,7 +5,7 @@
 //! MXFP4 whose scales fit one bf16 exponent window per expert and projection, bf16, and an FP8
 //! shared expert whose block scales are powers of two (converted to bf16 exactly).
 
-use super::{GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
+use super::{FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::err;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
@@ -43,6 +43,9 @@ struct TcKernels {
     /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_enabled`]).
     ds_l1: HashMap<usize, Kernel<DsL1Params>>,
     ds_l2: HashMap<usize, Kernel<DsL2Params>>,
+    /// Hopper fused decode kernels (plan, L1, L2, combine in one cooperative launch), by token
+    /// tile, with the CTAs an SM holds (`MEGAMOE_FUSED=0`: none).
+    df: HashMap<usize, (Kernel<DfParams>, usize)>,
     /// Whether the streaming L2 is a programmatic dependent of the L1 (`MEGAMOE_PDL=0`: no).
     pdl: bool,
     /// Bytes per CTA of the L2's weights the streaming L1 prefetches into the L2 cache
@@ -109,11 +112,8 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
             ));
         }
         for nt in layout::STREAM_TOKEN_TILES {
-            inst.push_str(&format!(
-                "DS_KERNELS({nt}, {}, {})\n",
-                layout::stream_chunks_per_stage(f, nt),
-                layout::stream_stages(f, nt)
-            ));
+            let (s, st) = (layout::stream_chunks_per_stage(f, nt), layout::stream_stages(f, nt));
+            inst.push_str(&format!("DS_KERNELS({nt}, {s}, {st})\nDF_KERNEL({nt}, {s}, {st})\n"));
         }
     }
     ModuleSpec {
@@ -122,6 +122,9 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
             runtime::GEMM_COMMON.into(),
             runtime::GEMM_TC.into(),
             runtime::GEMM_TC_STREAM.into(),
+            runtime::PLAN_WARP.into(),
+            runtime::COMBINE.into(),
+            runtime::GEMM_TC_FUSED.into(),
             inst.into(),
         ],
         defines,
@@ -140,7 +143,9 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     v.extend(layout::TOKEN_TILES.iter().map(|&nt| trace_name(nt)));
     if has_wgmma(arch) {
         v.extend(layout::wg_configs().flat_map(|c| [wg_name(1, c), wg_name(2, c)]));
-        v.extend(layout::STREAM_TOKEN_TILES.iter().flat_map(|&nt| [ds_name(1, nt), ds_name(2, nt)]));
+        v.extend(
+            layout::STREAM_TOKEN_TILES.iter().flat_map(|&nt| [ds_name(1, nt), ds_name(2, nt), df_name(nt)]),
+        );
     }
     v
 }
@@ -159,6 +164,9 @@ fn wg_name(layer: u8, c: layout::WgConfig) -> String {
 fn ds_name(layer: u8, nt: usize) -> String {
     format!("moe_ds_l{layer}_n{nt}")
 }
+fn df_name(nt: usize) -> String {
+    format!("moe_df_n{nt}")
+}
 
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
     dev.cached(&format!("gemm_tc-{}", f.name()), || {
@@ -173,6 +181,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             wg_l2: HashMap::new(),
             ds_l1: HashMap::new(),
             ds_l2: HashMap::new(),
+            df: HashMap::new(),
             pdl: std::env::var("MEGAMOE_PDL").map_or(true, |v| v != "0"),
             prefetch_bytes: std::env::var("MEGAMOE_PREFETCH")
                 .ok()
@@ -187,6 +196,15 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 let smem = layout::stream_smem_bytes(f, nt);
                 k.ds_l1.insert(nt, Kernel::load(&m, &ds_name(1, nt), DS_THREADS, smem)?);
                 k.ds_l2.insert(nt, Kernel::load(&m, &ds_name(2, nt), DS_THREADS, smem)?);
+                if fused_enabled() {
+                    let df = Kernel::load(&m, &df_name(nt), DS_THREADS, smem)?;
+                    // Its grid barriers need every CTA resident: the streaming grid's CTAs per SM
+                    // at most (the scratch is sized for that grid), and at least one.
+                    let per_sm = df.ctas_per_sm(smem)?.min(layout::STREAM_CTAS_PER_SM);
+                    if per_sm > 0 {
+                        k.df.insert(nt, (df, per_sm));
+                    }
+                }
             }
         }
         if has_wgmma(dev.arch()) && std::env::var("MEGAMOE_WGMMA").map_or(true, |v| v != "0") {
@@ -356,6 +374,41 @@ impl GemmKernels for TcKernels {
         // SAFETY: as in `l1`.
         unsafe { k.launch(s, &cfg, p) }
     }
+    fn fused_decode(&self, l: &GemmLaunch, g: &GemmOperands) -> Option<FusedSplit> {
+        let [(p1, c1), (p2, c2)] = self.stream(l, g)?;
+        self.df.get(&l.block_m)?;
+        let base = l.split?;
+        Some(FusedSplit {
+            partials1: p1,
+            counters1: c1,
+            partials2: p2,
+            counters2: c2,
+            sync: base + layout::stream_pair_scratch(layout::stream_ctas(self.sm_count)).sync as u64,
+            prefetch_bytes: self.prefetch_bytes,
+        })
+    }
+    fn launch_fused(&self, s: StreamRef, l: &GemmLaunch, p: &DfParams) -> Result<()> {
+        let (k, per_sm) = self.df.get(&l.block_m).ok_or_else(|| {
+            err(format!("tensor-core family: no fused decode kernel for tiles of {} rows", l.block_m))
+        })?;
+        // Cooperative, not a programmatic dependent: its CTAs must all be resident together (the
+        // grid barriers), so its start waits for the stream's previous kernel to drain anyway.
+        let cfg = LaunchCfg {
+            cooperative: true,
+            ..LaunchCfg::grid(
+                ((per_sm * self.sm_count) as u32, 1, 1),
+                layout::stream_smem_bytes(self.format, l.block_m),
+            )
+        };
+        // SAFETY: the operands cover the plan's rows and the packed weights; the split scratch
+        // holds both sides and the barrier counters for this grid (at most `stream_ctas`), zeroed.
+        unsafe { k.launch(s, &cfg, p) }
+    }
+}
+
+/// Whether the fused decode kernels are used where they apply (`MEGAMOE_FUSED=0`: never; A/B runs).
+fn fused_enabled() -> bool {
+    std::env::var("MEGAMOE_FUSED").map_or(true, |v| v.trim() != "0")
 }
 
 /// Whether the streaming decode kernels serve weight format `f`: by default the FP4 formats (the

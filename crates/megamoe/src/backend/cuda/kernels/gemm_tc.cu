@@ -298,10 +298,12 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
 }
 
 // L1 epilogue of one slab's accumulators: gate/up of column 8*gslab + g for the tile's tokens, fused
-// clamped SwiGLU x routing weight (and the pre-activations in the trace variant).
-template <int NM, bool TRACE>
+// clamped SwiGLU x routing weight (and the pre-activations in the trace variant). The routing weight
+// of plan row m is topk_w[perm[m]] (1 for a dense GEMM); `slot_of(m)`, when given, stands for
+// perm[m] (the fused decode kernel's plan lives in shared memory).
+template <int NM, bool TRACE, class SlotOf>
 __device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (&acc)[NM / 8][4], int grp, int m0,
-                                            int mc, int gslab, float* gate_tr, float* up_tr)
+                                            int mc, int gslab, float* gate_tr, float* up_tr, SlotOf slot_of)
 {
     const GemmOperands& g = p.g;
     const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
@@ -318,12 +320,19 @@ __device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (
             const int tok = jn * 8 + 2 * t + e;
             if (tok >= mc) continue;
             const int m = m0 + tok;
-            const float w = p.perm ? p.topk_w[p.perm[m]] : 1.f;
+            const float w = p.perm ? p.topk_w[slot_of(m)] : 1.f;
             const float gt = acc[jn][e] * ag, u = acc[jn][2 + e] * au;
             if constexpr (TRACE) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
             p.act[(size_t)m * I + col] = f2bf(swiglu(gt, u, w, p.limit));
         }
     }
+}
+
+template <int NM, bool TRACE>
+__device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (&acc)[NM / 8][4], int grp, int m0,
+                                            int mc, int gslab, float* gate_tr, float* up_tr)
+{
+    tc_store_l1<NM, TRACE>(p, acc, grp, m0, mc, gslab, gate_tr, up_tr, [&](int m) { return p.perm[m]; });
 }
 
 // L2 epilogue of one slab's accumulators: output rows 16*gslab + g and + 8 for the tile's tokens, f32.

@@ -115,23 +115,117 @@ __device__ __forceinline__ DsRange ds_range(unsigned total, unsigned cta) {
     return r;
 }
 
-// The L1 producer's last act: the first `budget` bytes of the weights this CTA index streams in the
-// L2 launch of the same plan (K = inter, rows = h: the L2's ranges, computed as that launch will),
-// into the L2 cache, so the L2 starts from the cache instead of DRAM while the L1 finishes.
+// One GEMM of a streaming launch over `ntiles` tiles: its weights' shape (L1: 2I rows over K = H;
+// L2: H rows over K = I) and CTA `cta`'s range [b, e) of its flattened chunks.
+struct DsWork {
+    int K, groups, nch;
+    size_t expert_bytes;
+    unsigned per, b, e;
+};
+template <bool L1>
+__device__ __forceinline__ DsWork ds_work(const GemmOperands& g, unsigned ntiles, unsigned cta) {
+    DsWork w;
+    const int R = L1 ? 2 * g.inter : g.h;
+    w.K = L1 ? g.h : g.inter;
+    w.groups = (R + 127) / 128;
+    w.nch = w.K / 64;
+    w.expert_bytes = (size_t)w.groups * 8 * w.nch * TcFmt<MM_WF>::BLK;
+    const DsRange r = ds_range(ntiles * w.groups * w.nch, cta);
+    w.per = r.per; w.b = r.b; w.e = r.e;
+    return w;
+}
+
+// Where a streaming GEMM finds its tiles and token rows: the plan's table in global memory (or
+// dense rows of NT), as the separate L1 / L2 launches read it. (The fused decode kernel's copy in
+// shared memory: DfTiles, gemm_tc_fused.cu.)
 template <int NT>
-__device__ __forceinline__ void ds_prefetch_next(const GemmOperands& g, const unsigned char* next_wq, unsigned ntiles,
-                                                 int budget)
+struct DsPlanTiles {
+    const GemmOperands& g;
+    __device__ __forceinline__ unsigned count() const {
+        return g.tiles ? (unsigned)*g.num_tiles : (unsigned)(g.dense_rows + NT - 1) / NT;
+    }
+    __device__ __forceinline__ void get(int t, int& grp, int& m0, int& mend) const { gemm_tile<NT>(g, t, grp, m0, mend); }
+    __device__ __forceinline__ unsigned a_row(int m) const {
+        return g.a_rows ? g.a_rows[m] / (unsigned)g.a_div : (unsigned)m;
+    }
+};
+
+// A CTA's ring: ST stages of DsShape::STAGE bytes at `sbase` (shared space), full / empty
+// mbarriers per stage. Stage j of the CTA's walk (over every GEMM of the launch, in order) uses
+// slot j % ST in phase (j / ST) & 1.
+struct DsRing {
+    unsigned sbase, full0, empty0;
+};
+
+// Initialises a CTA's ring barriers (thread 0; the caller's __syncthreads publishes them).
+template <int ST>
+__device__ __forceinline__ DsRing ds_ring(unsigned long long* full, unsigned long long* empty)
+{
+    extern __shared__ __align__(128) unsigned char smem[];
+    // Shared-space addresses formed once (no per-use generic-to-shared conversion).
+    const DsRing ring{smem_u32(smem), smem_u32(&full[0]), smem_u32(&empty[0])};
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(ring.full0 + 8 * s, 1);
+            mbar_init(ring.empty0 + 8 * s, 32 * DS_CONSUMERS);
+        }
+        fence_mbar_init();
+    }
+    return ring;
+}
+
+// The producer's walk over the stages of this CTA's range of GEMM `w` (ring stages base + i):
+// acts on stages i in [from, to), their weights (with the stage's expected bytes) and / or their
+// token rows. Returns the stages walked (the range's stage count when `to` is ~0u).
+template <int NT, int S, int ST, class Tiles>
+__device__ __forceinline__ unsigned ds_issue(const DsRing& ring, const GemmOperands& g, const DsWork& w,
+                                             const Tiles& tl, unsigned base, bool weights, bool tokens,
+                                             unsigned from, unsigned to, unsigned long long wpol)
+{
+    using D = DsShape<NT, S>;
+    constexpr int BLK = D::BLK;
+    unsigned i = 0;
+    for (unsigned x = w.b; x < w.e && i < to;) {
+        const DsSeg sg = ds_seg(x, w.e, w.nch, w.groups);
+        int grp, m0, mend;
+        tl.get(sg.tile, grp, m0, mend);
+        const int mc = min(mend - m0, NT);
+        const unsigned char* wsrc = g.wq + (size_t)grp * w.expert_bytes + (size_t)sg.G * w.nch * 8 * BLK;
+        for (int k = sg.k0; k < sg.k1 && i < to; k += S, ++i) {
+            if (i < from) continue;
+            const int n = min(S, sg.k1 - k);
+            const unsigned j = base + i, s = j % ST, fb = ring.full0 + 8 * s, dst = ring.sbase + s * D::STAGE;
+            if (weights) {
+                if (j >= ST) mbar_wait(ring.empty0 + 8 * s, (j / ST - 1) & 1);
+                mbar_arrive_expect_tx(fb, n * (8 * BLK + mc * 128));
+                bulk_g2s_hint(dst, wsrc + (size_t)k * 8 * BLK, n * 8 * BLK, fb, wpol);
+            }
+            if (tokens) {
+                for (int r = 0; r < mc; ++r) {
+                    const unsigned char* src =
+                        (const unsigned char*)g.a + ((size_t)tl.a_row(m0 + r) * w.K + (size_t)k * 64) * 2;
+                    bulk_g2s(dst + D::W_STAGE + r * D::T_PITCH, src, n * 128, fb);
+                }
+            }
+        }
+        x += sg.k1 - sg.k0;
+    }
+    return i;
+}
+
+// The first `budget` bytes of the weights `wq` this CTA streams in L2-shaped GEMM `w`, into the L2
+// cache (evict-last): the L1 producer's last act, so the L2 starts from the cache instead of DRAM
+// while the L1 finishes (one expert's whole L2 at T=1).
+template <class Tiles>
+__device__ __forceinline__ void ds_prefetch(const unsigned char* wq, const DsWork& w, const Tiles& tl, int budget)
 {
     constexpr int BLK = TcFmt<MM_WF>::BLK;
-    const int groups = (g.h + 127) / 128, nch = g.inter / 64;
-    const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
-    const DsRange r = ds_range(ntiles * groups * nch, blockIdx.x);
     const unsigned long long pol = l2_policy_evict_last();
-    for (unsigned x = r.b; x < r.e && budget > 0;) {
-        const DsSeg sg = ds_seg(x, r.e, nch, groups);
+    for (unsigned x = w.b; x < w.e && budget > 0;) {
+        const DsSeg sg = ds_seg(x, w.e, w.nch, w.groups);
         int grp, m0, mend;
-        gemm_tile<NT>(g, sg.tile, grp, m0, mend);
-        const unsigned char* src = next_wq + (size_t)grp * expert_bytes + ((size_t)sg.G * nch + sg.k0) * 8 * BLK;
+        tl.get(sg.tile, grp, m0, mend);
+        const unsigned char* src = wq + (size_t)grp * w.expert_bytes + ((size_t)sg.G * w.nch + sg.k0) * 8 * BLK;
         const int bytes = min(budget, (sg.k1 - sg.k0) * 8 * BLK) & ~15;
         if (bytes > 0) bulk_prefetch_l2(src, (unsigned)bytes, pol);
         budget -= bytes;
@@ -139,108 +233,38 @@ __device__ __forceinline__ void ds_prefetch_next(const GemmOperands& g, const un
     }
 }
 
-// Runs the CTA's range of the launch; `store(acc, grp, m0, mc, gslab)` is one slab's epilogue.
-// PDL_WAIT: the kernel may be a programmatic dependent of the one producing A (see above).
-// next_wq / prefetch_bytes (the L1): see ds_prefetch_next.
-template <int NT, int S, int ST, bool L1, bool PDL_WAIT, typename Store>
-__device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, unsigned* counters, Store store,
-                                        const unsigned char* next_wq = nullptr, int prefetch_bytes = 0)
+// The consumers' walk over this CTA's range of GEMM `w` (ring stages base + i, as ds_issue):
+// decode + MMA per chunk, each unit's epilogue `store(acc, grp, m0, mc, gslab)` (a cut unit's K
+// parts meet in `partials` / `counters`, summed in CTA order by the last CTA to arrive;
+// `last_flag`: one int of shared memory). Returns the stages walked.
+template <int NT, int S, int ST, class Tiles, typename Store>
+__device__ __forceinline__ unsigned ds_consume(const DsRing& ring, const DsWork& w, const Tiles& tl, float* partials,
+                                               unsigned* counters, int& last_flag, Store store, unsigned base)
 {
     using D = DsShape<NT, S>;
     constexpr int BLK = D::BLK;
     extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ __align__(8) unsigned long long full[ST], empty[ST];
-    __shared__ int last_flag;
-    const int R = L1 ? 2 * g.inter : g.h;
-    const int K = L1 ? g.h : g.inter;
-    const int groups = (R + 127) / 128, nch = K / 64;
-    const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
-    // The L1 may be a programmatic dependent of the plan (whose tile table sizes its work): wait for
-    // it before the first read (a no-op when launched without). The L2's wait comes later (below).
-    if constexpr (!PDL_WAIT) griddep_wait();
-    const unsigned ntiles = g.tiles ? (unsigned)*g.num_tiles : (unsigned)(g.dense_rows + NT - 1) / NT;
-    const DsRange rg = ds_range(ntiles * groups * nch, blockIdx.x);
-    const unsigned per = rg.per, b = rg.b, e = rg.e;
-    if (b >= e) return;                              // uniform over the CTA
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // Shared-space addresses formed once (no per-use generic-to-shared conversion).
-    const unsigned sbase = smem_u32(smem), full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < ST; ++s) {
-            mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, 32 * DS_CONSUMERS);
-        }
-        fence_mbar_init();
-    }
-    __syncthreads();
-
-    if (warp == DS_CONSUMERS) {
-        if (lane != 0) return;
-        // Producer: stage i of the range goes to slot i % ST; slot reuse waits for its consumers.
-        // `issue` walks every stage of the range and acts on those in [from, to): their weights
-        // (with the stage's expected bytes) and / or their token rows.
-        const unsigned long long wpol = l2_policy_evict_first();
-        auto issue = [&](bool weights, bool tokens, unsigned from, unsigned to) {
-            unsigned i = 0;
-            for (unsigned x = b; x < e && i < to;) {
-                const DsSeg sg = ds_seg(x, e, nch, groups);
-                int grp, m0, mend;
-                gemm_tile<NT>(g, sg.tile, grp, m0, mend);
-                const int mc = min(mend - m0, NT);
-                const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)sg.G * nch * 8 * BLK;
-                for (int k = sg.k0; k < sg.k1 && i < to; k += S, ++i) {
-                    if (i < from) continue;
-                    const int n = min(S, sg.k1 - k);
-                    const unsigned s = i % ST, fb = full0 + 8 * s, dst = sbase + s * D::STAGE;
-                    if (weights) {
-                        if (i >= ST) mbar_wait(empty0 + 8 * s, (i / ST - 1) & 1);
-                        mbar_arrive_expect_tx(fb, n * (8 * BLK + mc * 128));
-                        bulk_g2s_hint(dst, wsrc + (size_t)k * 8 * BLK, n * 8 * BLK, fb, wpol);
-                    }
-                    if (tokens) {
-                        for (int r = 0; r < mc; ++r) {
-                            const unsigned row = g.a_rows ? g.a_rows[m0 + r] / (unsigned)g.a_div : (unsigned)(m0 + r);
-                            const unsigned char* src = (const unsigned char*)g.a + ((size_t)row * K + (size_t)k * 64) * 2;
-                            bulk_g2s(dst + D::W_STAGE + r * D::T_PITCH, src, n * 128, fb);
-                        }
-                    }
-                }
-                x += sg.k1 - sg.k0;
-            }
-        };
-        if constexpr (PDL_WAIT) {
-            // The ring's first stages of weights before the predecessor (which writes A) is done.
-            issue(true, false, 0, ST);
-            griddep_wait();
-            issue(false, true, 0, ST);
-            issue(true, true, ST, ~0u);
-        } else {
-            issue(true, true, 0, ~0u);
-        }
-        if (L1 && next_wq) ds_prefetch_next<NT>(g, next_wq, ntiles, prefetch_bytes);
-        return;
-    }
-    if constexpr (L1) griddep_launch_dependents();
-
-    // Consumers. This lane's fixed offsets inside a stage: its slice of the warp's block, its
-    // scales, and the ldmatrix row address of (matrix mi = lane / 8, row li = lane % 8).
+    // This lane's fixed offsets inside a stage: its slice of the warp's block, its scales, and the
+    // ldmatrix row address of (matrix mi = lane / 8, row li = lane % 8).
     const int mi = lane >> 3, li = lane & 7;
     const int wl_off = warp * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
     const int sc_off = warp * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
     const unsigned tk_lane = (unsigned)(D::W_STAGE + (li % NT) * D::T_PITCH + mi * 16);
+    const int nch = w.nch;
     unsigned i = 0;
-    for (unsigned x = b; x < e;) {
-        const DsSeg sg = ds_seg(x, e, nch, groups);
+    for (unsigned x = w.b; x < w.e;) {
+        const DsSeg sg = ds_seg(x, w.e, nch, w.groups);
         int grp, m0, mend;
-        gemm_tile<NT>(g, sg.tile, grp, m0, mend);
+        tl.get(sg.tile, grp, m0, mend);
         const int mc = min(mend - m0, NT);
         float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
         for (int k = sg.k0; k < sg.k1; k += S, ++i) {
             const int n = min(S, sg.k1 - k);
-            const unsigned s = i % ST;
-            mbar_wait(full0 + 8 * s, (i / ST) & 1);
+            const unsigned j = base + i, s = j % ST;
+            mbar_wait(ring.full0 + 8 * s, (j / ST) & 1);
             const unsigned char* st = smem + s * D::STAGE;
-            const unsigned tk = sbase + s * D::STAGE + tk_lane;
+            const unsigned tk = ring.sbase + s * D::STAGE + tk_lane;
             #pragma unroll
             for (int h = 0; h < S; ++h) {
                 if (h >= n) break;                   // uniform over the CTA
@@ -268,7 +292,7 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
             // kernels' schedule happened to put the arrive after the last MMA, which consumes every
             // load; the fence makes that a guarantee rather than a scheduling accident.
             fence_proxy_async_smem();
-            mbar_arrive(empty0 + 8 * s);
+            mbar_arrive(ring.empty0 + 8 * s);
         }
         const int gslab = sg.G * 8 + warp;
         if (sg.k0 == 0 && sg.k1 == nch) {
@@ -276,8 +300,8 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
         } else {
             // A K part: leave it in the scratch; the unit's last CTA sums all parts in CTA order.
             const unsigned ustart = sg.u * nch;
-            const int cf = (int)(ustart / per), cl = (int)((ustart + nch - 1) / per);
-            const int mine = (x == b) ? 0 : 1;       // slot 0: the segment holding the range's first chunk
+            const int cf = (int)(ustart / w.per), cl = (int)((ustart + nch - 1) / w.per);
+            const int mine = (x == w.b) ? 0 : 1;     // slot 0: the segment holding the range's first chunk
             float4* part = (float4*)partials;
             __stcg(part + (((size_t)blockIdx.x * 2 + mine) * DS_CONSUMERS + warp) * 32 + lane,
                    make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]));
@@ -295,7 +319,7 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
             if (last_flag) {
                 float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
                 for (int c = cf; c <= cl; ++c) {
-                    const int sl = ((unsigned)c * per < ustart) ? 1 : 0;
+                    const int sl = ((unsigned)c * w.per < ustart) ? 1 : 0;
                     const float4 v = __ldcg(part + (((size_t)c * 2 + sl) * DS_CONSUMERS + warp) * 32 + lane);
                     sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
                 }
@@ -305,6 +329,48 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
         }
         x += sg.k1 - sg.k0;
     }
+    return i;
+}
+
+// Runs the CTA's range of one streaming GEMM launch; `store(acc, grp, m0, mc, gslab)` is one slab's
+// epilogue. PDL_WAIT: the kernel may be a programmatic dependent of the one producing A (see above).
+// next_wq / prefetch_bytes (the L1): see ds_prefetch.
+template <int NT, int S, int ST, bool L1, bool PDL_WAIT, typename Store>
+__device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, unsigned* counters, Store store,
+                                        const unsigned char* next_wq = nullptr, int prefetch_bytes = 0)
+{
+    __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+    __shared__ int last_flag;
+    // The L1 may be a programmatic dependent of the plan (whose tile table sizes its work): wait for
+    // it before the first read (a no-op when launched without). The L2's wait comes later (below).
+    if constexpr (!PDL_WAIT) griddep_wait();
+    const DsPlanTiles<NT> tl{g};
+    const unsigned ntiles = tl.count();
+    const DsWork w = ds_work<L1>(g, ntiles, blockIdx.x);
+    if (w.b >= w.e) return;                          // uniform over the CTA
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const DsRing ring = ds_ring<ST>(full, empty);
+    __syncthreads();
+
+    if (warp == DS_CONSUMERS) {
+        if (lane != 0) return;
+        // Producer: stage i of the range goes to slot i % ST; slot reuse waits for its consumers.
+        const unsigned long long wpol = l2_policy_evict_first();
+        if constexpr (PDL_WAIT) {
+            // The ring's first stages of weights before the predecessor (which writes A) is done.
+            ds_issue<NT, S, ST>(ring, g, w, tl, 0, true, false, 0, ST, wpol);
+            griddep_wait();
+            ds_issue<NT, S, ST>(ring, g, w, tl, 0, false, true, 0, ST, wpol);
+            ds_issue<NT, S, ST>(ring, g, w, tl, 0, true, true, ST, ~0u, wpol);
+        } else {
+            ds_issue<NT, S, ST>(ring, g, w, tl, 0, true, true, 0, ~0u, wpol);
+        }
+        // The weights this CTA index streams in the L2 launch of the same plan.
+        if (L1 && next_wq) ds_prefetch(next_wq, ds_work<false>(g, ntiles, blockIdx.x), tl, prefetch_bytes);
+        return;
+    }
+    if constexpr (L1) griddep_launch_dependents();
+    ds_consume<NT, S, ST>(ring, w, tl, partials, counters, last_flag, store, 0);
 }
 
 // Entry points of token tile NT with S chunks per stage and ST stages (appended by the host,

@@ -169,6 +169,20 @@ struct DsL2Params {
 };
 static_assert(sizeof(DsL2Params) == 112, "DsL2Params mirrors params.rs");
 
+struct DfParams {
+    PlanParams plan;
+    GemmL1Params l1;
+    GemmL2Params l2;
+    CombineParams combine;
+    float* partials1;
+    unsigned* counters1;
+    float* partials2;
+    unsigned* counters2;
+    unsigned* sync;
+    int prefetch_bytes;
+};
+static_assert(sizeof(DfParams) == 424, "DfParams mirrors params.rs");
+
 struct WgL1Params {
     GemmL1Params l1;
     TmaDesc amap;

@@ -28,29 +28,7 @@
 //   per-expert loops over 32 warps' rows, and the L1 waits for it).
 // Experts with no slots get no tiles, so the grouped GEMMs spend nothing on them.
 
-// The local expert of slot s's id, or -1.
-__device__ __forceinline__ int plan_local(const PlanParams& p, int id) {
-    const int l = id - p.expert_base;
-    return (l >= 0 && l < p.experts) ? l : -1;
-}
-
-// The local experts of this lane's slots s0 + 32 i + lane (i < N) of chunk [s0, s1), -1 for
-// slots past the end or not planned here; `bad` records malformed ids.
-template <int N>
-__device__ __forceinline__ void plan_load_chunk(const PlanParams& p, int s0, int s1, int lane, int (&e)[N], bool& bad)
-{
-    int id[N];
-    #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        const int s = s0 + 32 * i + lane;
-        id[i] = s < s1 ? p.topk_ids[s] : -1;
-    }
-    #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        bad |= id[i] < -1 || id[i] >= p.global_experts;
-        e[i] = plan_local(p, id[i]);
-    }
-}
+// plan_local / plan_load_chunk / plan_tiny_warp: plan_warp.cuh (prepended to this module).
 
 // Adds the chunk's slots per expert to cnt[E_local] (this warp's row of shared memory; C = u32, or
 // u16 in moe_plan_small, whose rows stay below 65536).
@@ -261,76 +239,13 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_c
 }
 
 // The whole plan in one warp (up to 32 * PLAN_TINY_GROUPS slots, E_local <= PLAN_SMALL_EXPERTS):
-// slot groups i = slots 32 i + lane in order; a slot's rank among its expert's slots is the
-// expert's running count (shared memory) plus its rank in the group's __match_any_sync set, so
-// rows are grouped by expert with slots ascending, as the other plans. Lane l scans experts
-// [l * EPL, (l + 1) * EPL) (EPL = ceil(E / 32)) and the warp's shuffle scan joins the lanes.
+// plan_tiny_warp (plan_warp.cuh) into the workspace's arrays.
 extern "C" __global__ void __launch_bounds__(32) moe_plan_tiny(const __grid_constant__ PlanParams p)
 {
     __shared__ unsigned s_cnt[PLAN_SMALL_EXPERTS];   // per expert: its count, then its first row
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);   // as moe_plan_small
 #endif
-    const int lane = threadIdx.x, E = p.experts, BM = p.bm;
-    for (int x = lane; x < E; x += 32) s_cnt[x] = 0u;
-    __syncwarp();
-    int e[PLAN_TINY_GROUPS];
-    bool bad = false;
-    plan_load_chunk(p, 0, p.slots, lane, e, bad);
-    const unsigned lt = (1u << lane) - 1u;
-    unsigned rank[PLAN_TINY_GROUPS];
-    #pragma unroll
-    for (int i = 0; i < PLAN_TINY_GROUPS; ++i) {
-        const unsigned m = __match_any_sync(0xffffffffu, e[i]);
-        rank[i] = e[i] >= 0 ? s_cnt[e[i]] + __popc(m & lt) : 0u;
-        __syncwarp();
-        if (e[i] >= 0 && (m & lt) == 0) s_cnt[e[i]] += __popc(m);   // the group's lowest lane
-        __syncwarp();
-    }
-    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
-    // Rows and tiles of this lane's experts, then exclusive prefixes over the lanes.
-    const int epl = (E + 31) / 32, x0 = min(E, lane * epl), x1 = min(E, x0 + epl);
-    unsigned rows = 0u, tiles = 0u;
-    for (int x = x0; x < x1; ++x) {
-        const unsigned c = s_cnt[x];
-        rows += c;
-        tiles += (c + BM - 1) / BM;
-    }
-    unsigned r_inc = rows, t_inc = tiles;
-    #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned a = __shfl_up_sync(0xffffffffu, r_inc, o), b = __shfl_up_sync(0xffffffffu, t_inc, o);
-        if (lane >= o) { r_inc += a; t_inc += b; }
-    }
-    unsigned r = r_inc - rows, t = t_inc - tiles;
-    for (int x = x0; x < x1; ++x) {
-        const unsigned c = s_cnt[x], nt = (c + BM - 1) / BM;
-        p.counts[x] = c;
-        p.offsets[x] = r;
-        p.tile_start[x] = (int)t;
-        for (unsigned j = 0; j < nt; ++j) {
-            p.tiles[2 * (t + j)] = x;
-            p.tiles[2 * (t + j) + 1] = (int)(r + j * BM);
-        }
-        s_cnt[x] = r;                                // from now on: the expert's first row
-        r += c;
-        t += nt;
-    }
-    if (lane == 31) {
-        p.offsets[E] = r_inc;
-        p.tile_start[E] = (int)t_inc;
-        *p.num_tiles = (int)t_inc;
-    }
-    __syncwarp();
-    #pragma unroll
-    for (int i = 0; i < PLAN_TINY_GROUPS; ++i) {
-        const int sl = 32 * i + lane;
-        if (e[i] >= 0) {
-            const unsigned row = s_cnt[e[i]] + rank[i];
-            p.perm[row] = (unsigned)sl;
-            p.row_of_slot[sl] = row;
-        } else if (sl < p.slots) {
-            p.row_of_slot[sl] = 0xFFFFFFFFu;
-        }
-    }
+    PlanGlobalSink sink{p};
+    if (plan_tiny_warp(p, s_cnt, sink) && threadIdx.x == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
 }

@@ -143,44 +143,16 @@ extern "C" __global__ void moe_quant_rows(const __grid_constant__ QuantRowsParam
 }
 
 // Final combine: y[t] = sum over slots j in order of l2[row_of_slot[t*K+j]] (+ shared[t]).
-// CTA (token t, 1024-column block blockIdx.y); a thread owns 4 consecutive columns (float4 loads,
-// H % 4 == 0 checked on the host) and issues the K rows' loads before adding them in slot order:
-// a fixed order of fp32 adds, no atomics, bitwise reproducible.
-#define COMBINE_BATCH 8
+// CTA (token t, 1024-column block blockIdx.y); a thread owns 4 consecutive columns
+// (combine_cols4, combine.cuh: a fixed order of fp32 adds, no atomics, bitwise reproducible).
 extern "C" __global__ void moe_combine(const __grid_constant__ CombineParams p)
 {
     const int t = blockIdx.x;
     if (t >= p.t) return;
-    const int H = p.h, K = p.k;
     __shared__ unsigned rows[32];                     // K <= 32 (checked on the host)
-    if (threadIdx.x < K) rows[threadIdx.x] = p.row_of_slot[t * K + threadIdx.x];
+    if (threadIdx.x < p.k) rows[threadIdx.x] = p.row_of_slot[t * p.k + threadIdx.x];
     __syncthreads();
     const int h = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
-    if (h >= H) return;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j0 = 0; j0 < K; j0 += COMBINE_BATCH) {
-        float4 v[COMBINE_BATCH];
-        bool live[COMBINE_BATCH];
-        #pragma unroll
-        for (int j = 0; j < COMBINE_BATCH; ++j) {
-            const unsigned r = j0 + j < K ? rows[j0 + j] : 0xFFFFFFFFu;
-            live[j] = r != 0xFFFFFFFFu;
-            v[j] = live[j] ? *(const float4*)(p.l2 + (size_t)r * H + h) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        #pragma unroll
-        for (int j = 0; j < COMBINE_BATCH; ++j)
-            if (live[j]) { acc.x += v[j].x; acc.y += v[j].y; acc.z += v[j].z; acc.w += v[j].w; }
-    }
-    if (p.shared_out) {
-        const float4 sh = *(const float4*)(p.shared_out + (size_t)t * H + h);
-        acc.x += sh.x; acc.y += sh.y; acc.z += sh.z; acc.w += sh.w;
-    }
-    const size_t o = (size_t)t * H + h;
-    if (p.y_dtype == OUT_BF16) {
-        bf16_t* y = (bf16_t*)p.y + o;
-        y[0] = f2bf(acc.x); y[1] = f2bf(acc.y); y[2] = f2bf(acc.z); y[3] = f2bf(acc.w);
-    } else {
-        float* y = (float*)p.y + o;
-        y[0] = acc.x; y[1] = acc.y; y[2] = acc.z; y[3] = acc.w;
-    }
+    if (h >= p.h) return;
+    combine_cols4(p, [&](int j) { return rows[j]; }, t, h);
 }

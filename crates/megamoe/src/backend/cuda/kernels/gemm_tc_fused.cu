@@ -1,0 +1,176 @@
+// gemm_tc_fused.cu — Hopper (sm_90a) fused decode kernel (moe_df_n*): a decode step's plan, L1
+// (+ SwiGLU), L2 and combine in ONE launch. Appended after gemm_tc_stream.cu in the tensor-core
+// module (one per weight format); reuses its producer / consumer walks (ds_issue, ds_consume), the
+// one-warp plan (plan_warp.cuh) and the combine (combine.cuh).
+//
+// Why: at decode the separate launches (plan -> L1 -> L2 -> combine) form a chain of dependent
+// steps, each paying a launch, its first global round trips and its grid's drain; on one V4-Pro EP8
+// rank at T=1 that chain cost ~24 of 32.5 us against an 8.7 us memory floor (docs/PERFORMANCE.md).
+// Here each step after the first is a grid barrier on counters in global memory.
+//
+// Data layouts: as gemm_tc_stream.cu (weights, A rows, split scratch: each GEMM its own partials /
+// counters) and plan.cu (the workspace's plan arrays, written by CTA 0 for later readers). Shared
+// memory: the plan of the step (DfPlan: tile table, rows <-> slots as u16: at most
+// 32 * PLAN_TINY_GROUPS slots) beside the ring; the ring's first bytes hold the plan's per-expert
+// counts while it is built (before any copy). sync [3] u32: L1-done and L2-done arrivals, finished
+// CTAs (the last resets all three: every launch leaves them zero).
+//
+// Phases (one CTA = 8 consumer warps + the producer warp, gridDim.x CTAs all resident: a
+// cooperative launch):
+//   0. the producer warp builds the plan in shared memory (every CTA the same, from topk_ids);
+//   1. L1 over the plan's tiles: the ranges, split and reduction order of the separate L1 launch
+//      on the same grid, so the result is the same bit for bit; consumers arrive at barrier 1;
+//   2. L2: the producer issues its first stages' weights as soon as ring slots free up (during the
+//      L1), waits for barrier 1 (every CTA's L1 output written), then issues the token rows (the
+//      L1's act rows, read through the async proxy after a proxy fence);
+//   3. (combine.y set) barrier 2, then every consumer thread combines 4 columns of a token
+//      (combine_cols4: the slot order of moe_combine).
+// A CTA with no L2 range never waits at barrier 1 (nothing to issue), so the counter the last CTA
+// resets is never read again in the launch.
+
+#ifdef TC_WGMMA
+
+// The fused kernel's plan in shared memory.
+struct DfPlan {
+    unsigned tile[32 * PLAN_TINY_GROUPS];            // (local expert << 16) | first row
+    unsigned short tend[32 * PLAN_TINY_GROUPS];      // the tile's expert's end row
+    unsigned short perm[32 * PLAN_TINY_GROUPS];      // plan row -> slot
+    unsigned short row[32 * PLAN_TINY_GROUPS];       // slot -> plan row (0xFFFF: not planned here)
+    unsigned ntiles;
+};
+
+// plan_tiny_warp's sink: shared memory, and the workspace's arrays when `global` is set.
+struct DfPlanSink {
+    DfPlan& sp;
+    const PlanParams* global;
+    __device__ __forceinline__ void expert(int x, unsigned c, unsigned r, unsigned t) const {
+        if (global) PlanGlobalSink{*global}.expert(x, c, r, t);
+    }
+    __device__ __forceinline__ void tile(unsigned t, int x, unsigned r, unsigned end) const {
+        sp.tile[t] = ((unsigned)x << 16) | r;
+        sp.tend[t] = (unsigned short)end;
+        if (global) PlanGlobalSink{*global}.tile(t, x, r, end);
+    }
+    __device__ __forceinline__ void totals(unsigned rows, unsigned tiles) const {
+        sp.ntiles = tiles;
+        if (global) PlanGlobalSink{*global}.totals(rows, tiles);
+    }
+    __device__ __forceinline__ void slot(int s, unsigned row) const {
+        sp.row[s] = row == PLAN_ROW_NONE ? (unsigned short)0xFFFF : (unsigned short)row;
+        if (row != PLAN_ROW_NONE) sp.perm[row] = (unsigned short)s;
+        if (global) PlanGlobalSink{*global}.slot(s, row);
+    }
+};
+
+// The tile source of ds_issue / ds_consume over the shared-memory plan: L1 gathers its token rows
+// from x through the plan's rows (slot / k), the L2 reads the act rows in plan order.
+struct DfTiles {
+    const DfPlan& sp;
+    bool gather;
+    unsigned a_div;
+    __device__ __forceinline__ void get(int t, int& grp, int& m0, int& mend) const {
+        const unsigned v = sp.tile[t];
+        grp = (int)(v >> 16);
+        m0 = (int)(v & 0xFFFFu);
+        mend = sp.tend[t];
+    }
+    __device__ __forceinline__ unsigned a_row(int m) const { return gather ? sp.perm[m] / a_div : (unsigned)m; }
+};
+
+// Grid barrier halves (as cooperative groups' grid sync): the arrival, by one thread per CTA after
+// a CTA barrier that follows every thread's writes (each thread first fences its own generic
+// stores against the async proxy: another CTA reads them with bulk copies), is a GPU-scope fence
+// and a release add; the wait an acquire spin, then a proxy fence before this thread's bulk copies.
+__device__ __forceinline__ void df_fence_for_bulk_readers() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+__device__ __forceinline__ void df_arrive(unsigned* bar) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(bar) : "memory");
+}
+__device__ __forceinline__ void df_wait(const unsigned* bar, unsigned target) {
+    unsigned v;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
+        if (v >= target) break;
+        __nanosleep(64);
+    }
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+template <int NT, int S, int ST>
+__device__ __forceinline__ void df_kernel(const DfParams& p)
+{
+    __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+    __shared__ DfPlan sp;
+    __shared__ int last_flag;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const DsRing ring = ds_ring<ST>(full, empty);
+    if (warp == DS_CONSUMERS) {
+        DfPlanSink sink{sp, blockIdx.x == 0 ? &p.plan : nullptr};
+        const bool bad = plan_tiny_warp(p.plan, (unsigned*)smem, sink);
+        if (bad && blockIdx.x == 0 && lane == 0) atomicOr(p.plan.status, (unsigned)STATUS_BAD_EXPERT_ID);
+        fence_proxy_async_smem();                    // the counts' writes before the ring's copies
+    }
+    __syncthreads();
+    const unsigned ntiles = sp.ntiles;
+    const DfTiles t1{sp, true, (unsigned)p.l1.g.a_div}, t2{sp, false, 1u};
+    const DsWork w1 = ds_work<true>(p.l1.g, ntiles, blockIdx.x), w2 = ds_work<false>(p.l2.g, ntiles, blockIdx.x);
+
+    if (warp == DS_CONSUMERS) {
+        if (lane != 0) return;
+        const unsigned long long wpol = l2_policy_evict_first();
+        const unsigned n1 = ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, true, true, 0, ~0u, wpol);
+        if (w2.b >= w2.e) return;
+        if (p.prefetch_bytes > 0) ds_prefetch(p.l2.g.wq, w2, t2, p.prefetch_bytes);
+        ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, true, false, 0, ST, wpol);
+        df_wait(p.sync, gridDim.x);                  // every CTA's act rows are written
+        ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, false, true, 0, ST, wpol);
+        ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, true, true, ST, ~0u, wpol);
+        return;
+    }
+
+    // Consumers.
+    const unsigned n1 = ds_consume<NT, S, ST>(ring, w1, t1, p.partials1, p.counters1, last_flag,
+        [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {
+            tc_store_l1<8, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr, [&](int m) { return (unsigned)sp.perm[m]; });
+        }, 0);
+    df_fence_for_bulk_readers();
+    named_bar(1, 32 * DS_CONSUMERS);
+    if (threadIdx.x == 0) df_arrive(p.sync);
+    ds_consume<NT, S, ST>(ring, w2, t2, p.partials2, p.counters2, last_flag,
+        [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) { tc_store_l2<8>(p.l2, acc, grp, m0, mc, gs); }, n1);
+    if (p.combine.y) {
+        named_bar(1, 32 * DS_CONSUMERS);
+        if (threadIdx.x == 0) {
+            df_arrive(p.sync + 1);
+            df_wait(p.sync + 1, gridDim.x);          // every CTA's L2 rows are written
+            __threadfence();
+        }
+        named_bar(1, 32 * DS_CONSUMERS);
+        const int K = p.combine.k, cols = p.combine.h / 4;
+        const int items = p.combine.t * cols, step = gridDim.x * 32 * DS_CONSUMERS;
+        for (int it = blockIdx.x * 32 * DS_CONSUMERS + threadIdx.x; it < items; it += step) {
+            const int t = it / cols, h = (it - t * cols) * 4;
+            combine_cols4(p.combine, [&](int j) {
+                const unsigned r = sp.row[t * K + j];
+                return r == 0xFFFFu ? PLAN_ROW_NONE : r;
+            }, t, h);
+        }
+    }
+    // Every CTA is past both barriers once all have counted themselves here: the last resets them.
+    if (threadIdx.x == 0 && atomicAdd(p.sync + 2, 1u) == gridDim.x - 1) {
+        p.sync[0] = 0u;
+        p.sync[1] = 0u;
+        p.sync[2] = 0u;
+    }
+}
+
+// Entry point of token tile NT (appended by the host, gemm/tc.rs, one line per
+// gpu_layout::tc::STREAM_TOKEN_TILES entry, with the streaming kernels' stage shape).
+#define DF_KERNEL(NT, S, ST)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS, DS_MIN_CTAS) moe_df_n##NT(const __grid_constant__ DfParams p) \
+    {                                                                                                             \
+        df_kernel<NT, S, ST>(p);                                                                                  \
+    }
+
+#endif  // TC_WGMMA
