@@ -1411,15 +1411,13 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
                 }
                 let plan = w.enqueue_plan(&ws, &it, Mode::W4A16, s).unwrap();
                 w.enqueue_experts(&ws, &plan, &xt, &wt, Mode::W4A16, s).unwrap();
-                w.enqueue_combine(
-                    &ws,
-                    &plan,
-                    &DeviceTensor::new(arena.ptr() + ya as u64, t, h, ydt),
-                    shared,
-                    s,
-                )
-                .unwrap();
-                stream.synchronize().unwrap();
+                // The combine of the workspace's plan and L2 rows into y at `ya`.
+                let combine = || {
+                    let y = DeviceTensor::new(arena.ptr() + ya as u64, t, h, ydt);
+                    w.enqueue_combine(&ws, &plan, &y, shared, s).unwrap();
+                    stream.synchronize().unwrap();
+                };
+                combine();
                 let want = read(ya);
                 // One fused launch (where the kernels have it; else the same stages again).
                 ws.poison(0xFF).unwrap();
@@ -1444,15 +1442,7 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
                 assert!(left.is_empty(), "{what}: counters left non-zero {left:?}");
                 assert_eq!(ws.take_status().unwrap(), 0, "{what}");
                 // The fused launch's plan in the workspace: a separate combine from it agrees.
-                w.enqueue_combine(
-                    &ws,
-                    &plan,
-                    &DeviceTensor::new(arena.ptr() + ya as u64, t, h, ydt),
-                    shared,
-                    s,
-                )
-                .unwrap();
-                stream.synchronize().unwrap();
+                combine();
                 assert!(read(ya) == want, "{what}: the workspace plan CTA 0 wrote differs");
             }
             let fused = w.runs_fused(&ws, t, Mode::W4A16);
