@@ -117,8 +117,8 @@ impl LayerWeights {
         // CTAs resident at once), so it would wait for the shared expert's kernels to drain
         // instead of sharing the GPU with them (whole V4-Pro layer, T=1: 0.1458 ms fused against
         // 0.1352 ms for the separate stages beside the shared expert, one H200 call).
-        if !overlap && self.fused_raw(ws, &plan, io.x.ptr, wts, mode, trace, Some((&io.y, shared)), s)? {
-            return Ok(());
+        if let Some(split) = self.fused_split(ws, &plan, mode, trace).filter(|_| !overlap) {
+            return self.fused_raw(ws, &plan, &split, io.x.ptr, wts, &io.y, shared, s);
         }
         self.launch_plan(ws, &plan, s)?;
         self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, s)?;
@@ -158,8 +158,8 @@ impl LayerWeights {
         self.device.bind()?;
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
         let plan = self.plan_for(ws, topk_ids.ptr, t, mode, false);
-        if self.fused_raw(ws, &plan, x.ptr, topk_weights.ptr, mode, false, Some((y, shared)), stream)? {
-            return Ok(());
+        if let Some(split) = self.fused_split(ws, &plan, mode, false) {
+            return self.fused_raw(ws, &plan, &split, x.ptr, topk_weights.ptr, y, shared, stream);
         }
         self.launch_plan(ws, &plan, stream)?;
         self.experts_raw(ws, &plan, x.ptr, topk_weights.ptr, mode, false, stream)?;
@@ -450,33 +450,26 @@ impl LayerWeights {
         self.fused_split(ws, &plan, mode, false).is_some()
     }
 
-    /// Enqueues `plan`'s routed experts as ONE fused launch (plan, L1, L2 and, with `combine` =
-    /// `(y, shared)`, the combine) when the experts' kernels have one for it: a W4A16 decode step
-    /// of at most [`PLAN_TINY_SLOTS`] slots. Returns whether it did (else nothing was enqueued).
+    /// Enqueues `plan`'s plan, routed experts and combine into `y` (+ `shared`, 0: none) as ONE
+    /// fused launch on the split scratch [`Self::fused_split`] found for it.
     #[allow(clippy::too_many_arguments)]
     fn fused_raw(
         &self,
         ws: &Workspace,
         plan: &Plan,
+        split: &super::gemm::FusedSplit,
         x: u64,
         topk_w: u64,
-        mode: Mode,
-        trace: bool,
-        combine: Option<(&DeviceTensor, u64)>,
+        y: &DeviceTensor,
+        shared: u64,
         s: StreamRef,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let ex = &self.experts;
-        let Some(split) = self.fused_split(ws, plan, mode, trace) else { return Ok(false) };
-        let l1 = self.routed_l1(ws, self.routed_operands(ws, x, ws.perm.ptr(), &ex.l1, 0), topk_w);
-        let combine = match combine {
-            Some((y, shared)) => self.combine_params(ws, plan, y, shared)?,
-            None => CombineParams::default(),
-        };
         let p = DfParams {
             plan: self.plan_params(ws, plan),
-            l1,
+            l1: self.routed_l1(ws, self.routed_operands(ws, x, ws.perm.ptr(), &ex.l1, 0), topk_w),
             l2: GemmL2Params { g: self.routed_operands(ws, ws.act.ptr(), 0, &ex.l2, 0), out: ws.l2.ptr() },
-            combine,
+            combine: self.combine_params(ws, plan, y, shared)?,
             partials1: split.partials1,
             counters1: split.counters1,
             partials2: split.partials2,
@@ -484,8 +477,7 @@ impl LayerWeights {
             sync: split.sync,
             prefetch_bytes: split.prefetch_bytes,
         };
-        ex.kernels.launch_fused(s, &plan.launch, &p)?;
-        Ok(true)
+        ex.kernels.launch_fused(s, &plan.launch, &p)
     }
 
     /// `moe_quant_rows` over the planned rows: the expert inputs (`input`: gather x) or the L1
