@@ -90,3 +90,24 @@ fn no_driver_is_a_clear_error_not_a_panic() {
         assert!(e.to_string().contains("driver"), "{e}");
     }
 }
+
+/// The phase-probe build (`MEGAMOE_PHASE_PROBE=1`, `backend::cuda::probe`) of the FP4 tensor-core
+/// module compiles for sm_90a and holds the `ds_probe` array the host reads back.
+#[test]
+fn the_phase_probe_build_compiles() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::env::set_var("MEGAMOE_CACHE", dir.path());
+    let (mut spec, _) = module_catalogue("sm_90a")
+        .into_iter()
+        .find(|(s, _)| s.name == "gemm_tc-nvfp4")
+        .expect("the NVFP4 tensor-core module");
+    assert!(!spec.defines.iter().any(|d| d.starts_with("DS_PROBE")), "the default build has no probe");
+    spec.defines.push("DS_PROBE=1".into());
+    let c = runtime::compile(&spec, "sm_90a").unwrap_or_else(|e| panic!("probe build: {e}"));
+    assert!(!c.is_ptx, "a cubin");
+    let has = |needle: &[u8]| c.image.windows(needle.len()).any(|w| w == needle);
+    assert!(has(b"ds_probe"), "the probe build defines ds_probe");
+}

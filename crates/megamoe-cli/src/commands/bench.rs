@@ -952,6 +952,14 @@ mod cuda_bench {
                         },
                         |_| Ok((pairs, active)),
                     )?;
+                    // The diagnostic build (MEGAMOE_PHASE_PROBE=1): where the last replay's fused
+                    // launch spent its time, phase by phase.
+                    if let Some(probe) = w.phase_probe() {
+                        let probe = probe?;
+                        if !probe.ctas.is_empty() {
+                            self.pb.println(format!("{} T={t}: {}", kind.name(), probe.table()));
+                        }
+                    }
                 }
             }
             Ok(())

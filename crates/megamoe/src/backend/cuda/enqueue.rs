@@ -450,6 +450,13 @@ impl LayerWeights {
         self.fused_split(ws, &plan, mode, false).is_some()
     }
 
+    /// The phase clocks of this layer's last fused decode launch, when the kernels were built with
+    /// the probe (`MEGAMOE_PHASE_PROBE=1`, [`super::probe`]); `None` otherwise. Synchronises the
+    /// device stream (a diagnostic, never inside a forward).
+    pub fn phase_probe(&self) -> Option<Result<super::probe::PhaseProbe>> {
+        self.experts.kernels.phase_probe(&self.device)
+    }
+
     /// Enqueues `plan`'s plan, routed experts and combine into `y` (+ `shared`, 0: none) as ONE
     /// fused launch on the split scratch [`Self::fused_split`] found for it.
     #[allow(clippy::too_many_arguments)]

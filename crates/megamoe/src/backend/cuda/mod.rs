@@ -32,6 +32,7 @@ mod io;
 pub mod launch;
 mod model;
 pub mod params;
+pub mod probe;
 mod rank;
 pub mod runtime;
 mod trace_copy;

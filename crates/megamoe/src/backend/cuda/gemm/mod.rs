@@ -152,6 +152,11 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn launch_fused(&self, _s: StreamRef, _l: &GemmLaunch, _p: &DfParams) -> Result<()> {
         Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no fused decode kernel"))
     }
+    /// The phase clocks of the last fused decode launch, when the kernels were built with the
+    /// probe (`MEGAMOE_PHASE_PROBE=1`; [`crate::backend::cuda::probe`]).
+    fn phase_probe(&self, _dev: &CudaDevice) -> Option<Result<crate::backend::cuda::probe::PhaseProbe>> {
+        None
+    }
 }
 
 /// The split scratch pointers of a fused decode launch ([`GemmKernels::fused_decode`]).

@@ -6,10 +6,11 @@
 //! shared expert whose block scales are powers of two (converted to bf16 exactly).
 
 use super::{FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
-use crate::backend::cuda::buffer::err;
+use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
+use crate::backend::cuda::probe::{self, PhaseProbe};
 use crate::backend::cuda::runtime::{self, ModuleSpec};
 use crate::backend::gpu_layout::tc::{self as layout, SLAB_ROWS};
 use crate::checkpoint::{MoeLayer, SharedExpert};
@@ -51,6 +52,8 @@ struct TcKernels {
     /// Bytes per CTA of the L2's weights the streaming L1 prefetches into the L2 cache
     /// ([`layout::STREAM_PREFETCH_BYTES`]; `MEGAMOE_PREFETCH=<bytes>`, 0: none).
     prefetch_bytes: i32,
+    /// The module when built with the phase probe (`MEGAMOE_PHASE_PROBE=1`): its `ds_probe` array.
+    probe: Option<Arc<cudarc::driver::CudaModule>>,
 }
 
 /// Threads of the streaming kernels: 8 consumer warps and a producer warp.
@@ -101,6 +104,9 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     let mut defines = vec![define(f).to_string()];
     if has_wgmma(arch) {
         defines.push("TC_WGMMA=1".into());
+        if probe::enabled() {
+            defines.push("DS_PROBE=1".into());
+        }
         for c in layout::wg_configs() {
             let st = layout::wg_stages(f, c.nt, c.groups);
             inst.push_str(&format!(
@@ -190,6 +196,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 .min(1 << 20) as i32
                 & !15,
             wg_consumers: std::env::var("MEGAMOE_WG_CONSUMERS").ok().and_then(|v| v.trim().parse().ok()),
+            probe: (probe::enabled() && has_wgmma(dev.arch())).then(|| m.clone()),
         };
         if has_wgmma(dev.arch()) && stream_enabled(f) {
             for nt in layout::STREAM_TOKEN_TILES {
@@ -403,6 +410,20 @@ impl GemmKernels for TcKernels {
         // SAFETY: the operands cover the plan's rows and the packed weights; the split scratch
         // holds both sides and the barrier counters for this grid (at most `stream_ctas`), zeroed.
         unsafe { k.launch(s, &cfg, p) }
+    }
+    fn phase_probe(&self, dev: &CudaDevice) -> Option<Result<PhaseProbe>> {
+        let m = self.probe.as_ref()?;
+        let read = || -> Result<PhaseProbe> {
+            let stream = dev.stream();
+            let what = "reading the phase probe (ds_probe)";
+            let view = m.get_global("ds_probe", stream).map_err(derr(what))?;
+            let bytes: Vec<u8> = stream.clone_dtoh(&view).map_err(derr(what))?;
+            stream.synchronize().map_err(derr(what))?;
+            let raw: Vec<u64> =
+                bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+            Ok(PhaseProbe::from_raw(&raw))
+        };
+        Some(read())
     }
 }
 

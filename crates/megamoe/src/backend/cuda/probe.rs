@@ -1,0 +1,147 @@
+//! Phase clocks of the fused decode kernel (`moe_df_*`): a diagnostic build, not a hot path.
+//!
+//! With `MEGAMOE_PHASE_PROBE=1` the tensor-core modules are compiled with `DS_PROBE` (a module of
+//! their own: the define is part of the compile cache key) and every CTA of a fused launch stamps
+//! `%clock64` at each phase boundary into a `__device__` array (`ds_probe`, `gemm_tc_stream.cu`),
+//! plus `%globaltimer` at its start and end; nothing is passed to the kernel. After a launch the
+//! array is read back ([`crate::backend::cuda::LayerWeights::phase_probe`]) and summarised per
+//! phase: where a decode step's time goes, CTA by CTA (`megamoe bench forward` prints it under each
+//! fused rank row). Each launch overwrites the array: it holds the last one.
+
+/// CTA rows of the probe array (`DS_PROBE_CTAS`): at least the fused grid (3 CTAs per SM).
+pub const PROBE_CTAS: usize = 1024;
+/// Slots per CTA (`DS_PROBE_SLOTS`).
+pub const PROBE_SLOTS: usize = 16;
+
+/// The clock slots, in the order a CTA passes them (the kernel's slot numbers), with what each
+/// marks. Slot 0 (the CTA's start) is the origin of the others; 13 and 14 are `%globaltimer` at
+/// the start and end (ns), which give the SM clock each CTA ran at.
+pub const PHASES: [(usize, &str); 12] = [
+    (1, "plan built (shared memory)"),
+    (11, "L1 copies issued (producer)"),
+    (2, "first L1 stage landed"),
+    (3, "last L1 stage landed"),
+    (4, "L1 done (K parts finished)"),
+    (5, "barrier 1 arrival"),
+    (12, "barrier 1 passed (producer)"),
+    (6, "first L2 stage landed"),
+    (7, "last L2 stage landed"),
+    (8, "L2 done (K parts finished)"),
+    (9, "barrier 2 passed"),
+    (10, "end (combine done)"),
+];
+
+const GT_START: usize = 13;
+const GT_END: usize = 14;
+
+/// The last fused launch's stamps, one row per CTA that ran in it.
+#[derive(Clone, Debug)]
+pub struct PhaseProbe {
+    /// `[cta][slot]` raw stamps of the launch's CTAs (CTA index order).
+    pub ctas: Vec<[u64; PROBE_SLOTS]>,
+}
+
+impl PhaseProbe {
+    /// The rows of the last launch from the raw array (`PROBE_CTAS * PROBE_SLOTS` u64): the CTAs
+    /// whose start lies within 1 ms of the latest start (older rows are earlier launches').
+    pub fn from_raw(raw: &[u64]) -> Self {
+        let rows: Vec<[u64; PROBE_SLOTS]> = raw
+            .chunks_exact(PROBE_SLOTS)
+            .map(|c| c.try_into().expect("PROBE_SLOTS values"))
+            .filter(|r: &[u64; PROBE_SLOTS]| r[GT_START] != 0)
+            .collect();
+        let latest = rows.iter().map(|r| r[GT_START]).max().unwrap_or(0);
+        PhaseProbe { ctas: rows.into_iter().filter(|r| latest - r[GT_START] < 1_000_000).collect() }
+    }
+
+    /// Microseconds from each CTA's start to slot `slot` (CTAs that passed it), at the SM clock
+    /// each CTA ran at (clock ticks over globaltimer time between its start and end).
+    pub fn micros(&self, slot: usize) -> Vec<f64> {
+        self.ctas
+            .iter()
+            .filter_map(|r| {
+                let (ticks, ns) = (r[10].checked_sub(r[0])?, r[GT_END].checked_sub(r[GT_START])?);
+                if ticks == 0 || ns == 0 {
+                    return None;
+                }
+                let d = r[slot].checked_sub(r[0])?;
+                (d <= ticks).then(|| d as f64 * ns as f64 / ticks as f64 / 1e3)
+            })
+            .collect()
+    }
+
+    /// A table: per phase, the CTAs that passed it and the min / median / max microseconds from a
+    /// CTA's start; then the spread of the CTAs' starts and the kernel's span.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "phase clocks of the last fused launch ({} CTAs), us from each CTA's start:\n",
+            self.ctas.len()
+        );
+        out.push_str(&format!("  {:<30} {:>5} {:>8} {:>8} {:>8}\n", "phase", "CTAs", "min", "median", "max"));
+        for (slot, name) in PHASES {
+            let mut v = self.micros(slot);
+            if v.is_empty() {
+                continue;
+            }
+            v.sort_by(f64::total_cmp);
+            out.push_str(&format!(
+                "  {:<30} {:>5} {:>8.2} {:>8.2} {:>8.2}\n",
+                name,
+                v.len(),
+                v[0],
+                v[v.len() / 2],
+                v[v.len() - 1]
+            ));
+        }
+        let starts = self.ctas.iter().map(|r| r[GT_START]);
+        let (first, last) = (starts.clone().min().unwrap_or(0), starts.max().unwrap_or(0));
+        let end = self.ctas.iter().map(|r| r[GT_END]).max().unwrap_or(0);
+        out.push_str(&format!(
+            "  CTA starts spread over {:.2} us; first start to last end {:.2} us\n",
+            (last - first) as f64 / 1e3,
+            end.saturating_sub(first) as f64 / 1e3
+        ));
+        out
+    }
+}
+
+/// Whether the diagnostic build is asked for (`MEGAMOE_PHASE_PROBE=1`).
+pub fn enabled() -> bool {
+    std::env::var("MEGAMOE_PHASE_PROBE").is_ok_and(|v| v.trim() == "1")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One CTA row: start at clock 1000, each listed slot `ticks` later, 2 GHz (2 ticks per ns).
+    fn row(start_ns: u64, stamps: &[(usize, u64)]) -> [u64; PROBE_SLOTS] {
+        let mut r = [0u64; PROBE_SLOTS];
+        r[0] = 1000;
+        for &(s, t) in stamps {
+            r[s] = 1000 + t;
+        }
+        r[GT_START] = start_ns;
+        r[GT_END] = start_ns + r[10].saturating_sub(1000) / 2;
+        r
+    }
+
+    #[test]
+    fn the_last_launch_is_kept_and_clocks_become_micros() {
+        let mut raw = vec![0u64; PROBE_CTAS * PROBE_SLOTS];
+        // An older launch (5 ms earlier), then two CTAs of the last one; the rest never ran.
+        raw[..PROBE_SLOTS].copy_from_slice(&row(10_000_000, &[(1, 100), (10, 200)]));
+        raw[PROBE_SLOTS..2 * PROBE_SLOTS].copy_from_slice(&row(15_000_000, &[(1, 4000), (10, 40_000)]));
+        raw[2 * PROBE_SLOTS..3 * PROBE_SLOTS].copy_from_slice(&row(15_000_500, &[(1, 6000), (10, 50_000)]));
+        let p = PhaseProbe::from_raw(&raw);
+        assert_eq!(p.ctas.len(), 2);
+        // 4000 ticks at 2 ticks per ns = 2 us; 6000 = 3 us.
+        let plan = p.micros(1);
+        assert!((plan[0] - 2.0).abs() < 1e-9 && (plan[1] - 3.0).abs() < 1e-9, "{plan:?}");
+        // A slot a CTA never passed (0) or stamped after its end is left out.
+        assert!(p.micros(9).is_empty());
+        let t = p.table();
+        assert!(t.contains("plan built") && t.contains("2 CTAs"), "{t}");
+        assert!(!t.contains("barrier 2"), "{t}");
+    }
+}
