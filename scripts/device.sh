@@ -32,6 +32,11 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
   source scripts/nvrtc_env.sh
   MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
     "$carry/bin/megamoe" kernels --arch sm_90a >/dev/null || echo "warning: precompiling the kernels failed" >&2
+  # The phase-probe build of the FP4 / bf16 tensor-core modules (run.sh PHASE_PROBE=1).
+  [ "${PRECOMPILE_PROBE:-1}" != 0 ] && for m in gemm_tc-nvfp4 gemm_tc-bf16; do
+    MEGAMOE_PHASE_PROBE=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
+      "$carry/bin/megamoe" kernels --arch sm_90a --filter "$m" >/dev/null || echo "warning: precompiling the probe build failed" >&2
+  done
   # Compressed: the device tool carries at most 64 MiB with the working tree.
   [ -d "$carry/kcache" ] && tar -cJf "$carry/kcache.tar.xz" -C "$carry" kcache && rm -rf "$carry/kcache"
 fi

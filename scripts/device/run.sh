@@ -3,7 +3,7 @@
 # tests (both GEMM families), the fixture tests, `megamoe verify`, the GPU demo, traces,
 # compute-sanitizer memcheck/racecheck, timings per GEMM family and an ncu summary of the decode
 # kernels; logs go to $OUT; a summary table is printed last.
-# Env: VERIFY_ARGS (default: the full sweep), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
+# Env: VERIFY_ARGS (default: the full sweep), PHASE_PROBE=1 (the fused decode kernel's phase clocks), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
 # SANITIZE=0 (SANITIZE_VERIFY="memcheck racecheck initcheck": those tools over `verify --quick` too,
 # SANITIZE_VERIFY_ARGS=" " the whole sweep; INITCHECK_VERIFY=1 = initcheck), BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
 # EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
@@ -83,6 +83,12 @@ if [ "${BENCH:-0}" != 0 ]; then
     --tokens "${BENCH_TOKENS:-1,8,64,512,4096,16384}" --json "$OUT/bench.json" ${BENCH_ARGS:-}
   step bench_flash timeout 300 "$bin" bench forward --backend cuda --shape v4-flash --whole-layer \
     --tokens "${FLASH_TOKENS:-1,64,4096}" --json "$OUT/bench_flash.json" ${BENCH_ARGS:-}
+fi
+# PHASE_PROBE=1: the fused decode kernel's phase clocks (the DS_PROBE build, its own kernel
+# cache entries; precompile them with MEGAMOE_PHASE_PROBE=1 megamoe kernels) under each rank row.
+if [ "${PHASE_PROBE:-0}" != 0 ]; then
+  step phase_probe env MEGAMOE_PHASE_PROBE=1 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro \
+    --simulate-ep 8 --tokens "${PROBE_TOKENS:-1,8}" --iters 5
 fi
 if [ -n "${BENCH_AB:-}" ]; then
   # The same EP-rank rows under another configuration (e.g. BENCH_AB="MEGAMOE_STREAM=0": the
