@@ -828,16 +828,22 @@ mod cuda_bench {
             Ok((w, ws))
         }
 
+        /// Prints a line between the rows: above the progress bar on a terminal, and also when the
+        /// bar is hidden (output to a file or pipe), where `ProgressBar::println` prints nothing.
+        fn note(&self, msg: impl std::fmt::Display) {
+            self.pb.suspend(|| println!("{msg}"));
+        }
+
         /// Checks a row's output once: y finite, no malformed-id status. Returns whether y was finite.
         fn check(&self, ws: &Workspace, t: usize, what: &str) -> anyhow::Result<bool> {
             let y = self.io.y.read::<f32>(&self.stream, 0, t * self.cfg.hidden_size)?;
             let bad = y.iter().filter(|v| !v.is_finite()).count();
             if bad > 0 {
-                self.pb.println(format!("warning: {what}: {bad} of {} outputs are not finite", y.len()));
+                self.note(format!("warning: {what}: {bad} of {} outputs are not finite", y.len()));
             }
             let status = ws.take_status()?;
             if status & (STATUS_BAD_EXPERT_ID | STATUS_BAD_TOKEN_ID) as u32 != 0 {
-                self.pb.println(format!(
+                self.note(format!(
                     "warning: {what}: the forward reported malformed ids (status 0x{status:x})"
                 ));
             }
@@ -919,7 +925,7 @@ mod cuda_bench {
                 shard.experts.clone(),
             );
             let (w, ws) = self.upload(layer, max_t)?;
-            self.pb.println(format!(
+            self.note(format!(
                 "rank layer ({} experts, {:.2} GB on the device) ready in {:.1} s",
                 w.local_experts(),
                 w.device_bytes() as f64 / 1e9,
@@ -957,7 +963,7 @@ mod cuda_bench {
                     if let Some(probe) = w.phase_probe() {
                         let probe = probe?;
                         if !probe.ctas.is_empty() {
-                            self.pb.println(format!("{} T={t}: {}", kind.name(), probe.table()));
+                            self.note(format!("{} T={t}: {}", kind.name(), probe.table()));
                         }
                     }
                 }
@@ -980,7 +986,7 @@ mod cuda_bench {
                 + ws_bytes;
             let (free, total) = self.device.memory_info()?;
             let skip = |b: &mut Self, why: String| {
-                b.pb.println(format!("note: whole layer skipped: {why}"));
+                b.note(format!("note: whole layer skipped: {why}"));
                 b.pb.inc(tokens.len() as u64);
             };
             if need as f64 > free as f64 * 0.95 {
@@ -1005,7 +1011,7 @@ mod cuda_bench {
                     return Ok(());
                 }
             };
-            self.pb.println(format!(
+            self.note(format!(
                 "whole layer ({e} experts, {:.2} GB on the device) ready in {:.1} s",
                 w.device_bytes() as f64 / 1e9,
                 t0.elapsed().as_secs_f64()
