@@ -22,14 +22,19 @@ fn nvrtc_or_skip() -> bool {
     }
 }
 
+/// A private kernel cache (kept while the returned directory lives), so the test really compiles.
+fn private_cache() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::env::set_var("MEGAMOE_CACHE", dir.path());
+    dir
+}
+
 #[test]
 fn every_kernel_compiles_for_hopper_and_blackwell() {
     if !nvrtc_or_skip() {
         return;
     }
-    // A private cache so this test really compiles.
-    let dir = tempfile::tempdir().unwrap();
-    std::env::set_var("MEGAMOE_CACHE", dir.path());
+    let _cache = private_cache();
     // ptxas' report, so its notes on the wgmma pipeline can be checked below.
     std::env::set_var("MEGAMOE_PTXAS_VERBOSE", "1");
     eprintln!("NVRTC {:?}, include {:?}", runtime::nvrtc_version().unwrap(), runtime::include_dir());
@@ -98,8 +103,7 @@ fn the_phase_probe_build_compiles() {
     if !nvrtc_or_skip() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    std::env::set_var("MEGAMOE_CACHE", dir.path());
+    let _cache = private_cache();
     let (mut spec, _) = module_catalogue("sm_90a")
         .into_iter()
         .find(|(s, _)| s.name == "gemm_tc-nvfp4")

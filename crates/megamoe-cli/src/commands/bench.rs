@@ -959,8 +959,8 @@ mod cuda_bench {
                         |_| Ok((pairs, active)),
                     )?;
                     // The diagnostic build (MEGAMOE_PHASE_PROBE=1): where the last replay's fused
-                    // launch spent its time, phase by phase.
-                    if let Some(probe) = w.phase_probe() {
+                    // launch spent its time, phase by phase (rows on the separate stages have none).
+                    if let Some(probe) = w.runs_fused(&ws, t, mode).then(|| w.phase_probe()).flatten() {
                         let probe = probe?;
                         if !probe.ctas.is_empty() {
                             self.note(format!("{} T={t}: {}", kind.name(), probe.table()));

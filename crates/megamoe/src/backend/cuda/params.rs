@@ -103,6 +103,40 @@ kernel_abi! {
         PLAN_SMALL_EXPERTS = 512;
         /// Slot groups of 32 `moe_plan_tiny` (one warp) takes: up to 256 slots.
         PLAN_TINY_GROUPS = 8;
+        /// Phase probe (`probe.rs`, the `DS_PROBE` build): CTA rows of the `ds_probe` array.
+        PROBE_CTAS = 1024;
+        /// Slots per CTA row.
+        PROBE_SLOTS = 16;
+        /// Slot: `%clock64` at the CTA's start (the origin of the clock slots).
+        PROBE_START = 0;
+        /// Slot: the plan built in shared memory.
+        PROBE_PLAN = 1;
+        /// Slot: the first L1 stage landed.
+        PROBE_L1_FIRST = 2;
+        /// Slot: the last L1 stage landed.
+        PROBE_L1_LAST = 3;
+        /// Slot: the L1 done (its K parts finished).
+        PROBE_L1_DONE = 4;
+        /// Slot: barrier 1 arrival.
+        PROBE_BAR1_ARRIVE = 5;
+        /// Slot: the first L2 stage landed.
+        PROBE_L2_FIRST = 6;
+        /// Slot: the last L2 stage landed.
+        PROBE_L2_LAST = 7;
+        /// Slot: the L2 done.
+        PROBE_L2_DONE = 8;
+        /// Slot: barrier 2 passed.
+        PROBE_BAR2 = 9;
+        /// Slot: the CTA's end (combine done).
+        PROBE_END = 10;
+        /// Slot: the producer's L1 copies issued.
+        PROBE_L1_ISSUED = 11;
+        /// Slot: the producer past barrier 1.
+        PROBE_BAR1_PASSED = 12;
+        /// Slot: `%globaltimer` (ns) at the CTA's start.
+        PROBE_TIME_START = 13;
+        /// Slot: `%globaltimer` (ns) at the CTA's end.
+        PROBE_TIME_END = 14;
     }
 
     /// `moe_router_logits`: gate logits of every (token, expert) into `scores`.

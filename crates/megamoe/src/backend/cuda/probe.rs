@@ -8,31 +8,39 @@
 //! phase: where a decode step's time goes, CTA by CTA (`megamoe bench forward` prints it under each
 //! fused rank row). Each launch overwrites the array: it holds the last one.
 
-/// CTA rows of the probe array (`DS_PROBE_CTAS`): at least the fused grid (3 CTAs per SM).
-pub const PROBE_CTAS: usize = 1024;
-/// Slots per CTA (`DS_PROBE_SLOTS`).
-pub const PROBE_SLOTS: usize = 16;
+use super::params::{
+    PROBE_BAR1_ARRIVE, PROBE_BAR1_PASSED, PROBE_BAR2, PROBE_END, PROBE_L1_DONE, PROBE_L1_FIRST,
+    PROBE_L1_ISSUED, PROBE_L1_LAST, PROBE_L2_DONE, PROBE_L2_FIRST, PROBE_L2_LAST, PROBE_PLAN, PROBE_START,
+    PROBE_TIME_END, PROBE_TIME_START,
+};
 
-/// The clock slots, in the order a CTA passes them (the kernel's slot numbers), with what each
-/// marks. Slot 0 (the CTA's start) is the origin of the others; 13 and 14 are `%globaltimer` at
-/// the start and end (ns), which give the SM clock each CTA ran at.
-pub const PHASES: [(usize, &str); 12] = [
-    (1, "plan built (shared memory)"),
-    (11, "L1 copies issued (producer)"),
-    (2, "first L1 stage landed"),
-    (3, "last L1 stage landed"),
-    (4, "L1 done (K parts finished)"),
-    (5, "barrier 1 arrival"),
-    (12, "barrier 1 passed (producer)"),
-    (6, "first L2 stage landed"),
-    (7, "last L2 stage landed"),
-    (8, "L2 done (K parts finished)"),
-    (9, "barrier 2 passed"),
-    (10, "end (combine done)"),
+/// CTA rows of the probe array (`params::PROBE_CTAS`): at least the fused grid (3 CTAs per SM).
+pub const PROBE_CTAS: usize = super::params::PROBE_CTAS as usize;
+/// Slots per CTA (`params::PROBE_SLOTS`).
+pub const PROBE_SLOTS: usize = super::params::PROBE_SLOTS as usize;
+
+/// The clock slots (the kernel ABI's `PROBE_*`), in the order a CTA passes them, with what each
+/// marks. `PROBE_START` is the origin of the others; the `%globaltimer` slots at the start and end
+/// give the SM clock each CTA ran at.
+pub const PHASES: [(i32, &str); 12] = [
+    (PROBE_PLAN, "plan built (shared memory)"),
+    (PROBE_L1_ISSUED, "L1 copies issued (producer)"),
+    (PROBE_L1_FIRST, "first L1 stage landed"),
+    (PROBE_L1_LAST, "last L1 stage landed"),
+    (PROBE_L1_DONE, "L1 done (K parts finished)"),
+    (PROBE_BAR1_ARRIVE, "barrier 1 arrival"),
+    (PROBE_BAR1_PASSED, "barrier 1 passed (producer)"),
+    (PROBE_L2_FIRST, "first L2 stage landed"),
+    (PROBE_L2_LAST, "last L2 stage landed"),
+    (PROBE_L2_DONE, "L2 done (K parts finished)"),
+    (PROBE_BAR2, "barrier 2 passed"),
+    (PROBE_END, "end (combine done)"),
 ];
 
-const GT_START: usize = 13;
-const GT_END: usize = 14;
+const START: usize = PROBE_START as usize;
+const END: usize = PROBE_END as usize;
+const GT_START: usize = PROBE_TIME_START as usize;
+const GT_END: usize = PROBE_TIME_END as usize;
 
 /// The last fused launch's stamps, one row per CTA that ran in it.
 #[derive(Clone, Debug)]
@@ -56,15 +64,16 @@ impl PhaseProbe {
 
     /// Microseconds from each CTA's start to slot `slot` (CTAs that passed it), at the SM clock
     /// each CTA ran at (clock ticks over globaltimer time between its start and end).
-    pub fn micros(&self, slot: usize) -> Vec<f64> {
+    pub fn micros(&self, slot: i32) -> Vec<f64> {
+        let slot = slot as usize;
         self.ctas
             .iter()
             .filter_map(|r| {
-                let (ticks, ns) = (r[10].checked_sub(r[0])?, r[GT_END].checked_sub(r[GT_START])?);
+                let (ticks, ns) = (r[END].checked_sub(r[START])?, r[GT_END].checked_sub(r[GT_START])?);
                 if ticks == 0 || ns == 0 {
                     return None;
                 }
-                let d = r[slot].checked_sub(r[0])?;
+                let d = r[slot].checked_sub(r[START])?;
                 (d <= ticks).then(|| d as f64 * ns as f64 / ticks as f64 / 1e3)
             })
             .collect()
@@ -115,14 +124,14 @@ mod tests {
     use super::*;
 
     /// One CTA row: start at clock 1000, each listed slot `ticks` later, 2 GHz (2 ticks per ns).
-    fn row(start_ns: u64, stamps: &[(usize, u64)]) -> [u64; PROBE_SLOTS] {
+    fn row(start_ns: u64, stamps: &[(i32, u64)]) -> [u64; PROBE_SLOTS] {
         let mut r = [0u64; PROBE_SLOTS];
-        r[0] = 1000;
+        r[START] = 1000;
         for &(s, t) in stamps {
-            r[s] = 1000 + t;
+            r[s as usize] = 1000 + t;
         }
         r[GT_START] = start_ns;
-        r[GT_END] = start_ns + r[10].saturating_sub(1000) / 2;
+        r[GT_END] = start_ns + r[END].saturating_sub(1000) / 2;
         r
     }
 
@@ -130,16 +139,18 @@ mod tests {
     fn the_last_launch_is_kept_and_clocks_become_micros() {
         let mut raw = vec![0u64; PROBE_CTAS * PROBE_SLOTS];
         // An older launch (5 ms earlier), then two CTAs of the last one; the rest never ran.
-        raw[..PROBE_SLOTS].copy_from_slice(&row(10_000_000, &[(1, 100), (10, 200)]));
-        raw[PROBE_SLOTS..2 * PROBE_SLOTS].copy_from_slice(&row(15_000_000, &[(1, 4000), (10, 40_000)]));
-        raw[2 * PROBE_SLOTS..3 * PROBE_SLOTS].copy_from_slice(&row(15_000_500, &[(1, 6000), (10, 50_000)]));
+        raw[..PROBE_SLOTS].copy_from_slice(&row(10_000_000, &[(PROBE_PLAN, 100), (PROBE_END, 200)]));
+        raw[PROBE_SLOTS..2 * PROBE_SLOTS]
+            .copy_from_slice(&row(15_000_000, &[(PROBE_PLAN, 4000), (PROBE_END, 40_000)]));
+        raw[2 * PROBE_SLOTS..3 * PROBE_SLOTS]
+            .copy_from_slice(&row(15_000_500, &[(PROBE_PLAN, 6000), (PROBE_END, 50_000)]));
         let p = PhaseProbe::from_raw(&raw);
         assert_eq!(p.ctas.len(), 2);
         // 4000 ticks at 2 ticks per ns = 2 us; 6000 = 3 us.
-        let plan = p.micros(1);
+        let plan = p.micros(PROBE_PLAN);
         assert!((plan[0] - 2.0).abs() < 1e-9 && (plan[1] - 3.0).abs() < 1e-9, "{plan:?}");
         // A slot a CTA never passed (0) or stamped after its end is left out.
-        assert!(p.micros(9).is_empty());
+        assert!(p.micros(PROBE_BAR2).is_empty());
         let t = p.table();
         assert!(t.contains("plan built") && t.contains("2 CTAs"), "{t}");
         assert!(!t.contains("barrier 2"), "{t}");

@@ -65,6 +65,7 @@ struct DfPlanSink {
 // The tile source of ds_issue / ds_consume over the shared-memory plan: L1 gathers its token rows
 // from x through the plan's rows (slot / k), the L2 reads the act rows in plan order.
 struct DfTiles {
+    static constexpr bool PROBED = true;             // stamps phase clocks in the DS_PROBE build
     const DfPlan& sp;
     bool gather;
     unsigned a_div;
@@ -104,7 +105,7 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     __shared__ int last_flag;
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) { DS_STAMP_RESET(); DS_STAMP_TIME(13); DS_STAMP(0); }
+    if (threadIdx.x == 0) { DS_STAMP_RESET(); DS_STAMP_TIME(PROBE_TIME_START); DS_STAMP(PROBE_START); }
     const DsRing ring = ds_ring<ST>(full, empty);
     if (warp == DS_CONSUMERS) {
         DfPlanSink sink{sp, blockIdx.x == 0 ? &p.plan : nullptr};
@@ -113,7 +114,7 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
         fence_proxy_async_smem();                    // the counts' writes before the ring's copies
     }
     __syncthreads();
-    if (threadIdx.x == 0) DS_STAMP(1);
+    if (threadIdx.x == 0) DS_STAMP(PROBE_PLAN);
     const unsigned ntiles = sp.ntiles;
     const DfTiles t1{sp, true, (unsigned)p.l1.g.a_div}, t2{sp, false, 1u};
     const DsWork w1 = ds_work<true>(p.l1.g, ntiles, blockIdx.x), w2 = ds_work<false>(p.l2.g, ntiles, blockIdx.x);
@@ -122,12 +123,12 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
         if (lane != 0) return;
         const unsigned long long wpol = l2_policy_evict_first();
         const unsigned n1 = ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, true, true, 0, ~0u, wpol);
-        DS_STAMP(11);
+        DS_STAMP(PROBE_L1_ISSUED);
         if (w2.b >= w2.e) return;
         if (p.prefetch_bytes > 0) ds_prefetch(p.l2.g.wq, w2, t2, p.prefetch_bytes);
         ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, true, false, 0, ST, wpol);
         df_wait(p.sync, gridDim.x);                  // every CTA's act rows are written
-        DS_STAMP(12);
+        DS_STAMP(PROBE_BAR1_PASSED);
         ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, false, true, 0, ST, wpol);
         ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, true, true, ST, ~0u, wpol);
         return;
@@ -138,20 +139,20 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
         [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {
             tc_store_l1<8, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr, [&](int m) { return (unsigned)sp.perm[m]; });
         }, 0);
-    if (threadIdx.x == 0) DS_STAMP(4);
+    if (threadIdx.x == 0) DS_STAMP(PROBE_L1_DONE);
     df_fence_for_bulk_readers();
     named_bar(1, 32 * DS_CONSUMERS);
-    if (threadIdx.x == 0) { df_arrive(p.sync); DS_STAMP(5); }
+    if (threadIdx.x == 0) { df_arrive(p.sync); DS_STAMP(PROBE_BAR1_ARRIVE); }
     ds_consume<NT, S, ST>(ring, w2, t2, p.partials2, p.counters2, last_flag,
         [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) { tc_store_l2<8>(p.l2, acc, grp, m0, mc, gs); }, n1);
-    if (threadIdx.x == 0) DS_STAMP(8);
+    if (threadIdx.x == 0) DS_STAMP(PROBE_L2_DONE);
     if (p.combine.y) {
         named_bar(1, 32 * DS_CONSUMERS);
         if (threadIdx.x == 0) {
             df_arrive(p.sync + 1);
             df_wait(p.sync + 1, gridDim.x);          // every CTA's L2 rows are written
             __threadfence();
-            DS_STAMP(9);
+            DS_STAMP(PROBE_BAR2);
         }
         named_bar(1, 32 * DS_CONSUMERS);
         const int K = p.combine.k, cols = p.combine.h / 4;
@@ -164,7 +165,7 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
             }, t, h);
         }
     }
-    if (threadIdx.x == 0) { DS_STAMP(10); DS_STAMP_TIME(14); }
+    if (threadIdx.x == 0) { DS_STAMP(PROBE_END); DS_STAMP_TIME(PROBE_TIME_END); }
     // Every CTA is past both barriers once all have counted themselves here: the last resets them.
     if (threadIdx.x == 0 && atomicAdd(p.sync + 2, 1u) == gridDim.x - 1) {
         p.sync[0] = 0u;

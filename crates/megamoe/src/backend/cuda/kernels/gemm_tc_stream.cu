@@ -38,30 +38,25 @@
 #ifdef TC_WGMMA
 
 // Phase clocks (a diagnostic build only: DS_PROBE, set by MEGAMOE_PHASE_PROBE=1, compiles a module
-// of its own; gemm/tc.rs reads them back, backend/cuda/probe.rs names the slots): per CTA, the
-// %clock64 at each phase boundary of the last launch, and %globaltimer at its start and end.
-// The default build stamps nothing.
+// of its own; backend/cuda/probe.rs reads them back): per CTA of the fused kernel, %clock64 at each
+// phase boundary of the last launch and %globaltimer at its start and end, in the PROBE_* slots
+// (params.cuh). The default build stamps nothing.
 #ifdef DS_PROBE
-constexpr int DS_PROBE_CTAS = 1024, DS_PROBE_SLOTS = 16;   // = probe::PROBE_CTAS, PROBE_SLOTS
-__device__ unsigned long long ds_probe[DS_PROBE_CTAS][DS_PROBE_SLOTS];
+__device__ unsigned long long ds_probe[PROBE_CTAS][PROBE_SLOTS];
 __device__ __forceinline__ unsigned long long ds_globaltimer() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-#define DS_STAMP(slot) (ds_probe[blockIdx.x % DS_PROBE_CTAS][(slot)] = clock64())
+#define DS_STAMP(slot) (ds_probe[blockIdx.x % PROBE_CTAS][(slot)] = clock64())
 // A CTA's row is cleared at its start: slots it does not pass in this launch read 0.
-#define DS_STAMP_RESET() do { for (int s_ = 0; s_ < DS_PROBE_SLOTS; ++s_) ds_probe[blockIdx.x % DS_PROBE_CTAS][s_] = 0ull; } while (0)
-#define DS_STAMP_TIME(slot) (ds_probe[blockIdx.x % DS_PROBE_CTAS][(slot)] = ds_globaltimer())
+#define DS_STAMP_RESET() do { for (int s_ = 0; s_ < PROBE_SLOTS; ++s_) ds_probe[blockIdx.x % PROBE_CTAS][s_] = 0ull; } while (0)
+#define DS_STAMP_TIME(slot) (ds_probe[blockIdx.x % PROBE_CTAS][(slot)] = ds_globaltimer())
 #else
 #define DS_STAMP(slot) ((void)0)
 #define DS_STAMP_RESET() ((void)0)
 #define DS_STAMP_TIME(slot) ((void)0)
 #endif
-// The slots (probe.rs PHASES): 0 start, 1 plan built, 2 / 3 first / last L1 stage landed, 4 L1
-// done, 5 barrier-1 arrival, 6 / 7 first / last L2 stage landed, 8 L2 done, 9 barrier 2 passed,
-// 10 end, 11 the producer's L1 copies issued, 12 the producer past barrier 1, 13 / 14 globaltimer
-// at the start / end.
 
 constexpr int DS_CONSUMERS = 8;                      // one consumer warp per slab of a 128-row group
 constexpr int DS_THREADS = 32 * (DS_CONSUMERS + 1);  // + the producer warp
@@ -166,6 +161,7 @@ __device__ __forceinline__ DsWork ds_work(const GemmOperands& g, unsigned ntiles
 // shared memory: DfTiles, gemm_tc_fused.cu.)
 template <int NT>
 struct DsPlanTiles {
+    static constexpr bool PROBED = false;            // the separate launches stamp no phase clocks
     const GemmOperands& g;
     __device__ __forceinline__ unsigned count() const {
         return g.tiles ? (unsigned)*g.num_tiles : (unsigned)(g.dense_rows + NT - 1) / NT;
@@ -289,8 +285,11 @@ __device__ __forceinline__ unsigned ds_consume(const DsRing& ring, const DsWork&
             const int n = min(S, sg.k1 - k);
             const unsigned j = base + i, s = j % ST;
             mbar_wait(ring.full0 + 8 * s, (j / ST) & 1);
-            if (threadIdx.x == 0 && i == 0) DS_STAMP(base == 0 ? 2 : 6);
-            if (threadIdx.x == 0 && x + (sg.k1 - sg.k0) >= w.e && k + S >= sg.k1) DS_STAMP(base == 0 ? 3 : 7);
+            if constexpr (Tiles::PROBED) {           // the fused kernel's walks only
+                if (threadIdx.x == 0 && i == 0) DS_STAMP(base == 0 ? PROBE_L1_FIRST : PROBE_L2_FIRST);
+                if (threadIdx.x == 0 && x + (sg.k1 - sg.k0) >= w.e && k + S >= sg.k1)
+                    DS_STAMP(base == 0 ? PROBE_L1_LAST : PROBE_L2_LAST);
+            }
             const unsigned char* st = smem + s * D::STAGE;
             const unsigned tk = ring.sbase + s * D::STAGE + tk_lane;
             #pragma unroll

@@ -26,6 +26,23 @@ constexpr int PLAN_WARPS = 8;
 constexpr int PLAN_SMALL_CHUNK = 256;
 constexpr int PLAN_SMALL_EXPERTS = 512;
 constexpr int PLAN_TINY_GROUPS = 8;
+constexpr int PROBE_CTAS = 1024;
+constexpr int PROBE_SLOTS = 16;
+constexpr int PROBE_START = 0;
+constexpr int PROBE_PLAN = 1;
+constexpr int PROBE_L1_FIRST = 2;
+constexpr int PROBE_L1_LAST = 3;
+constexpr int PROBE_L1_DONE = 4;
+constexpr int PROBE_BAR1_ARRIVE = 5;
+constexpr int PROBE_L2_FIRST = 6;
+constexpr int PROBE_L2_LAST = 7;
+constexpr int PROBE_L2_DONE = 8;
+constexpr int PROBE_BAR2 = 9;
+constexpr int PROBE_END = 10;
+constexpr int PROBE_L1_ISSUED = 11;
+constexpr int PROBE_BAR1_PASSED = 12;
+constexpr int PROBE_TIME_START = 13;
+constexpr int PROBE_TIME_END = 14;
 
 struct RouterLogitsParams {
     const bf16_t* x;
