@@ -22,11 +22,16 @@ fn nvrtc_or_skip() -> bool {
     }
 }
 
-/// A private kernel cache (kept while the returned directory lives), so the test really compiles.
-fn private_cache() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::env::set_var("MEGAMOE_CACHE", dir.path());
-    dir
+/// Points the kernel cache at one private directory for the whole test process, so the tests
+/// really compile. One directory, set once: `MEGAMOE_CACHE` is process-wide and the tests run in
+/// parallel, so a directory per test let one test's cache vanish under another's cache-hit check.
+fn private_cache() {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        std::env::set_var("MEGAMOE_CACHE", dir.path());
+        dir
+    });
 }
 
 #[test]
@@ -34,7 +39,7 @@ fn every_kernel_compiles_for_hopper_and_blackwell() {
     if !nvrtc_or_skip() {
         return;
     }
-    let _cache = private_cache();
+    private_cache();
     // ptxas' report, so its notes on the wgmma pipeline can be checked below.
     std::env::set_var("MEGAMOE_PTXAS_VERBOSE", "1");
     eprintln!("NVRTC {:?}, include {:?}", runtime::nvrtc_version().unwrap(), runtime::include_dir());
@@ -103,7 +108,7 @@ fn the_phase_probe_build_compiles() {
     if !nvrtc_or_skip() {
         return;
     }
-    let _cache = private_cache();
+    private_cache();
     let (mut spec, _) = module_catalogue("sm_90a")
         .into_iter()
         .find(|(s, _)| s.name == "gemm_tc-nvfp4")
