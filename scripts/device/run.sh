@@ -10,7 +10,8 @@
 # forwards against the reference, device-memory growth), W4A8=1 (W4A8 bench rows on MXFP4 — the
 # opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
 # (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
-# prefill tests and rows under each MEGAMOE_WG_CONSUMERS).
+# prefill tests and rows under each MEGAMOE_WG_CONSUMERS), QUANT_DECODE=1 (W4A8 / W4A4 decode rows,
+# fused against the separate stages).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
@@ -95,6 +96,18 @@ if [ -n "${BENCH_AB:-}" ]; then
   # decode tiles on the mma.sync kernels instead of the streaming ones), in the same call.
   step bench_ab timeout 300 env $BENCH_AB "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
     --whole-layer --tokens "${BENCH_AB_TOKENS:-1,8,64}" --json "$OUT/bench_ab.json"
+fi
+if [ "${QUANT_DECODE:-0}" != 0 ]; then
+  # The quantized modes' decode rows (EP-rank): W4A8 on MXFP4 and NVFP4, W4A4 on NVFP4, the fused
+  # kernel (default) against the separate stages (MEGAMOE_FUSED=0), W4A16 beside them.
+  qd="${QUANT_DECODE_TOKENS:-1,8,64}"
+  for spec in "mxfp4 w4a8" "nvfp4 w4a8" "nvfp4 w4a4" "mxfp4 w4a16"; do
+    set -- $spec
+    step "qd_$1_$2" timeout 200 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --format "$1" \
+      --mode "$2" --tokens "$qd" --json "$OUT/qd_$1_$2.json"
+    [ "$2" != w4a16 ] && step "qd_$1_$2_separate" timeout 200 env MEGAMOE_FUSED=0 "$bin" bench forward --backend cuda \
+      --shape v4-pro --simulate-ep 8 --format "$1" --mode "$2" --tokens "$qd" --json "$OUT/qd_$1_$2_sep.json"
+  done
 fi
 if [ -n "${WG_AB:-}" ]; then
   # The wgmma prefill kernels under each consumer-warpgroup count of WG_AB (MEGAMOE_WG_CONSUMERS,

@@ -1363,7 +1363,9 @@ fn layers_in_one_workspace_capture_as_one_graph_bitwise_equal_to_eager() {
 /// same combine order), in both FP4 formats, on a rank owning experts 8..16 of 24 with -1 and
 /// foreign ids, at 1..42 tokens (up to the one-warp plan's 256 slots), f32 and bf16 outputs, with
 /// and without the shared expert; the split and barrier counters back at zero after each; the
-/// separate path's plan (the combine reads the workspace's row_of_slot) equal to what CTA 0 wrote.
+/// separate path's plan (the combine reads the workspace's row_of_slot) equal to what CTA 0 wrote;
+/// in every mode the layer takes (W4A8 / W4A4: the kernel's own quantization passes against the
+/// separate `moe_quant_rows` launches).
 #[test]
 fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
     let Some(dev) = device() else { return };
@@ -1378,9 +1380,12 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
         let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
         let w = LayerWeights::upload(&dev, &rank).unwrap();
         let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, 42)).unwrap();
-        ws.prepare(Mode::W4A16, false).unwrap();
         let arena = dev.alloc(8 << 20, "arena").unwrap();
-        for t in [1usize, 2, 3, 8, 17, 42] {
+        let modes: Vec<Mode> =
+            [Mode::W4A16, Mode::W4A8, Mode::W4A4].into_iter().filter(|&m| w.check_mode(m).is_ok()).collect();
+        assert!(modes.len() >= 2, "{format:?}: W4A16 and W4A8 at least ({modes:?})");
+        for (mode, t) in modes.iter().flat_map(|&m| [1usize, 2, 3, 8, 17, 42].map(|t| (m, t))) {
+            ws.prepare(mode, false).unwrap();
             let mut ids = vec![0i32; t * k];
             let mut wts = vec![0f32; t * k];
             for tok in 0..t {
@@ -1403,14 +1408,14 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
                 let ybytes = t * h * ydt.size();
                 let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));
                 let read = |at: usize| arena.read::<u8>(dev.stream(), at, ybytes).unwrap();
-                let what = format!("{format:?} T={t} y {ydt:?} shared {shared}");
+                let what = format!("{format:?} {mode} T={t} y {ydt:?} shared {shared}");
                 // Separate stages.
                 ws.poison(0xFF).unwrap();
                 if shared {
                     w.enqueue_shared(&ws, &xt, s).unwrap();
                 }
-                let plan = w.enqueue_plan(&ws, &it, Mode::W4A16, s).unwrap();
-                w.enqueue_experts(&ws, &plan, &xt, &wt, Mode::W4A16, s).unwrap();
+                let plan = w.enqueue_plan(&ws, &it, mode, s).unwrap();
+                w.enqueue_experts(&ws, &plan, &xt, &wt, mode, s).unwrap();
                 // The combine of the workspace's plan and L2 rows into y at `ya`.
                 let combine = || {
                     let y = DeviceTensor::new(arena.ptr() + ya as u64, t, h, ydt);
@@ -1431,7 +1436,7 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
                     &wt,
                     &DeviceTensor::new(arena.ptr() + yb as u64, t, h, ydt),
                     shared,
-                    Mode::W4A16,
+                    mode,
                     s,
                 )
                 .unwrap();
@@ -1445,11 +1450,16 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
                 combine();
                 assert!(read(ya) == want, "{what}: the workspace plan CTA 0 wrote differs");
             }
-            let fused = w.runs_fused(&ws, t, Mode::W4A16);
+            let fused = w.runs_fused(&ws, t, mode);
             if dev.arch() == "sm_90a" && t <= 8 {
-                assert!(fused, "{format:?} T={t}: a decode step on sm_90a should run the fused kernel");
+                assert!(
+                    fused,
+                    "{format:?} {mode} T={t}: a decode step on sm_90a should run the fused kernel"
+                );
             }
-            eprintln!("fused decode {format:?} T={t}: fused {fused}, bitwise equal to the separate stages");
+            eprintln!(
+                "fused decode {format:?} {mode} T={t}: fused {fused}, bitwise equal to the separate stages"
+            );
         }
     }
 }

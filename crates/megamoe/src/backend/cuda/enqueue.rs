@@ -118,7 +118,7 @@ impl LayerWeights {
         // instead of sharing the GPU with them (whole V4-Pro layer, T=1: 0.1458 ms fused against
         // 0.1352 ms for the separate stages beside the shared expert, one H200 call).
         if let Some(split) = self.fused_split(ws, &plan, mode, trace).filter(|_| !overlap) {
-            return self.fused_raw(ws, &plan, &split, io.x.ptr, wts, &io.y, shared, s);
+            return self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, &io.y, shared, s);
         }
         self.launch_plan(ws, &plan, s)?;
         self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, s)?;
@@ -159,7 +159,7 @@ impl LayerWeights {
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
         let plan = self.plan_for(ws, topk_ids.ptr, t, mode, false);
         if let Some(split) = self.fused_split(ws, &plan, mode, false) {
-            return self.fused_raw(ws, &plan, &split, x.ptr, topk_weights.ptr, y, shared, stream);
+            return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, y, shared, stream);
         }
         self.launch_plan(ws, &plan, stream)?;
         self.experts_raw(ws, &plan, x.ptr, topk_weights.ptr, mode, false, stream)?;
@@ -421,7 +421,8 @@ impl LayerWeights {
     }
 
     /// The split scratch of `plan`'s fused launch, when the experts' kernels have one for it: a
-    /// W4A16 decode step of at most [`PLAN_TINY_SLOTS`] slots whose tiles the streaming kernels take.
+    /// decode step of at most [`PLAN_TINY_SLOTS`] slots whose tiles the streaming kernels take
+    /// (W4A16, or W4A8 / W4A4 on the bf16 path: the kernel quantizes its inputs and its L1 outputs).
     fn fused_split(
         &self,
         ws: &Workspace,
@@ -431,8 +432,13 @@ impl LayerWeights {
     ) -> Option<super::gemm::FusedSplit> {
         let slots = plan.tokens * self.config.num_experts_per_tok;
         let ex = &self.experts;
+        // W4A8 / W4A4 quantize inside the fused kernel into the workspace's staging buffers, as
+        // the separate stages do (W4A8 on the FP8 kernels has no fused form).
+        let quantized = mode != Mode::W4A16;
+        let fp8 = mode == Mode::W4A8 && self.w4a8.as_ref().is_some_and(|w| w.applies(&plan.launch));
         if trace
-            || mode != Mode::W4A16
+            || fp8
+            || (quantized && (ws.xin.is_none() || ws.actq.is_none()))
             || slots == 0
             || slots > PLAN_TINY_SLOTS
             || self.local_experts() > PLAN_SMALL_EXPERTS as usize
@@ -465,6 +471,7 @@ impl LayerWeights {
         ws: &Workspace,
         plan: &Plan,
         split: &super::gemm::FusedSplit,
+        mode: Mode,
         x: u64,
         topk_w: u64,
         y: &DeviceTensor,
@@ -472,11 +479,32 @@ impl LayerWeights {
         s: StreamRef,
     ) -> Result<()> {
         let ex = &self.experts;
+        // W4A16 gathers x in the L1's copies; the quantized modes read the rows the kernel stages
+        // (in plan order) in both GEMMs, as the separate stages (`experts_raw`).
+        let w4a4 = mode == Mode::W4A4;
+        let (a1, a1_rows, quant_in, a2, quant_act) = if mode == Mode::W4A16 {
+            (x, ws.perm.ptr(), QuantRowsParams::default(), ws.act.ptr(), QuantRowsParams::default())
+        } else {
+            let xin = lazy(&ws.xin, "quantized expert inputs")?.ptr();
+            let actq = lazy(&ws.actq, "quantized activations")?.ptr();
+            let qin = self.quant_params(ws, plan, x, xin, true, mode, None);
+            let qact = self.quant_params(ws, plan, ws.act.ptr(), actq, false, mode, None);
+            (xin, 0, qin, actq, qact)
+        };
         let p = DfParams {
             plan: self.plan_params(ws, plan),
-            l1: self.routed_l1(ws, self.routed_operands(ws, x, ws.perm.ptr(), &ex.l1, 0), topk_w),
-            l2: GemmL2Params { g: self.routed_operands(ws, ws.act.ptr(), 0, &ex.l2, 0), out: ws.l2.ptr() },
+            l1: self.routed_l1(
+                ws,
+                self.routed_operands(ws, a1, a1_rows, &ex.l1, if w4a4 { opt_ptr(&self.in1) } else { 0 }),
+                topk_w,
+            ),
+            l2: GemmL2Params {
+                g: self.routed_operands(ws, a2, 0, &ex.l2, if w4a4 { opt_ptr(&self.in2) } else { 0 }),
+                out: ws.l2.ptr(),
+            },
             combine: self.combine_params(ws, plan, y, shared)?,
+            quant_in,
+            quant_act,
             partials1: split.partials1,
             counters1: split.counters1,
             partials2: split.partials2,
@@ -502,8 +530,27 @@ impl LayerWeights {
         fp8: Option<&Fp8Rows>,
         s: StreamRef,
     ) -> Result<()> {
+        let p = self.quant_params(ws, plan, src, dst, input, mode, fp8);
+        let slots = (plan.tokens * self.config.num_experts_per_tok) as u32;
+        // SAFETY: src/dst (and the scales) hold the planned rows; the grid covers every slot.
+        unsafe { self.device.core.quant_rows.launch(s, &LaunchCfg::grid((slots, 1, 1), 0), &p) }
+    }
+
+    /// The parameters of one quantization pass over the planned rows (`moe_quant_rows`, and the
+    /// fused decode kernel's own passes): see [`Self::quant_rows`].
+    #[allow(clippy::too_many_arguments)]
+    fn quant_params(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
+        src: u64,
+        dst: u64,
+        input: bool,
+        mode: Mode,
+        fp8: Option<&Fp8Rows>,
+    ) -> QuantRowsParams {
         let c = &self.config;
-        let p = QuantRowsParams {
+        QuantRowsParams {
             src,
             dst,
             perm: ws.perm.ptr(),
@@ -523,10 +570,7 @@ impl LayerWeights {
             in_scale: if mode == Mode::W4A4 { opt_ptr(if input { &self.in1 } else { &self.in2 }) } else { 0 },
             scales: fp8.map_or(0, |f| f.scales),
             scale_pitch: fp8.map_or(0, |f| f.pitch as i32),
-        };
-        let slots = (plan.tokens * c.num_experts_per_tok) as u32;
-        // SAFETY: src/dst (and the scales) hold the planned rows; the grid covers every slot.
-        unsafe { self.device.core.quant_rows.launch(s, &LaunchCfg::grid((slots, 1, 1), 0), &p) }
+        }
     }
 
     /// The operands of one routed-expert GEMM over `a` (rows gathered through `a_rows` when

@@ -137,6 +137,18 @@ kernel_abi! {
         PROBE_TIME_START = 13;
         /// Slot: `%globaltimer` (ns) at the CTA's end.
         PROBE_TIME_END = 14;
+        /// Fused decode kernel, `DfParams::sync` counter: CTAs whose L1 outputs are written.
+        DF_SYNC_L1 = 0;
+        /// Counter: CTAs whose L2 rows are written (before the combine).
+        DF_SYNC_L2 = 1;
+        /// Counter: CTAs finished (the last resets every counter).
+        DF_SYNC_DONE = 2;
+        /// Counter: CTAs whose share of the quantized expert inputs is written (W4A8 / W4A4).
+        DF_SYNC_INPUTS = 3;
+        /// Counter: CTAs whose share of the quantized L1 outputs is written (W4A8 / W4A4).
+        DF_SYNC_ACT = 4;
+        /// Counters in `DfParams::sync` (= `gpu_layout::tc::FUSED_SYNC_COUNTERS`).
+        DF_SYNC_COUNTERS = 5;
     }
 
     /// `moe_router_logits`: gate logits of every (token, expert) into `scores`.
@@ -392,6 +404,12 @@ kernel_abi! {
         l2: GemmL2Params => "GemmL2Params",
         /// The combine (`y` null: no combine phase; the forward's own combine runs later).
         combine: CombineParams => "CombineParams",
+        /// W4A8 / W4A4: the expert inputs' quantization (x gathered into `l1.g.a` in plan order, as
+        /// the separate `moe_quant_rows` launch; its `perm` / `offsets` are unused: the kernel's
+        /// own plan); `mode` QUANT_COPY: none (W4A16 gathers x in the L1's copies).
+        quant_in: QuantRowsParams => "QuantRowsParams",
+        /// W4A8 / W4A4: the L1 outputs' quantization (`act` into `l2.g.a`); QUANT_COPY: none.
+        quant_act: QuantRowsParams => "QuantRowsParams",
         /// The L1's split scratch: `[gridDim.x][2][8][32]` float4 K-part sums.
         partials1: DevPtr => "float*",
         /// The L1's `[gridDim.x]` u32 arrival counters (0 between launches).
@@ -400,7 +418,7 @@ kernel_abi! {
         partials2: DevPtr => "float*",
         /// The L2's arrival counters.
         counters2: DevPtr => "unsigned*",
-        /// `[3]` u32 grid-barrier counters (L1 done, L2 done, CTAs finished; 0 between launches).
+        /// `[DF_SYNC_COUNTERS]` u32 grid-barrier counters (`DF_SYNC_*`; 0 between launches).
         sync: DevPtr => "unsigned*",
         /// Bytes per CTA of the L2's weights prefetched into the L2 cache once the L1's copies are out.
         prefetch_bytes: i32 => "int",

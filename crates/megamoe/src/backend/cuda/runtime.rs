@@ -22,11 +22,15 @@ pub const PLAN_WARP: &str = include_str!("kernels/plan_warp.cuh");
 /// The combine of 4 columns of one token (`moe_combine` and the fused decode kernel).
 pub const COMBINE: &str = include_str!("kernels/combine.cuh");
 
+/// Activation quantization of one block (`moe_quant_rows` and the fused decode kernel).
+pub const QUANT_ROWS: &str = include_str!("kernels/quant_rows.cuh");
+
 /// The router, plan, staging, combine and residual kernels: one module, compiled once per device
-/// (after the shared headers [`PLAN_WARP`] and [`COMBINE`]).
-pub const CORE_SOURCES: [(&str, &str); 6] = [
+/// (after the shared headers [`PLAN_WARP`], [`COMBINE`] and [`QUANT_ROWS`]).
+pub const CORE_SOURCES: [(&str, &str); 7] = [
     ("plan_warp", PLAN_WARP),
     ("combine", COMBINE),
+    ("quant_rows", QUANT_ROWS),
     ("router", include_str!("kernels/router.cu")),
     ("plan", include_str!("kernels/plan.cu")),
     ("quant", include_str!("kernels/quant.cu")),
@@ -43,7 +47,7 @@ pub const GEMM_TC: &str = include_str!("kernels/gemm_tc.cu");
 pub const GEMM_TC_STREAM: &str = include_str!("kernels/gemm_tc_stream.cu");
 
 /// The tensor-core family's fused decode kernel: plan, L1, L2 and combine of a decode step in one
-/// launch (appended after [`GEMM_TC_STREAM`], after [`PLAN_WARP`] and [`COMBINE`]).
+/// launch (appended after [`GEMM_TC_STREAM`], after [`PLAN_WARP`], [`COMBINE`] and [`QUANT_ROWS`]).
 pub const GEMM_TC_FUSED: &str = include_str!("kernels/gemm_tc_fused.cu");
 
 /// Device code shared by the GEMM sources (prepended to each).
@@ -53,13 +57,14 @@ pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 pub const GEMM_W4A8: &str = include_str!("kernels/gemm_w4a8.cu");
 
 /// Every source with its name (for the layout-comment check and the compile test).
-pub const ALL_SOURCES: [(&str, &str); 12] = [
+pub const ALL_SOURCES: [(&str, &str); 13] = [
     CORE_SOURCES[0],
     CORE_SOURCES[1],
     CORE_SOURCES[2],
     CORE_SOURCES[3],
     CORE_SOURCES[4],
     CORE_SOURCES[5],
+    CORE_SOURCES[6],
     ("gemm_simt", GEMM_SIMT),
     ("gemm_tc", GEMM_TC),
     ("gemm_tc_stream", GEMM_TC_STREAM),

@@ -840,9 +840,10 @@ pub fn stream_scratch_bytes(ctas: usize) -> usize {
     stream_partials_bytes(ctas) + (ctas * 4).div_ceil(256) * 256
 }
 
-/// Grid-barrier counters of the fused decode kernel (`moe_df_*`, `DfParams::sync`): L1 done, L2
-/// done, CTAs finished.
-pub const FUSED_SYNC_COUNTERS: usize = 3;
+/// Grid-barrier counters of the fused decode kernel (`moe_df_*`, `DfParams::sync`; their roles are
+/// the kernel ABI's `DF_SYNC_*`): L1 done, L2 done, CTAs finished, inputs quantized, L1 outputs
+/// quantized.
+pub const FUSED_SYNC_COUNTERS: usize = 5;
 
 /// Where things lie in the split scratch of one GEMM pair (the L1's, then the L2's) on `ctas`
 /// CTAs: each side's `(partials, counters)` byte offsets, the fused decode kernel's grid-barrier

@@ -19,6 +19,9 @@ use crate::formats::WeightFormat;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+// The fused kernel's counters (kernel ABI) fill the scratch the layout reserves for them.
+const _: () = assert!(DF_SYNC_COUNTERS as usize == layout::FUSED_SYNC_COUNTERS);
+
 const THREADS: u32 = 256;
 
 /// The tensor-core family.
@@ -130,6 +133,7 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
             runtime::GEMM_TC_STREAM.into(),
             runtime::PLAN_WARP.into(),
             runtime::COMBINE.into(),
+            runtime::QUANT_ROWS.into(),
             runtime::GEMM_TC_FUSED.into(),
             inst.into(),
         ],

@@ -1,7 +1,8 @@
 // gemm_tc_fused.cu — Hopper (sm_90a) fused decode kernel (moe_df_n*): a decode step's plan, L1
 // (+ SwiGLU), L2 and combine in ONE launch. Appended after gemm_tc_stream.cu in the tensor-core
 // module (one per weight format); reuses its producer / consumer walks (ds_issue, ds_consume), the
-// one-warp plan (plan_warp.cuh) and the combine (combine.cuh).
+// one-warp plan (plan_warp.cuh), the combine (combine.cuh) and the block quantization
+// (quant_rows.cuh).
 //
 // Why: at decode the separate launches (plan -> L1 -> L2 -> combine) form a chain of dependent
 // steps, each paying a launch, its first global round trips and its grid's drain; on one V4-Pro EP8
@@ -12,21 +13,30 @@
 // counters) and plan.cu (the workspace's plan arrays, written by CTA 0 for later readers). Shared
 // memory: the plan of the step (DfPlan: tile table, rows <-> slots as u16: at most
 // 32 * PLAN_TINY_GROUPS slots) beside the ring; the ring's first bytes hold the plan's per-expert
-// counts while it is built (before any copy). sync [3] u32: L1-done and L2-done arrivals, finished
-// CTAs (the last resets all three: every launch leaves them zero).
+// counts while it is built (before any copy). sync [DF_SYNC_COUNTERS] u32 (DF_SYNC_*): L1-done and
+// L2-done arrivals, finished CTAs (the last resets all), inputs and L1 outputs quantized.
+// W4A8 / W4A4 (quant_in / quant_act mode != QUANT_COPY): the L1 reads the quantized expert inputs
+// [rows, H] bf16 in plan order (l1.g.a, no gather) and the L2 the quantized L1 outputs (l2.g.a), the
+// same rows as the separate moe_quant_rows launches write, so the result is theirs bit for bit.
 //
 // Phases (one CTA = 8 consumer warps + the producer warp, gridDim.x CTAs all resident: a
 // cooperative launch):
 //   0. the producer warp builds the plan in shared memory (every CTA the same, from topk_ids);
+//      (quantized modes) the consumers quantize their share of the expert inputs (df_quant: the
+//      plan's (row, block)s over every CTA's consumer warps) and arrive at barrier 0, while the
+//      producer issues its first stages' weights; it issues their token rows once barrier 0 passed;
 //   1. L1 over the plan's tiles: the ranges, split and reduction order of the separate L1 launch
 //      on the same grid, so the result is the same bit for bit; consumers arrive at barrier 1;
+//      (quantized modes) the consumers wait for barrier 1, quantize their share of the L1 outputs
+//      and arrive at barrier 1b;
 //   2. L2: the producer issues its first stages' weights as soon as ring slots free up (during the
-//      L1), waits for barrier 1 (every CTA's L1 output written), then issues the token rows (the
-//      L1's act rows, read through the async proxy after a proxy fence);
+//      L1), waits for barrier 1 (1b: every CTA's L2 input rows written), then issues the token rows
+//      (read through the async proxy after a proxy fence);
 //   3. (combine.y set) barrier 2, then every consumer thread combines 4 columns of a token
 //      (combine_cols4: the slot order of moe_combine).
 // A CTA with no L2 range never waits at barrier 1 (nothing to issue), so the counter the last CTA
-// resets is never read again in the launch.
+// resets is never read again in the launch (every wait of a CTA comes before its count of
+// finished CTAs: the producer's waits gate its own consumers' work).
 
 #ifdef TC_WGMMA
 
@@ -37,6 +47,7 @@ struct DfPlan {
     unsigned short perm[32 * PLAN_TINY_GROUPS];      // plan row -> slot
     unsigned short row[32 * PLAN_TINY_GROUPS];       // slot -> plan row (0xFFFF: not planned here)
     unsigned ntiles;
+    unsigned rows;                                   // planned rows
 };
 
 // plan_tiny_warp's sink: shared memory, and the workspace's arrays when `global` is set.
@@ -53,6 +64,7 @@ struct DfPlanSink {
     }
     __device__ __forceinline__ void totals(unsigned rows, unsigned tiles) const {
         sp.ntiles = tiles;
+        sp.rows = rows;
         if (global) PlanGlobalSink{*global}.totals(rows, tiles);
     }
     __device__ __forceinline__ void slot(int s, unsigned row) const {
@@ -97,6 +109,32 @@ __device__ __forceinline__ void df_wait(const unsigned* bar, unsigned target) {
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// This CTA's share of one quantization pass over the plan's rows (W4A8 / W4A4; QUANT_COPY: none):
+// the (row, block)s in order over every CTA's consumer warps (FP8: a warp per 128-block) or threads
+// (NVFP4: a thread per 16-block); row r's source as moe_quant_rows (gather: token perm[r] / K).
+__device__ __forceinline__ void df_quant(const QuantRowsParams& q, const DfPlan& sp)
+{
+    const unsigned tid = blockIdx.x * 32 * DS_CONSUMERS + threadIdx.x;
+    const unsigned nthreads = gridDim.x * 32 * DS_CONSUMERS;
+    auto src = [&](unsigned r) {
+        return q.src + (size_t)(q.gather ? sp.perm[r] / (unsigned)q.k : r) * q.cols;
+    };
+    if (q.mode == QUANT_FP8_ACT) {
+        const unsigned nb = q.cols / 128, items = sp.rows * nb;
+        for (unsigned it = tid >> 5; it < items; it += nthreads >> 5) {   // uniform over the warp
+            const unsigned r = it / nb;
+            quant_fp8_block<false>(q, src(r), (int)r, (int)(it - r * nb), threadIdx.x & 31);
+        }
+    } else if (q.mode == QUANT_NVFP4_ACT) {
+        const unsigned nb = q.cols / 16, items = sp.rows * nb;
+        for (unsigned it = tid; it < items; it += nthreads) {
+            const unsigned r = it / nb;
+            const float gs = q.in_scale[q.topk_ids[sp.perm[r]] - q.expert_base];
+            quant_nvfp4_block(q, src(r), (int)r, (int)(it - r * nb), gs);
+        }
+    }
+}
+
 template <int NT, int S, int ST>
 __device__ __forceinline__ void df_kernel(const DfParams& p)
 {
@@ -116,18 +154,30 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     __syncthreads();
     if (threadIdx.x == 0) DS_STAMP(PROBE_PLAN);
     const unsigned ntiles = sp.ntiles;
-    const DfTiles t1{sp, true, (unsigned)p.l1.g.a_div}, t2{sp, false, 1u};
+    const bool qin = p.quant_in.mode != QUANT_COPY, qact = p.quant_act.mode != QUANT_COPY;
+    const DfTiles t1{sp, p.l1.g.a_rows != nullptr, (unsigned)p.l1.g.a_div}, t2{sp, false, 1u};
     const DsWork w1 = ds_work<true>(p.l1.g, ntiles, blockIdx.x), w2 = ds_work<false>(p.l2.g, ntiles, blockIdx.x);
 
     if (warp == DS_CONSUMERS) {
         if (lane != 0) return;
         const unsigned long long wpol = l2_policy_evict_first();
-        const unsigned n1 = ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, true, true, 0, ~0u, wpol);
+        unsigned n1;
+        if (qin) {
+            // The first stages' weights while the inputs are quantized, their token rows after.
+            n1 = ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, true, false, 0, ST, wpol);
+            if (n1 > 0) {
+                df_wait(p.sync + DF_SYNC_INPUTS, gridDim.x);
+                ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, false, true, 0, ST, wpol);
+                n1 = ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, true, true, ST, ~0u, wpol);
+            }
+        } else {
+            n1 = ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, true, true, 0, ~0u, wpol);
+        }
         DS_STAMP(PROBE_L1_ISSUED);
         if (w2.b >= w2.e) return;
         if (p.prefetch_bytes > 0) ds_prefetch(p.l2.g.wq, w2, t2, p.prefetch_bytes);
         ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, true, false, 0, ST, wpol);
-        df_wait(p.sync, gridDim.x);                  // every CTA's act rows are written
+        df_wait(p.sync + (qact ? DF_SYNC_ACT : DF_SYNC_L1), gridDim.x);   // every L2 input row is written
         DS_STAMP(PROBE_BAR1_PASSED);
         ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, false, true, 0, ST, wpol);
         ds_issue<NT, S, ST>(ring, p.l2.g, w2, t2, n1, true, true, ST, ~0u, wpol);
@@ -135,6 +185,12 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     }
 
     // Consumers.
+    if (qin) {
+        df_quant(p.quant_in, sp);
+        df_fence_for_bulk_readers();
+        named_bar(1, 32 * DS_CONSUMERS);
+        if (threadIdx.x == 0) df_arrive(p.sync + DF_SYNC_INPUTS);
+    }
     const unsigned n1 = ds_consume<NT, S, ST>(ring, w1, t1, p.partials1, p.counters1, last_flag,
         [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {
             tc_store_l1<8, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr, [&](int m) { return (unsigned)sp.perm[m]; });
@@ -142,15 +198,27 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     if (threadIdx.x == 0) DS_STAMP(PROBE_L1_DONE);
     df_fence_for_bulk_readers();
     named_bar(1, 32 * DS_CONSUMERS);
-    if (threadIdx.x == 0) { df_arrive(p.sync); DS_STAMP(PROBE_BAR1_ARRIVE); }
+    if (threadIdx.x == 0) { df_arrive(p.sync + DF_SYNC_L1); DS_STAMP(PROBE_BAR1_ARRIVE); }
+    if (qact) {
+        // The L2's input rows: every CTA's L1 outputs, quantized (barrier 1, then 1b).
+        if (threadIdx.x == 0) {
+            df_wait(p.sync + DF_SYNC_L1, gridDim.x);
+            __threadfence();
+        }
+        named_bar(1, 32 * DS_CONSUMERS);
+        df_quant(p.quant_act, sp);
+        df_fence_for_bulk_readers();
+        named_bar(1, 32 * DS_CONSUMERS);
+        if (threadIdx.x == 0) df_arrive(p.sync + DF_SYNC_ACT);
+    }
     ds_consume<NT, S, ST>(ring, w2, t2, p.partials2, p.counters2, last_flag,
         [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) { tc_store_l2<8>(p.l2, acc, grp, m0, mc, gs); }, n1);
     if (threadIdx.x == 0) DS_STAMP(PROBE_L2_DONE);
     if (p.combine.y) {
         named_bar(1, 32 * DS_CONSUMERS);
         if (threadIdx.x == 0) {
-            df_arrive(p.sync + 1);
-            df_wait(p.sync + 1, gridDim.x);          // every CTA's L2 rows are written
+            df_arrive(p.sync + DF_SYNC_L2);
+            df_wait(p.sync + DF_SYNC_L2, gridDim.x); // every CTA's L2 rows are written
             __threadfence();
             DS_STAMP(PROBE_BAR2);
         }
@@ -167,10 +235,9 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     }
     if (threadIdx.x == 0) { DS_STAMP(PROBE_END); DS_STAMP_TIME(PROBE_TIME_END); }
     // Every CTA is past both barriers once all have counted themselves here: the last resets them.
-    if (threadIdx.x == 0 && atomicAdd(p.sync + 2, 1u) == gridDim.x - 1) {
-        p.sync[0] = 0u;
-        p.sync[1] = 0u;
-        p.sync[2] = 0u;
+    if (threadIdx.x == 0 && atomicAdd(p.sync + DF_SYNC_DONE, 1u) == gridDim.x - 1) {
+        #pragma unroll
+        for (int i = 0; i < DF_SYNC_COUNTERS; ++i) p.sync[i] = 0u;
     }
 }
 

@@ -43,6 +43,12 @@ constexpr int PROBE_L1_ISSUED = 11;
 constexpr int PROBE_BAR1_PASSED = 12;
 constexpr int PROBE_TIME_START = 13;
 constexpr int PROBE_TIME_END = 14;
+constexpr int DF_SYNC_L1 = 0;
+constexpr int DF_SYNC_L2 = 1;
+constexpr int DF_SYNC_DONE = 2;
+constexpr int DF_SYNC_INPUTS = 3;
+constexpr int DF_SYNC_ACT = 4;
+constexpr int DF_SYNC_COUNTERS = 5;
 
 struct RouterLogitsParams {
     const bf16_t* x;
@@ -191,6 +197,8 @@ struct DfParams {
     GemmL1Params l1;
     GemmL2Params l2;
     CombineParams combine;
+    QuantRowsParams quant_in;
+    QuantRowsParams quant_act;
     float* partials1;
     unsigned* counters1;
     float* partials2;
@@ -198,7 +206,7 @@ struct DfParams {
     unsigned* sync;
     int prefetch_bytes;
 };
-static_assert(sizeof(DfParams) == 424, "DfParams mirrors params.rs");
+static_assert(sizeof(DfParams) == 616, "DfParams mirrors params.rs");
 
 struct WgL1Params {
     GemmL1Params l1;
