@@ -30,6 +30,9 @@ strip --strip-debug "$carry"/bin/* 2>/dev/null || true
 if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
   # shellcheck disable=SC1091
   source scripts/nvrtc_env.sh
+  # KCACHE_SEED: a directory of earlier cache entries (an unpacked kcache.tar.xz): only the modules
+  # whose source changed since are compiled again (the stale entries travel too, unused).
+  if [ -n "${KCACHE_SEED:-}" ]; then mkdir -p "$carry/kcache" && cp "$KCACHE_SEED"/* "$carry/kcache/"; fi
   MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
     "$carry/bin/megamoe" kernels --arch sm_90a >/dev/null || echo "warning: precompiling the kernels failed" >&2
   # The phase-probe build of the FP4 / bf16 tensor-core modules (run.sh PHASE_PROBE=1).

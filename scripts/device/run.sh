@@ -88,8 +88,11 @@ fi
 # PHASE_PROBE=1: the fused decode kernel's phase clocks (the DS_PROBE build, its own kernel
 # cache entries; precompile them with MEGAMOE_PHASE_PROBE=1 megamoe kernels) under each rank row.
 if [ "${PHASE_PROBE:-0}" != 0 ]; then
-  step phase_probe env MEGAMOE_PHASE_PROBE=1 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro \
-    --simulate-ep 8 --tokens "${PROBE_TOKENS:-1,8}" --iters 5
+  # PROBE_MODES: the modes probed (e.g. "w4a16 w4a8").
+  for pm in ${PROBE_MODES:-w4a16}; do
+    step "phase_probe_$pm" env MEGAMOE_PHASE_PROBE=1 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro \
+      --simulate-ep 8 --mode "$pm" --tokens "${PROBE_TOKENS:-1,8}" --iters 5
+  done
 fi
 if [ -n "${BENCH_AB:-}" ]; then
   # The same EP-rank rows under another configuration (e.g. BENCH_AB="MEGAMOE_STREAM=0": the

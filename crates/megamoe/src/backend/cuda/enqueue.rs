@@ -479,8 +479,10 @@ impl LayerWeights {
         s: StreamRef,
     ) -> Result<()> {
         let ex = &self.experts;
-        // W4A16 gathers x in the L1's copies; the quantized modes read the rows the kernel stages
-        // (in plan order) in both GEMMs, as the separate stages (`experts_raw`).
+        // W4A16 gathers x in the L1's copies; the quantized modes read the rows the kernel
+        // quantizes, as the separate stages (`experts_raw`) do: W4A8 x's token rows (act_quant is
+        // per row, so every slot of a token gets the same values; the L1 gathers them as it gathers
+        // x), W4A4 the plan's rows (each under its expert's global scale).
         let w4a4 = mode == Mode::W4A4;
         let (a1, a1_rows, quant_in, a2, quant_act) = if mode == Mode::W4A16 {
             (x, ws.perm.ptr(), QuantRowsParams::default(), ws.act.ptr(), QuantRowsParams::default())
@@ -489,7 +491,11 @@ impl LayerWeights {
             let actq = lazy(&ws.actq, "quantized activations")?.ptr();
             let qin = self.quant_params(ws, plan, x, xin, true, mode, None);
             let qact = self.quant_params(ws, plan, ws.act.ptr(), actq, false, mode, None);
-            (xin, 0, qin, actq, qact)
+            if w4a4 {
+                (xin, 0, qin, actq, qact)
+            } else {
+                (xin, ws.perm.ptr(), QuantRowsParams { gather: 0, ..qin }, actq, qact)
+            }
         };
         let p = DfParams {
             plan: self.plan_params(ws, plan),

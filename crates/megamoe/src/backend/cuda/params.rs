@@ -404,9 +404,10 @@ kernel_abi! {
         l2: GemmL2Params => "GemmL2Params",
         /// The combine (`y` null: no combine phase; the forward's own combine runs later).
         combine: CombineParams => "CombineParams",
-        /// W4A8 / W4A4: the expert inputs' quantization (x gathered into `l1.g.a` in plan order, as
-        /// the separate `moe_quant_rows` launch; its `perm` / `offsets` are unused: the kernel's
-        /// own plan); `mode` QUANT_COPY: none (W4A16 gathers x in the L1's copies).
+        /// W4A8 / W4A4: the expert inputs' quantization into `l1.g.a` (its `perm` / `offsets` are
+        /// unused: the kernel's own plan). `gather` 1: the plan's rows, token `perm[r] / K` each, as
+        /// the separate `moe_quant_rows` launch (W4A4: each under its expert's global scale);
+        /// 0: x's T token rows, which the L1 gathers (W4A8). QUANT_COPY: none (W4A16 gathers x).
         quant_in: QuantRowsParams => "QuantRowsParams",
         /// W4A8 / W4A4: the L1 outputs' quantization (`act` into `l2.g.a`); QUANT_COPY: none.
         quant_act: QuantRowsParams => "QuantRowsParams",

@@ -197,12 +197,14 @@ __device__ __forceinline__ DsRing ds_ring(unsigned long long* full, unsigned lon
 }
 
 // The producer's walk over the stages of this CTA's range of GEMM `w` (ring stages base + i):
-// acts on stages i in [from, to), their weights (with the stage's expected bytes) and / or their
-// token rows. Returns the stages walked (the range's stage count when `to` is ~0u).
+// acts on stages i in [from, to), their weights (with the stage's expected bytes: the token rows'
+// too unless `token_copies` is false, when the consumers write the token rows themselves) and / or
+// their token rows. Returns the stages walked (the range's stage count when `to` is ~0u).
 template <int NT, int S, int ST, class Tiles>
 __device__ __forceinline__ unsigned ds_issue(const DsRing& ring, const GemmOperands& g, const DsWork& w,
                                              const Tiles& tl, unsigned base, bool weights, bool tokens,
-                                             unsigned from, unsigned to, unsigned long long wpol)
+                                             unsigned from, unsigned to, unsigned long long wpol,
+                                             bool token_copies = true)
 {
     using D = DsShape<NT, S>;
     constexpr int BLK = D::BLK;
@@ -219,7 +221,7 @@ __device__ __forceinline__ unsigned ds_issue(const DsRing& ring, const GemmOpera
             const unsigned j = base + i, s = j % ST, fb = ring.full0 + 8 * s, dst = ring.sbase + s * D::STAGE;
             if (weights) {
                 if (j >= ST) mbar_wait(ring.empty0 + 8 * s, (j / ST - 1) & 1);
-                mbar_arrive_expect_tx(fb, n * (8 * BLK + mc * 128));
+                mbar_arrive_expect_tx(fb, n * (8 * BLK + (token_copies ? mc * 128 : 0)));
                 bulk_g2s_hint(dst, wsrc + (size_t)k * 8 * BLK, n * 8 * BLK, fb, wpol);
             }
             if (tokens) {

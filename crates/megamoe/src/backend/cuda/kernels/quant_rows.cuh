@@ -41,11 +41,12 @@ __device__ __forceinline__ unsigned e4m3x2_bits(float hi, float lo) {
 #endif
 }
 
-// Block b of row r of DeepSeek's act_quant, one warp, lane l values 4l .. 4l + 3 (QUANT_FP8_ACT: the
-// bf16 of the quantize-dequantized values; QUANT_FP8_E4M3 with CODES: e4m3 bytes and the block
-// scale). `s` is the source row.
+// Lane l's 4 values (4l .. 4l + 3) of 128-block b of DeepSeek's act_quant of row `s`, one warp:
+// the bf16 of the quantize-dequantized values (QUANT_FP8_ACT), or (CODES) the e4m3 bytes in `codes`
+// and the block scale in `scale`. A NaN or Inf in the block makes it all NaN (its scale is NaN or
+// inf: 0 * inf, inf / inf) / gives a NaN scale and zero codes.
 template <bool CODES>
-__device__ __forceinline__ void quant_fp8_block(const QuantRowsParams& p, const bf16_t* s, int r, int b, int lane)
+__device__ __forceinline__ uint2 quant_fp8_lane(const bf16_t* s, int b, int lane, unsigned& codes, float& scale)
 {
     const uint2 raw = __ldcg((const uint2*)(s + b * 128 + 4 * lane));
     const float v[4] = {bf2f((bf16_t)raw.x), bf2f((bf16_t)(raw.x >> 16)), bf2f((bf16_t)raw.y),
@@ -67,16 +68,30 @@ __device__ __forceinline__ void quant_fp8_block(const QuantRowsParams& p, const 
     #pragma unroll
     for (int i = 0; i < 4; ++i) c[i] = fminf(fmaxf(v[i] * inv, -448.f), 448.f);
     if constexpr (CODES) {
-        const unsigned q = bad ? 0u : (e4m3x2_bits(c[1], c[0]) | e4m3x2_bits(c[3], c[2]) << 16);
-        *(unsigned*)((u8*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = q;
-        if (lane == 0) p.scales[(size_t)r * p.scale_pitch + b] = bad ? MM_NAN : sc;
+        codes = bad ? 0u : (e4m3x2_bits(c[1], c[0]) | e4m3x2_bits(c[3], c[2]) << 16);
+        scale = bad ? MM_NAN : sc;
+        return make_uint2(0u, 0u);
     } else {
-        // A NaN or Inf makes the whole block NaN (its scale is NaN or inf: 0 * inf, inf / inf).
         bf16_t o[4];
         #pragma unroll
         for (int i = 0; i < 4; ++i) o[i] = f2bf(bad ? MM_NAN : round_e4m3(c[i]) * sc);
-        *(uint2*)((bf16_t*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) =
-            make_uint2(o[0] | (unsigned)o[1] << 16, o[2] | (unsigned)o[3] << 16);
+        return make_uint2(o[0] | (unsigned)o[1] << 16, o[2] | (unsigned)o[3] << 16);
+    }
+}
+
+// Block b of row r of DeepSeek's act_quant into p.dst (and p.scales with CODES), one warp; `s` is
+// the source row.
+template <bool CODES>
+__device__ __forceinline__ void quant_fp8_block(const QuantRowsParams& p, const bf16_t* s, int r, int b, int lane)
+{
+    unsigned codes;
+    float scale;
+    const uint2 o = quant_fp8_lane<CODES>(s, b, lane, codes, scale);
+    if constexpr (CODES) {
+        *(unsigned*)((u8*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = codes;
+        if (lane == 0) p.scales[(size_t)r * p.scale_pitch + b] = scale;
+    } else {
+        *(uint2*)((bf16_t*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = o;
     }
 }
 
