@@ -18,8 +18,8 @@
 //!   [`super::MoeEngine`] over all of this, with CUDA-graph capture and stage traces.
 //!
 //! Kernel sources (each opens with its data layouts, tiling and pipeline): `kernels/common.cuh`
-//! (conversions, reductions, PTX wrappers), `router.cu`, `plan.cu`, `quant.cu` (staging,
-//! activation quantization, combine), `residual.cu` (between a model's layers), `gemm_tc.cu` (tensor-core family), `gemm_simt.cu` (SIMT
+//! (conversions, reductions, PTX wrappers), `router.cu`, `plan.cu`, `quant_rows.cuh` (one
+//! block of an activation quantization), `quant.cu` (staging, activation quantization, combine), `residual.cu` (between a model's layers), `gemm_tc.cu` (tensor-core family), `gemm_simt.cu` (SIMT
 //! family and decode GEMV).
 
 mod buffer;
