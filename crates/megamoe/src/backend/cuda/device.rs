@@ -150,6 +150,11 @@ impl CudaDevice {
     pub fn arch(&self) -> &'static str {
         self.arch
     }
+    /// Whether kernels may be launched as programmatic dependents of their predecessor on the
+    /// stream (PDL: sm_90+, `griddepcontrol` in the kernels; `MEGAMOE_PDL=0` turns it off for A/B).
+    pub fn programmatic_launches(&self) -> bool {
+        self.arch.starts_with("sm_") && std::env::var("MEGAMOE_PDL").map_or(true, |v| v.trim() != "0")
+    }
     /// The device's name (e.g. `NVIDIA H200`).
     pub fn name(&self) -> &str {
         &self.name

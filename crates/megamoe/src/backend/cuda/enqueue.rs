@@ -538,8 +538,13 @@ impl LayerWeights {
     ) -> Result<()> {
         let p = self.quant_params(ws, plan, src, dst, input, mode, fp8);
         let slots = (plan.tokens * self.config.num_experts_per_tok) as u32;
+        // A programmatic dependent of its predecessor (it waits for it before its first read) that
+        // lets its own dependent start at once: the streaming L2 after the act quantization then
+        // streams its first weights while the L1 and the quantization finish, as after the L1
+        // itself in W4A16.
+        let cfg = LaunchCfg { pdl: self.device.programmatic_launches(), ..LaunchCfg::grid((slots, 1, 1), 0) };
         // SAFETY: src/dst (and the scales) hold the planned rows; the grid covers every slot.
-        unsafe { self.device.core.quant_rows.launch(s, &LaunchCfg::grid((slots, 1, 1), 0), &p) }
+        unsafe { self.device.core.quant_rows.launch(s, &cfg, &p) }
     }
 
     /// The parameters of one quantization pass over the planned rows (`moe_quant_rows`, and the

@@ -192,7 +192,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             ds_l1: HashMap::new(),
             ds_l2: HashMap::new(),
             df: HashMap::new(),
-            pdl: std::env::var("MEGAMOE_PDL").map_or(true, |v| v != "0"),
+            pdl: dev.programmatic_launches(),
             prefetch_bytes: std::env::var("MEGAMOE_PREFETCH")
                 .ok()
                 .and_then(|v| v.trim().parse::<usize>().ok())

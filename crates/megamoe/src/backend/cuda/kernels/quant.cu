@@ -25,6 +25,13 @@
 
 extern "C" __global__ void moe_quant_rows(const __grid_constant__ QuantRowsParams p)
 {
+#if __CUDA_ARCH__ >= 900
+    // Launched as a programmatic dependent: its own dependent (a streaming GEMM, which waits for
+    // this grid's completion before it reads the rows) may start at once; this grid waits for its
+    // predecessor (the plan, or the L1 whose outputs it quantizes) before its first read.
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const int r = blockIdx.x;
     if (r >= (int)p.offsets[p.experts]) return;
     const unsigned slot = p.perm[r];
