@@ -521,22 +521,8 @@ impl LayerWeights {
         ex.kernels.launch_fused(s, &plan.launch, &p)
     }
 
-    /// `moe_quant_rows` over the planned rows: the expert inputs (`input`: gather x) or the L1
-    /// output, quantize-dequantized for `mode` into `dst` (W4A8 / W4A4) or, with `fp8`, kept as
-    /// e4m3 bytes at `dst` with their block scales (the FP8 kernels' input).
-    #[allow(clippy::too_many_arguments)]
-    fn quant_rows(
-        &self,
-        ws: &Workspace,
-        plan: &Plan,
-        src: u64,
-        dst: u64,
-        input: bool,
-        mode: Mode,
-        fp8: Option<&Fp8Rows>,
-        s: StreamRef,
-    ) -> Result<()> {
-        let p = self.quant_params(ws, plan, src, dst, input, mode, fp8);
+    /// Launches `moe_quant_rows` with `p` ([`Self::quant_params`]) over `plan`'s slots.
+    fn quant_rows(&self, plan: &Plan, p: &QuantRowsParams, s: StreamRef) -> Result<()> {
         let slots = (plan.tokens * self.config.num_experts_per_tok) as u32;
         // A programmatic dependent of its predecessor (it waits for it before its first read) that
         // lets its own dependent start at once: the streaming L2 after the act quantization then
@@ -544,11 +530,13 @@ impl LayerWeights {
         // itself in W4A16.
         let cfg = LaunchCfg { pdl: self.device.programmatic_launches(), ..LaunchCfg::grid((slots, 1, 1), 0) };
         // SAFETY: src/dst (and the scales) hold the planned rows; the grid covers every slot.
-        unsafe { self.device.core.quant_rows.launch(s, &cfg, &p) }
+        unsafe { self.device.core.quant_rows.launch(s, &cfg, p) }
     }
 
     /// The parameters of one quantization pass over the planned rows (`moe_quant_rows`, and the
-    /// fused decode kernel's own passes): see [`Self::quant_rows`].
+    /// fused decode kernel's own passes): the expert inputs (`input`: gather x) or the L1 output,
+    /// quantize-dequantized for `mode` into `dst` (W4A8 / W4A4) or, with `fp8`, kept as e4m3 bytes
+    /// at `dst` with their block scales (the FP8 kernels' input).
     #[allow(clippy::too_many_arguments)]
     fn quant_params(
         &self,
@@ -643,7 +631,7 @@ impl LayerWeights {
             (x, ws.perm.ptr())
         } else {
             let xin = lazy(&ws.xin, "quantized expert inputs")?.ptr();
-            self.quant_rows(ws, plan, x, xin, true, mode, None, s)?;
+            self.quant_rows(plan, &self.quant_params(ws, plan, x, xin, true, mode, None), s)?;
             (xin, 0)
         };
         let l1 = self.routed_l1(
@@ -661,7 +649,7 @@ impl LayerWeights {
             ws.act.ptr()
         } else {
             let actq = lazy(&ws.actq, "quantized activations")?.ptr();
-            self.quant_rows(ws, plan, ws.act.ptr(), actq, false, mode, None, s)?;
+            self.quant_rows(plan, &self.quant_params(ws, plan, ws.act.ptr(), actq, false, mode, None), s)?;
             actq
         };
         let l2 = GemmL2Params {
@@ -693,11 +681,15 @@ impl LayerWeights {
             pitch: w4a8_layout::scale_pitch(k),
         };
         let xin = rows_in(lazy(&ws.xin, "quantized expert inputs")?.ptr(), c.hidden_size);
-        self.quant_rows(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin), s)?;
+        self.quant_rows(plan, &self.quant_params(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin)), s)?;
         let l1 = self.routed_l1(ws, self.routed_operands(ws, xin.codes, 0, &w8.l1, 0), topk_w);
         w8.l1(s, &plan.launch, &l1, &xin)?;
         let actq = rows_in(lazy(&ws.actq, "quantized activations")?.ptr(), c.moe_intermediate_size);
-        self.quant_rows(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq), s)?;
+        self.quant_rows(
+            plan,
+            &self.quant_params(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq)),
+            s,
+        )?;
         let l2 = GemmL2Params { g: self.routed_operands(ws, actq.codes, 0, &w8.l2, 0), out: ws.l2.ptr() };
         w8.l2(s, &plan.launch, &l2, &actq)
     }
