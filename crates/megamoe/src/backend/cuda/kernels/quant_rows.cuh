@@ -41,14 +41,20 @@ __device__ __forceinline__ unsigned e4m3x2_bits(float hi, float lo) {
 #endif
 }
 
-// Lane l's 4 values (4l .. 4l + 3) of 128-block b of DeepSeek's act_quant of row `s`, one warp:
-// the bf16 of the quantize-dequantized values (QUANT_FP8_ACT), or (CODES) the e4m3 bytes in `codes`
-// and the block scale in `scale`. A NaN or Inf in the block makes it all NaN (its scale is NaN or
-// inf: 0 * inf, inf / inf) / gives a NaN scale and zero codes.
-template <bool CODES>
-__device__ __forceinline__ uint2 quant_fp8_lane(const bf16_t* s, int b, int lane, unsigned& codes, float& scale)
+// Lane l's 4 source values (4l .. 4l + 3) of 128-block b of row `s` (ld.global.cg).
+__device__ __forceinline__ uint2 quant_fp8_load(const bf16_t* s, int b, int lane)
 {
-    const uint2 raw = __ldcg((const uint2*)(s + b * 128 + 4 * lane));
+    return __ldcg((const uint2*)(s + b * 128 + 4 * lane));
+}
+
+// DeepSeek's act_quant of one 128-block, one warp, from each lane's 4 values `raw` (quant_fp8_load):
+// the lane's bf16 of the quantize-dequantized values (QUANT_FP8_ACT), or (CODES) its e4m3 bytes in
+// `codes` and the block scale in `scale`. A NaN or Inf in the block makes it all NaN (its scale is
+// NaN or inf: 0 * inf, inf / inf) / gives a NaN scale and zero codes. Apart from the load, so a warp
+// can have several blocks' loads in flight.
+template <bool CODES>
+__device__ __forceinline__ uint2 quant_fp8_values(uint2 raw, unsigned& codes, float& scale)
+{
     const float v[4] = {bf2f((bf16_t)raw.x), bf2f((bf16_t)(raw.x >> 16)), bf2f((bf16_t)raw.y),
                         bf2f((bf16_t)(raw.y >> 16))};
     bool bad = false;
@@ -79,19 +85,56 @@ __device__ __forceinline__ uint2 quant_fp8_lane(const bf16_t* s, int b, int lane
     }
 }
 
-// Block b of row r of DeepSeek's act_quant into p.dst (and p.scales with CODES), one warp; `s` is
-// the source row.
+// quant_fp8_values of block b of row `s`, loaded here.
 template <bool CODES>
-__device__ __forceinline__ void quant_fp8_block(const QuantRowsParams& p, const bf16_t* s, int r, int b, int lane)
+__device__ __forceinline__ uint2 quant_fp8_lane(const bf16_t* s, int b, int lane, unsigned& codes, float& scale)
+{
+    return quant_fp8_values<CODES>(quant_fp8_load(s, b, lane), codes, scale);
+}
+
+// Block b of row r of DeepSeek's act_quant into p.dst (and p.scales with CODES), one warp, from the
+// lane's loaded values `raw` (quant_fp8_load of the source row).
+template <bool CODES>
+__device__ __forceinline__ void quant_fp8_store(const QuantRowsParams& p, uint2 raw, int r, int b, int lane)
 {
     unsigned codes;
     float scale;
-    const uint2 o = quant_fp8_lane<CODES>(s, b, lane, codes, scale);
+    const uint2 o = quant_fp8_values<CODES>(raw, codes, scale);
     if constexpr (CODES) {
         *(unsigned*)((u8*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = codes;
         if (lane == 0) p.scales[(size_t)r * p.scale_pitch + b] = scale;
     } else {
         *(uint2*)((bf16_t*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = o;
+    }
+}
+
+// Block b of row r (source row `s`), one warp.
+template <bool CODES>
+__device__ __forceinline__ void quant_fp8_block(const QuantRowsParams& p, const bf16_t* s, int r, int b, int lane)
+{
+    quant_fp8_store<CODES>(p, quant_fp8_load(s, b, lane), r, b, lane);
+}
+
+// Row r's blocks warp, warp + nwarps, ... (one warp each), QB of them loaded before any is
+// quantized: a row's blocks are not a chain of dependent round trips.
+template <bool CODES>
+__device__ __forceinline__ void quant_fp8_row(const QuantRowsParams& p, const bf16_t* s, int r, int warp, int nwarps,
+                                              int lane)
+{
+    constexpr int QB = 4;
+    const int nb = p.cols / 128;
+    for (int b0 = warp; b0 < nb; b0 += QB * nwarps) {
+        uint2 raw[QB];
+        #pragma unroll
+        for (int u = 0; u < QB; ++u) {
+            const int b = b0 + u * nwarps;
+            raw[u] = b < nb ? quant_fp8_load(s, b, lane) : make_uint2(0u, 0u);
+        }
+        #pragma unroll
+        for (int u = 0; u < QB; ++u) {
+            const int b = b0 + u * nwarps;
+            if (b < nb) quant_fp8_store<CODES>(p, raw[u], r, b, lane);   // uniform over the warp
+        }
     }
 }
 
@@ -130,11 +173,10 @@ __device__ __forceinline__ void quant_nvfp4_block(const QuantRowsParams& p, cons
 __device__ __forceinline__ void quant_row(const QuantRowsParams& p, const bf16_t* s, int r, int e, int tid, int nthreads)
 {
     const int warp = tid >> 5, lane = tid & 31, nwarps = nthreads >> 5;
-    if (p.mode == QUANT_FP8_E4M3 || p.mode == QUANT_FP8_ACT) {
-        for (int b = warp; b < p.cols / 128; b += nwarps) {
-            if (p.mode == QUANT_FP8_E4M3) quant_fp8_block<true>(p, s, r, b, lane);
-            else quant_fp8_block<false>(p, s, r, b, lane);
-        }
+    if (p.mode == QUANT_FP8_E4M3) {
+        quant_fp8_row<true>(p, s, r, warp, nwarps, lane);
+    } else if (p.mode == QUANT_FP8_ACT) {
+        quant_fp8_row<false>(p, s, r, warp, nwarps, lane);
     } else if (p.mode == QUANT_COPY) {
         const uint4* s4 = (const uint4*)s;
         uint4* d4 = (uint4*)((bf16_t*)p.dst + (size_t)r * p.cols);
