@@ -888,6 +888,30 @@ pub fn stream_ranges(total_chunks: usize, ctas: usize) -> (usize, Vec<(usize, us
     (per, ranges)
 }
 
+/// Stages of one CTA's streaming range `[b, e)` over units of `nch` chunks, `s` chunks per stage:
+/// each (tile, group) segment of the range is walked in stages of at most `s` chunks (the kernels'
+/// `ds_issue` / `ds_consume`).
+pub fn stream_range_stages(b: usize, e: usize, nch: usize, s: usize) -> usize {
+    let mut stages = 0;
+    let mut x = b;
+    while x < e {
+        let end = (x / nch + 1) * nch;
+        let len = end.min(e) - x;
+        stages += len.div_ceil(s);
+        x += len;
+    }
+    stages
+}
+
+/// Whether every range of `per` chunks (any start) over units of `nch` chunks takes at most `st`
+/// stages of `s` chunks: the bound the fused decode kernel's `df_range_fits_ring` computes on the
+/// device before its consumers write a GEMM's token rows into the ring themselves (a range needing
+/// more stages would reuse a slot they already filled).
+pub fn stream_range_fits_ring(per: usize, nch: usize, s: usize, st: usize) -> bool {
+    let segments = 1 + (per.max(1) - 1).div_ceil(nch);
+    (per + segments * (s - 1)) / s <= st
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -914,6 +938,31 @@ mod tests {
         let want = format!("NVFP4_SCALE_BIAS2 = {:#010X}u", (NVFP4_SCALE_BF16_BIAS << 7) * 0x10001)
             .replace("0X", "0x");
         assert!(src.contains(&want), "gemm_tc.cu must define {want}");
+    }
+
+    #[test]
+    fn the_fused_kernels_ring_bound_holds_for_every_range() {
+        // Whenever the bound says a range fits the ring, no range of that length (any start, any
+        // unit size) needs more stages: checked exhaustively over small shapes and the V4 ones.
+        for nch in [1usize, 2, 3, 5, 7, 8, 48, 112] {
+            for s in 1..=6 {
+                for st in 1..=8 {
+                    for per in STREAM_MIN_CHUNKS..=4 * nch.max(8) {
+                        if !stream_range_fits_ring(per, nch, s, st) {
+                            continue;
+                        }
+                        for b in 0..2 * nch {
+                            let n = stream_range_stages(b, b + per, nch, s);
+                            assert!(n <= st, "per {per} from {b}, nch {nch}, {s}/stage: {n} stages > {st}");
+                        }
+                    }
+                }
+            }
+        }
+        // One-token V4-Pro decode (the fused kernel's case): the L2's 7-chunk ranges over 48-chunk
+        // units fit three 5-chunk stages.
+        assert!(stream_range_fits_ring(7, 48, 5, 3));
+        assert_eq!(stream_range_stages(47, 54, 48, 5), 3);
     }
 
     #[test]

@@ -141,7 +141,8 @@ __device__ __forceinline__ void df_quant(const QuantRowsParams& q, const DfPlan&
 
 // Whether every CTA's range of GEMM `w` fits the ring at once (at most ST stages: a range of `per`
 // chunks spans at most 1 + ceil((per - 1) / nch) (tile, group) segments, each a partial stage at
-// most): the same answer in every CTA (per is the launch's).
+// most): the same answer in every CTA (per is the launch's). Host twin, checked exhaustively:
+// gpu_layout::tc::stream_range_fits_ring.
 template <int S, int ST>
 __device__ __forceinline__ bool df_range_fits_ring(const DsWork& w)
 {
