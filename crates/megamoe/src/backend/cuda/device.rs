@@ -68,6 +68,8 @@ pub struct CudaDevice {
     arch: &'static str,
     name: String,
     sm_count: usize,
+    /// [`Self::programmatic_launches`], read once (launches ask it every forward).
+    pdl: bool,
     pub(crate) core: CoreKernels,
     /// Modules and family kernel sets loaded on demand, by name.
     cache: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
@@ -137,6 +139,7 @@ impl CudaDevice {
             ctx,
             stream,
             arch,
+            pdl: arch.starts_with("sm_") && std::env::var("MEGAMOE_PDL").map_or(true, |v| v.trim() != "0"),
             name,
             sm_count,
             core,
@@ -153,7 +156,7 @@ impl CudaDevice {
     /// Whether kernels may be launched as programmatic dependents of their predecessor on the
     /// stream (PDL: sm_90+, `griddepcontrol` in the kernels; `MEGAMOE_PDL=0` turns it off for A/B).
     pub fn programmatic_launches(&self) -> bool {
-        self.arch.starts_with("sm_") && std::env::var("MEGAMOE_PDL").map_or(true, |v| v.trim() != "0")
+        self.pdl
     }
     /// The device's name (e.g. `NVIDIA H200`).
     pub fn name(&self) -> &str {

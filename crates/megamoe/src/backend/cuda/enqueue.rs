@@ -483,7 +483,6 @@ impl LayerWeights {
         // quantizes, as the separate stages (`experts_raw`) do: W4A8 x's token rows (act_quant is
         // per row, so every slot of a token gets the same values; the L1 gathers them as it gathers
         // x), W4A4 the plan's rows (each under its expert's global scale).
-        let w4a4 = mode == Mode::W4A4;
         let (a1, a1_rows, quant_in, a2, quant_act) = if mode == Mode::W4A16 {
             (x, ws.perm.ptr(), QuantRowsParams::default(), ws.act.ptr(), QuantRowsParams::default())
         } else {
@@ -491,7 +490,7 @@ impl LayerWeights {
             let actq = lazy(&ws.actq, "quantized activations")?.ptr();
             let qin = self.quant_params(ws, plan, x, xin, true, mode, None);
             let qact = self.quant_params(ws, plan, ws.act.ptr(), actq, false, mode, None);
-            if w4a4 {
+            if mode == Mode::W4A4 {
                 (xin, 0, qin, actq, qact)
             } else {
                 (xin, ws.perm.ptr(), QuantRowsParams { gather: 0, ..qin }, actq, qact)
@@ -501,11 +500,11 @@ impl LayerWeights {
             plan: self.plan_params(ws, plan),
             l1: self.routed_l1(
                 ws,
-                self.routed_operands(ws, a1, a1_rows, &ex.l1, if w4a4 { opt_ptr(&self.in1) } else { 0 }),
+                self.routed_operands(ws, a1, a1_rows, &ex.l1, self.act_global_scales(mode, true)),
                 topk_w,
             ),
             l2: GemmL2Params {
-                g: self.routed_operands(ws, a2, 0, &ex.l2, if w4a4 { opt_ptr(&self.in2) } else { 0 }),
+                g: self.routed_operands(ws, a2, 0, &ex.l2, self.act_global_scales(mode, false)),
                 out: ws.l2.ptr(),
             },
             combine: self.combine_params(ws, plan, y, shared)?,
@@ -566,9 +565,20 @@ impl LayerWeights {
                 (Mode::W4A8, _) => QUANT_FP8_ACT,
                 (Mode::W4A4, _) => QUANT_NVFP4_ACT,
             },
-            in_scale: if mode == Mode::W4A4 { opt_ptr(if input { &self.in1 } else { &self.in2 }) } else { 0 },
+            in_scale: self.act_global_scales(mode, input),
             scales: fp8.map_or(0, |f| f.scales),
             scale_pitch: fp8.map_or(0, |f| f.pitch as i32),
+        }
+    }
+
+    /// W4A4's per-expert activation global scales (`input_scale` of W1 for the expert inputs, of
+    /// W2 for the L1 outputs): the quantization's `in_scale` and the GEMM's `alpha_in`; 0 (none)
+    /// in the other modes.
+    fn act_global_scales(&self, mode: Mode, input: bool) -> u64 {
+        if mode == Mode::W4A4 {
+            opt_ptr(if input { &self.in1 } else { &self.in2 })
+        } else {
+            0
         }
     }
 
@@ -623,7 +633,6 @@ impl LayerWeights {
                 return self.experts_fp8(ws, plan, x, topk_w, w8, s);
             }
         }
-        let w4a4 = mode == Mode::W4A4;
         // W4A16 gathers the token rows straight from x in the L1 producer (unless the kernel needs
         // contiguous rows, as the TMA-fed prefill kernels do); quantized modes stage the
         // quantize-dequantized rows first.
@@ -636,7 +645,7 @@ impl LayerWeights {
         };
         let l1 = self.routed_l1(
             ws,
-            self.routed_operands(ws, a, a_rows, &ex.l1, if w4a4 { opt_ptr(&self.in1) } else { 0 }),
+            self.routed_operands(ws, a, a_rows, &ex.l1, self.act_global_scales(mode, true)),
             topk_w,
         );
         let tr = if trace {
@@ -653,7 +662,7 @@ impl LayerWeights {
             actq
         };
         let l2 = GemmL2Params {
-            g: self.routed_operands(ws, l2_in, 0, &ex.l2, if w4a4 { opt_ptr(&self.in2) } else { 0 }),
+            g: self.routed_operands(ws, l2_in, 0, &ex.l2, self.act_global_scales(mode, false)),
             out: ws.l2.ptr(),
         };
         ex.kernels.l2(s, &plan.launch, &l2)
