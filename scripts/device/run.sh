@@ -6,7 +6,7 @@
 # Env: VERIFY_ARGS (default: the full sweep), PHASE_PROBE=1 (the fused decode kernel's phase clocks), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
 # SANITIZE=0 (SANITIZE_VERIFY="memcheck racecheck initcheck": those tools over `verify --quick` too,
 # SANITIZE_VERIFY_ARGS=" " the whole sweep; INITCHECK_VERIFY=1 = initcheck), BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
-# EP=1 (in-process EP/TP ranks on this GPU, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
+# EP=1 (in-process EP/TP ranks on this GPU, host and device exchange, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
 # forwards against the reference, device-memory growth), W4A8=1 (W4A8 bench rows on MXFP4 — the
 # opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
 # (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
@@ -47,6 +47,13 @@ bin="$here/bin/megamoe"
 [ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests timeout "${TEST_TIMEOUT:-480}" \
   "$here/bin/cuda_engine" --test-threads 1 --nocapture ${TEST_FILTER:-}
 [ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_fixtures" ] && step fixtures "$here/bin/cuda_fixtures" --test-threads 1 --nocapture
+# NCCL from the Python environment (the EP tests' one-rank communicator, EP=1's steps).
+nccl_lib="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)"
+[ -f "$nccl_lib" ] || nccl_lib="$(find / -name 'libnccl.so.2' 2>/dev/null | head -1)"
+# Expert parallelism on this GPU: the device-resident exchange (groups of 1..8 ranks, graph replay,
+# NCCL on one rank) and the host path's CUDA rank engines (EP_TEST_FILTER: a part of them).
+[ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_ep" ] && step ep_tests env NCCL_NVLS_ENABLE=0 \
+  MEGAMOE_NCCL_LIB="$nccl_lib" timeout 400 "$here/bin/cuda_ep" --test-threads 1 --nocapture ${EP_TEST_FILTER:-}
 if [ "${SKIP_VERIFY:-0}" != 1 ]; then
   step verify timeout "${VERIFY_TIMEOUT:-300}" "$bin" verify --backend cuda ${VERIFY_ARGS:-}
 fi
@@ -153,10 +160,17 @@ if [ "${EP:-0}" != 0 ]; then
   step ep2 timeout 300 "$bin" verify --backend cuda --ep 2 --quick
   step ep8 timeout 300 "$bin" verify --backend cuda --ep 8 --quick
   step ep2tp2 timeout 300 "$bin" verify --backend cuda --ep 2 --tp 2 --quick
+  # The device-resident exchange over the whole verify sweep (every row's repeat is the group's
+  # CUDA-graph replay), EP x TP, NCCL on one rank, and the whole group's graph on V4-Pro shapes.
+  step ep2dev timeout 400 "$bin" verify --backend cuda --ep 2 --exchange device
+  step ep8dev timeout 400 "$bin" verify --backend cuda --ep 8 --exchange device
+  step ep2tp2dev timeout 300 "$bin" verify --backend cuda --ep 2 --tp 2 --exchange device --quick
+  step nccl1dev timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" verify --backend cuda \
+    --ep 1 --transport nccl --exchange device --quick
+  step ep8dev_bench timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 8 --exchange device \
+    --tokens "${EP_BENCH_TOKENS:-8,64,512}" --runs 5
   step ep_mem8 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 8 --tokens 64 --runs 3
   step ep_mem1 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 1 --tokens 64 --runs 3
-  nccl_lib="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)"
-  [ -f "$nccl_lib" ] || nccl_lib="$(find / -name 'libnccl.so.2' 2>/dev/null | head -1)"
   step nccl1 timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" verify --backend cuda --ep 1 \
     --transport nccl --quick
   step launch1 timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" launch --gpus 1 -- verify \
@@ -218,7 +232,7 @@ grep -h "first divergence:" "$LOGS"/trace_*.log 2>/dev/null
 for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|generated" "$LOGS/$f.log" | tail -n 9; }; done
 [ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
 [ -f "$LOGS/ncu_bench.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|issue_active|grid_size" "$LOGS/ncu_bench.log" | head -150
-for f in ep2 ep8 ep2tp2 ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
+for f in ep_tests ep2 ep8 ep2tp2 ep2dev ep8dev ep2tp2dev nccl1dev ep8dev_bench ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
 for c in ${WG_AB:-}; do for f in wg${c}_tests wg${c}_bench wg${c}_flash; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -E "rank |test result|panicked|rel L2|whole-layer" "$LOGS/$f.log" | tail -n 14; }; done; done

@@ -977,6 +977,22 @@ fn verify_ep_on_cpu_ranks_is_bitwise_and_bench_reports_the_stages() {
     ]);
     r.expect_error(&["--tp 16", "scale blocks"]);
     run(&["verify", "--backend", "cpu", "--tp", "2", "--quick"]).expect_error(&["--tp needs --ep"]);
+    // The device-resident exchange is the CUDA backend's: a CPU run says so.
+    run(&[
+        "bench",
+        "forward",
+        "--backend",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--ep",
+        "2",
+        "--exchange",
+        "device",
+        "--tokens",
+        "1",
+    ])
+    .expect_error(&["--exchange device needs the CUDA backend"]);
 }
 
 #[test]

@@ -272,6 +272,10 @@ fn run_forward_ep(
     let t0 = Instant::now();
     let mut group = EpGroup::new(&a.par, topo, &source, cuda, max_t)?;
     eprintln!("built {} rank(s) in {:.1} s", group.describe().len(), t0.elapsed().as_secs_f64());
+    #[cfg(feature = "cuda")]
+    if let Some(g) = group.device_group() {
+        return bench_device_group(a, cfg, topo, g, &tokens);
+    }
     println!(
         "bench forward --ep {} --tp {} ({}), {:?} {:?} (H {}, I {}, {} experts, top-{}) {}",
         topo.ep,
@@ -340,6 +344,64 @@ fn run_forward_ep(
         );
     }
     println!("(stage columns: the slowest rank's, median of {} runs; shared_wt: waiting for the shared expert after the exchange, 0 when it is fully overlapped)", a.runs);
+    Ok(0)
+}
+
+/// `bench forward --ep N --exchange device` (in-process): the whole group on this GPU as one
+/// CUDA graph (every rank's route, dispatch, experts, combine and reduce, the ranks' streams
+/// concurrent), median replay time per T, and each rank's fixed message bytes.
+#[cfg(feature = "cuda")]
+fn bench_device_group(
+    a: &ForwardBench,
+    cfg: &MoeConfig,
+    topo: megamoe::parallel::Topology,
+    g: &mut megamoe::backend::cuda::DeviceEpGroup,
+    tokens: &[usize],
+) -> anyhow::Result<i32> {
+    println!(
+        "bench forward --ep {} --tp {} --exchange device, {:?} {:?} (H {}, I {}, {} experts, top-{}) {}",
+        topo.ep,
+        topo.tp,
+        a.shape,
+        a.format,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        a.mode
+    );
+    for r in g.ranks() {
+        println!(
+            "  {}: holds {:.1} MB, sends {:.2} MB per forward",
+            r.describe(),
+            r.held_bytes() as f64 / 1e6,
+            r.sent_bytes() as f64 / 1e6
+        );
+    }
+    println!("{:>6} {:>12} {:>12} {:>12}", "T", "graph_ms", "eager_ms", "sent_MB");
+    for &t in tokens {
+        let x = synthetic::random_hidden(t, cfg.hidden_size, 2);
+        g.forward(&x, None, a.mode)?; // warm-up
+        let mut eager = Vec::with_capacity(a.runs);
+        for _ in 0..a.runs.max(1) {
+            let s = Instant::now();
+            g.forward(&x, None, a.mode)?;
+            eager.push(s.elapsed().as_secs_f64() * 1e3);
+        }
+        g.capture_graph(t, a.mode)?;
+        let mut graph: Vec<f64> =
+            g.time_replays(&x, None, a.runs.max(1))?.into_iter().map(f64::from).collect();
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let sent: usize = g.ranks().iter().map(|r| r.sent_bytes()).sum();
+        println!("{:>6} {:>12.4} {:>12.3} {:>12.2}", t, med(&mut graph), med(&mut eager), sent as f64 / 1e6);
+    }
+    println!(
+        "(graph_ms: median CUDA-graph replay of the whole group on one GPU; eager_ms: host-slice forward \
+         incl. copies; sent_MB: the fixed-size messages of all ranks, self included)"
+    );
     Ok(0)
 }
 

@@ -30,6 +30,16 @@ pub enum TransportKind {
     Nccl,
 }
 
+/// Where dispatch and combine run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExchangeKind {
+    /// Host buffers (every payload option; the single engine's exact reduction order).
+    Host,
+    /// Device buffers, fixed-size messages, no host synchronisation: the graph-capturable path
+    /// (CUDA; bf16 rows out, f32 partial sums back).
+    Device,
+}
+
 /// The parallelism flags shared by `verify` and `bench forward`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct EpArgs {
@@ -51,6 +61,9 @@ pub struct EpArgs {
     /// Seconds a rank waits for the others before ending the group with an error.
     #[arg(long, default_value_t = 300.0)]
     pub ep_timeout_s: f64,
+    /// Where the exchange runs: host buffers, or device buffers (graph-capturable; `--backend cuda`).
+    #[arg(long, value_enum, default_value = "host")]
+    pub exchange: ExchangeKind,
 }
 
 impl EpArgs {
@@ -79,14 +92,20 @@ impl EpArgs {
 
     /// A one-line label (`ep 3 x tp 1, inproc, bf16/f32`).
     pub fn label(&self, topo: &Topology) -> String {
-        format!(
-            "ep {} x tp {}, {:?}, dispatch {} / combine {}",
-            topo.ep,
-            topo.tp,
-            self.transport,
-            self.dispatch_payload.name(),
-            self.combine_payload.name()
-        )
+        match self.exchange {
+            ExchangeKind::Host => format!(
+                "ep {} x tp {}, {:?}, dispatch {} / combine {}",
+                topo.ep,
+                topo.tp,
+                self.transport,
+                self.dispatch_payload.name(),
+                self.combine_payload.name()
+            ),
+            ExchangeKind::Device => format!(
+                "ep {} x tp {}, {:?}, device exchange (bf16 rows / f32 partial sums)",
+                topo.ep, topo.tp, self.transport
+            ),
+        }
         .to_lowercase()
     }
 }
@@ -127,6 +146,12 @@ pub enum EpGroup {
     InProc(InProcGroup),
     /// This process's rank of a multi-process group.
     Single(Box<EpRank>),
+    /// Every rank on this process's GPU, device-resident exchange (one thread, one graph).
+    #[cfg(feature = "cuda")]
+    Device(Box<megamoe::backend::cuda::DeviceEpGroup>),
+    /// This process's rank of a multi-process group, device-resident exchange over NCCL.
+    #[cfg(feature = "cuda")]
+    DeviceNccl(Box<megamoe::backend::cuda::DeviceEpRank>, Box<megamoe::parallel::nccl::NcclTransport>),
 }
 
 fn engine(cuda: bool, layer: MoeLayer, max_tokens: usize) -> anyhow::Result<Box<dyn RankEngine>> {
@@ -172,6 +197,9 @@ impl EpGroup {
         cuda: bool,
         max_tokens: usize,
     ) -> anyhow::Result<Self> {
+        if args.exchange == ExchangeKind::Device {
+            return Self::device(args, topo, source, cuda, max_tokens);
+        }
         let (layer, config) = source.config();
         let cfg = EpConfig { layer, config, topo, exchange: args.exchange() };
         match args.transport {
@@ -198,11 +226,65 @@ impl EpGroup {
         }
     }
 
+    /// The group of `--exchange device`.
+    #[cfg(feature = "cuda")]
+    fn device(
+        args: &EpArgs,
+        topo: Topology,
+        source: &LayerSource<'_>,
+        cuda: bool,
+        max_tokens: usize,
+    ) -> anyhow::Result<Self> {
+        use megamoe::backend::cuda::{DeviceEpGroup, DeviceEpRank};
+        anyhow::ensure!(cuda, "--exchange device needs the CUDA backend (--backend cuda)");
+        anyhow::ensure!(
+            args.exchange() == ExchangeOptions::default(),
+            "--exchange device sends bf16 rows and f32 partial sums: --dispatch-payload / --combine-payload \
+             apply to --exchange host"
+        );
+        let (_, config) = source.config();
+        match args.transport {
+            TransportKind::Inproc => {
+                let layers = (0..topo.world())
+                    .map(|r| source.rank_layer(&topo, r))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                Ok(EpGroup::Device(Box::new(DeviceEpGroup::new(layers, topo, max_tokens)?)))
+            }
+            TransportKind::Nccl => {
+                let (rank, world) = process_rank()?;
+                anyhow::ensure!(
+                    world == topo.world(),
+                    "--transport nccl: {world} processes (MEGAMOE_WORLD) but ep {} x tp {} needs {}",
+                    topo.ep,
+                    topo.tp,
+                    topo.world()
+                );
+                let ranges = (0..world)
+                    .map(|r| topo.shard(config.n_routed_experts, r).map(|s| s.experts))
+                    .collect::<megamoe::error::Result<Vec<_>>>()?;
+                let cap = topo.tokens_of(max_tokens.max(1), 0).len().max(1);
+                let layer = Arc::new(source.rank_layer(&topo, rank)?);
+                let r = DeviceEpRank::new(layer, rank, &ranges, cap)?;
+                let t = nccl_endpoint(rank, world, args.timeout())?;
+                Ok(EpGroup::DeviceNccl(Box::new(r), Box::new(t)))
+            }
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn device(_: &EpArgs, _: Topology, _: &LayerSource<'_>, _: bool, _: usize) -> anyhow::Result<Self> {
+        anyhow::bail!("--exchange device: this build has no CUDA support (built without the `cuda` feature)")
+    }
+
     /// The home tokens of this process among `tokens` (all of them in-process).
     pub fn home_tokens(&self, topo: &Topology, tokens: usize) -> Range<usize> {
         match self {
             EpGroup::InProc(_) => 0..tokens,
             EpGroup::Single(r) => topo.tokens_of(tokens, r.rank()),
+            #[cfg(feature = "cuda")]
+            EpGroup::Device(_) => 0..tokens,
+            #[cfg(feature = "cuda")]
+            EpGroup::DeviceNccl(r, _) => topo.tokens_of(tokens, r.rank()),
         }
     }
 
@@ -224,7 +306,51 @@ impl EpGroup {
                 let (o, t) = r.forward(&x[span.start * h..span.end * h], ids, mode)?;
                 Ok((o, vec![t]))
             }
+            #[cfg(feature = "cuda")]
+            EpGroup::Device(g) => {
+                let t0 = std::time::Instant::now();
+                let o = g.forward(x, input_ids, mode)?;
+                let total_s = t0.elapsed().as_secs_f64();
+                let timings = g
+                    .ranks()
+                    .iter()
+                    .map(|r| RankTimings { total_s, sent_bytes: r.sent_bytes(), ..Default::default() })
+                    .collect();
+                Ok((o, timings))
+            }
+            #[cfg(feature = "cuda")]
+            EpGroup::DeviceNccl(r, nccl) => {
+                let span = self_span(topo, r.rank(), x.len() / h);
+                let ids = input_ids.map(|v| &v[span.clone()]);
+                let t0 = std::time::Instant::now();
+                let o = r.forward(nccl.as_mut(), &x[span.start * h..span.end * h], ids, mode)?;
+                let t = RankTimings {
+                    total_s: t0.elapsed().as_secs_f64(),
+                    sent_bytes: r.sent_bytes(),
+                    ..Default::default()
+                };
+                Ok((o, vec![t]))
+            }
         }
+    }
+
+    /// A second forward of the same batch — on the in-process device group as a captured CUDA
+    /// graph's replay (so `verify` checks that the capture equals the eager forward), elsewhere a
+    /// plain repeat.
+    pub fn repeat(
+        &mut self,
+        topo: &Topology,
+        h: usize,
+        x: &[half::bf16],
+        input_ids: Option<&[i64]>,
+        mode: Mode,
+    ) -> anyhow::Result<(ForwardOutput, Vec<RankTimings>)> {
+        #[cfg(feature = "cuda")]
+        if let EpGroup::Device(g) = self {
+            g.capture_graph(x.len() / h, mode)?;
+            return Ok((g.replay(x, input_ids)?, Vec::new()));
+        }
+        self.forward(topo, h, x, input_ids, mode)
     }
 
     /// Weight bytes each local rank's engine holds.
@@ -232,6 +358,10 @@ impl EpGroup {
         match self {
             EpGroup::InProc(g) => g.ranks().iter().map(|r| r.engine().held_bytes()).collect(),
             EpGroup::Single(r) => vec![r.engine().held_bytes()],
+            #[cfg(feature = "cuda")]
+            EpGroup::Device(g) => g.ranks().iter().map(|r| r.held_bytes()).collect(),
+            #[cfg(feature = "cuda")]
+            EpGroup::DeviceNccl(r, _) => vec![r.held_bytes()],
         }
     }
 
@@ -240,6 +370,22 @@ impl EpGroup {
         match self {
             EpGroup::InProc(g) => g.ranks().iter().map(|r| r.describe()).collect(),
             EpGroup::Single(r) => vec![r.describe()],
+            #[cfg(feature = "cuda")]
+            EpGroup::Device(g) => g.ranks().iter().map(|r| r.describe()).collect(),
+            #[cfg(feature = "cuda")]
+            EpGroup::DeviceNccl(r, t) => {
+                use megamoe::parallel::Transport;
+                vec![format!("{} over {}", r.describe(), t.describe())]
+            }
+        }
+    }
+
+    /// The in-process device group, when that is what this is (graph timings in `bench`).
+    #[cfg(feature = "cuda")]
+    pub fn device_group(&mut self) -> Option<&mut megamoe::backend::cuda::DeviceEpGroup> {
+        match self {
+            EpGroup::Device(g) => Some(g),
+            _ => None,
         }
     }
 }
@@ -254,6 +400,16 @@ fn nccl_transport(
     world: usize,
     timeout: Duration,
 ) -> anyhow::Result<Box<dyn megamoe::parallel::Transport>> {
+    Ok(Box::new(nccl_endpoint(rank, world, timeout)?))
+}
+
+/// This process's NCCL endpoint: the id through `MEGAMOE_NCCL_ID_FILE` (rank 0 writes it).
+#[cfg(feature = "cuda")]
+fn nccl_endpoint(
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> anyhow::Result<megamoe::parallel::nccl::NcclTransport> {
     use megamoe::parallel::nccl::{NcclId, NcclTransport};
     let id = match std::env::var_os("MEGAMOE_NCCL_ID_FILE") {
         Some(path) => {
@@ -279,7 +435,7 @@ fn nccl_transport(
         "rank {rank}/{world}: NCCL {} on GPU {ordinal}",
         megamoe::parallel::nccl::version().map_or_else(|e| e.to_string(), |v| v.to_string())
     );
-    Ok(Box::new(NcclTransport::new(rank, world, id, ordinal, timeout)?))
+    Ok(NcclTransport::new(rank, world, id, ordinal, timeout)?)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -407,7 +407,8 @@ fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -
                     let t0 = Instant::now();
                     let a = group.forward(&topo, h, &x, Some(&ids), mode);
                     let ep_ms = t0.elapsed().as_secs_f64() * 1e3;
-                    let b = group.forward(&topo, h, &x, Some(&ids), mode);
+                    // The device exchange's repeat is a CUDA-graph replay of the whole group.
+                    let b = group.repeat(&topo, h, &x, Some(&ids), mode);
                     let t1 = Instant::now();
                     let s = single.forward(&input, mode, None);
                     let ep1_ms = t1.elapsed().as_secs_f64() * 1e3;

@@ -27,7 +27,8 @@
 //! dispatch would hand the device buffers to the same grouped send/recv directly).
 
 use super::transport::{check_args, Transport};
-use crate::backend::cuda::{CudaDevice, DevBuf};
+use crate::backend::cuda::ep::{DeviceExchange, Lane};
+use crate::backend::cuda::{CudaDevice, DevBuf, StreamRef};
 use crate::error::{MegaError, Result};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::Path;
@@ -284,13 +285,28 @@ impl NcclTransport {
         Ok(slot.as_ref().expect("just set").ptr())
     }
 
-    /// Waits for the stream, watching NCCL's async error state, until the deadline.
+    /// Waits for the transport's own stream (the host-buffer path), as [`Self::wait_stream`].
     fn wait(&mut self, what: &str) -> Result<()> {
+        self.wait_stream(StreamRef(self.stream.cu_stream()), what)
+    }
+
+    /// Waits for `stream` (where device rounds were enqueued) while watching NCCL's async error
+    /// state, until the transport's timeout: a peer that died or stopped exchanging is an error
+    /// naming this rank, never a hang. Aborts the communicator on failure.
+    pub fn wait_stream(&mut self, stream: StreamRef, what: &str) -> Result<()> {
+        let r = self.poll(stream, what);
+        if let Err(e) = &r {
+            self.abort(&e.to_string());
+        }
+        r
+    }
+
+    fn poll(&mut self, stream: StreamRef, what: &str) -> Result<()> {
         let a = api()?;
         let deadline = Instant::now() + self.timeout;
         loop {
-            // SAFETY: the stream is alive (owned by self).
-            let q = unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) };
+            // SAFETY: the caller's stream is alive for the call.
+            let q = unsafe { cudarc::driver::sys::cuStreamQuery(stream.raw()) };
             match q {
                 cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
                 cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
@@ -423,6 +439,81 @@ impl Transport for NcclTransport {
 
     fn describe(&self) -> String {
         format!("nccl rank {}/{} on GPU {}", self.rank, self.world, self.device.ordinal())
+    }
+}
+
+/// The device-resident rounds of [`crate::backend::cuda::ep`]: one rank per process, each lane's
+/// messages as grouped `ncclSend` / `ncclRecv` on the rank's stream (NCCL operations are
+/// captured into CUDA graphs). Errors surface at the next [`NcclTransport::wait_stream`].
+impl DeviceExchange for NcclTransport {
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn local_ranks(&self) -> std::ops::Range<usize> {
+        self.rank..self.rank + 1
+    }
+
+    fn all_to_all(&mut self, lanes: &[Vec<Lane>], streams: &[StreamRef]) -> Result<()> {
+        crate::backend::cuda::ep::check_round(1, lanes, streams)?;
+        if self.aborted {
+            return Err(err(format!("rank {}: the communicator was aborted", self.rank)));
+        }
+        let a = api()?;
+        self.device.bind()?;
+        let s = streams[0].raw() as *mut c_void;
+        // SAFETY: group calls bracket the sends and receives below.
+        a.check(unsafe { (a.group_start)() }, "ncclGroupStart")?;
+        let mut posted = Ok(());
+        for lane in lanes[0].iter().filter(|l| l.bytes > 0) {
+            for p in 0..self.world {
+                let off = (p * lane.bytes) as u64;
+                if posted.is_ok() {
+                    // SAFETY: the lane's buffers hold world * bytes on this rank's GPU
+                    // (`DeviceEpRank::new`); the stream belongs to the same device.
+                    posted = a.check(
+                        unsafe {
+                            (a.send)(
+                                (lane.send + off) as *const c_void,
+                                lane.bytes,
+                                NCCL_UINT8,
+                                p as c_int,
+                                self.comm,
+                                s,
+                            )
+                        },
+                        "ncclSend",
+                    );
+                }
+                if posted.is_ok() {
+                    // SAFETY: as above, for the receive side.
+                    posted = a.check(
+                        unsafe {
+                            (a.recv)(
+                                (lane.recv + off) as *mut c_void,
+                                lane.bytes,
+                                NCCL_UINT8,
+                                p as c_int,
+                                self.comm,
+                                s,
+                            )
+                        },
+                        "ncclRecv",
+                    );
+                }
+            }
+        }
+        // SAFETY: closes the group opened above (also after a failed post).
+        let ended = a.check(unsafe { (a.group_end)() }, "ncclGroupEnd");
+        let r = posted.and(ended);
+        if let Err(e) = &r {
+            self.abort(&e.to_string());
+        }
+        r
+    }
+
+    fn wait(&mut self, stream: StreamRef, what: &str) -> Result<()> {
+        self.wait_stream(stream, what)
     }
 }
 

@@ -50,6 +50,10 @@ core_kernels! {
     quant_rows: QuantRowsParams = "moe_quant_rows", CORE_THREADS;
     combine: CombineParams = "moe_combine", CORE_THREADS;
     residual_norm: ResidualNormParams = "moe_residual_norm", CORE_THREADS;
+    /// The device-resident EP exchange (`backend/cuda/ep/`).
+    ep_pack: EpPackParams = "moe_ep_pack", EP_PACK_THREADS as u32;
+    ep_rows: EpRowsParams = "moe_ep_rows", CORE_THREADS;
+    ep_reduce: EpReduceParams = "moe_ep_reduce", CORE_THREADS;
 }
 
 /// The module of the core kernels.

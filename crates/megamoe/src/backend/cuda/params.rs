@@ -103,6 +103,8 @@ kernel_abi! {
         PLAN_SMALL_EXPERTS = 512;
         /// Slot groups of 32 `moe_plan_tiny` (one warp) takes: up to 256 slots.
         PLAN_TINY_GROUPS = 8;
+        /// Threads of `moe_ep_pack` (one CTA per destination scans 1024 home tokens at a time).
+        EP_PACK_THREADS = 1024;
         /// Phase probe (`probe.rs`, the `DS_PROBE` build): CTA rows of the `ds_probe` array.
         PROBE_CTAS = 1024;
         /// Slots per CTA row.
@@ -302,6 +304,72 @@ kernel_abi! {
         t: i32 => "int",
         /// Hidden size H.
         h: i32 => "int",
+    }
+
+    /// `moe_ep_pack` (device-resident EP dispatch): one CTA per destination rank lists, in token
+    /// order, the home tokens with a slot on that rank's experts, and writes their ids and weights.
+    struct EpPackParams {
+        /// The home tokens' `[T, k]` global expert ids.
+        topk_ids: DevPtr => "const int*",
+        /// Their `[T, k]` routing weights.
+        topk_w: DevPtr => "const float*",
+        /// Each destination's expert range `[world][2]` (first, end) in global ids.
+        ranges: DevPtr => "const int*",
+        /// Out: home token -> its row at each destination `[world, cap]` (-1: not sent there).
+        dest_row: DevPtr => "int*",
+        /// Out: a destination's row -> home token `[world, cap]` (-1: an empty row).
+        src_token: DevPtr => "int*",
+        /// Out: the ids sent `[world, cap, k]` (-1 where the slot is not that rank's, and on empty rows).
+        send_ids: DevPtr => "int*",
+        /// Out: the weights sent `[world, cap, k]` (0 with every -1 id).
+        send_w: DevPtr => "float*",
+        /// Status bits (`STATUS_BAD_EXPERT_ID` for an id outside -1..E; the slot is dropped).
+        status: DevPtr => "unsigned*",
+        /// Home tokens T (<= cap).
+        t: i32 => "int",
+        /// Experts per token k.
+        k: i32 => "int",
+        /// Rows per destination (every rank's same worst case).
+        cap: i32 => "int",
+        /// Routed experts E (ids must be in -1..E).
+        e: i32 => "int",
+    }
+
+    /// `moe_ep_rows`: the hidden states of each destination's rows, copied into its send slab.
+    struct EpRowsParams {
+        /// Home tokens `[T, H]` bf16.
+        x: DevPtr => "const bf16_t*",
+        /// A destination's row -> home token `[world, cap]` (from `moe_ep_pack`).
+        src_token: DevPtr => "const int*",
+        /// Out: `[world, cap, H]` bf16 (empty rows are not written).
+        send_x: DevPtr => "bf16_t*",
+        /// Hidden size H.
+        h: i32 => "int",
+        /// Rows per destination.
+        cap: i32 => "int",
+    }
+
+    /// `moe_ep_reduce` (device-resident EP combine): a home token's partial sums from every
+    /// destination added in rank order, then the shared expert.
+    struct EpReduceParams {
+        /// The partial sums received `[world, cap, H]` f32 (row r of source d: `dest_row`'s row).
+        back: DevPtr => "const float*",
+        /// Home token -> its row at each destination `[world, cap]` (-1: adds nothing).
+        dest_row: DevPtr => "const int*",
+        /// `[T, H]` f32 shared-expert output, nullable.
+        shared_out: DevPtr => "const float*",
+        /// Out: `[T, H]` (f32 or bf16, see `y_dtype`).
+        y: DevPtr => "void*",
+        /// Home tokens T.
+        t: i32 => "int",
+        /// Hidden size H.
+        h: i32 => "int",
+        /// Rows per destination.
+        cap: i32 => "int",
+        /// Ranks.
+        world: i32 => "int",
+        /// One of `OUT_*`.
+        y_dtype: i32 => "int",
     }
 
     /// The operands every grouped-GEMM kernel takes (both families).

@@ -25,9 +25,9 @@ pub const COMBINE: &str = include_str!("kernels/combine.cuh");
 /// Activation quantization of one block (`moe_quant_rows` and the fused decode kernel).
 pub const QUANT_ROWS: &str = include_str!("kernels/quant_rows.cuh");
 
-/// The router, plan, staging, combine and residual kernels: one module, compiled once per device
+/// The router, plan, staging, combine, residual and EP-exchange kernels: one module, compiled once per device
 /// (after the shared headers [`PLAN_WARP`], [`COMBINE`] and [`QUANT_ROWS`]).
-pub const CORE_SOURCES: [(&str, &str); 7] = [
+pub const CORE_SOURCES: [(&str, &str); 8] = [
     ("plan_warp", PLAN_WARP),
     ("combine", COMBINE),
     ("quant_rows", QUANT_ROWS),
@@ -35,6 +35,7 @@ pub const CORE_SOURCES: [(&str, &str); 7] = [
     ("plan", include_str!("kernels/plan.cu")),
     ("quant", include_str!("kernels/quant.cu")),
     ("residual", include_str!("kernels/residual.cu")),
+    ("ep_exchange", include_str!("kernels/ep_exchange.cu")),
 ];
 
 /// The SIMT GEMM family's source (compiled per weight format).
@@ -57,7 +58,7 @@ pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 pub const GEMM_W4A8: &str = include_str!("kernels/gemm_w4a8.cu");
 
 /// Every source with its name (for the layout-comment check and the compile test).
-pub const ALL_SOURCES: [(&str, &str); 13] = [
+pub const ALL_SOURCES: [(&str, &str); 14] = [
     CORE_SOURCES[0],
     CORE_SOURCES[1],
     CORE_SOURCES[2],
@@ -65,6 +66,7 @@ pub const ALL_SOURCES: [(&str, &str); 13] = [
     CORE_SOURCES[4],
     CORE_SOURCES[5],
     CORE_SOURCES[6],
+    CORE_SOURCES[7],
     ("gemm_simt", GEMM_SIMT),
     ("gemm_tc", GEMM_TC),
     ("gemm_tc_stream", GEMM_TC_STREAM),

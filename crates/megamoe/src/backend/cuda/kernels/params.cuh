@@ -26,6 +26,7 @@ constexpr int PLAN_WARPS = 8;
 constexpr int PLAN_SMALL_CHUNK = 256;
 constexpr int PLAN_SMALL_EXPERTS = 512;
 constexpr int PLAN_TINY_GROUPS = 8;
+constexpr int EP_PACK_THREADS = 1024;
 constexpr int PROBE_CTAS = 1024;
 constexpr int PROBE_SLOTS = 16;
 constexpr int PROBE_START = 0;
@@ -136,6 +137,44 @@ struct ResidualNormParams {
     int h;
 };
 static_assert(sizeof(ResidualNormParams) == 32, "ResidualNormParams mirrors params.rs");
+
+struct EpPackParams {
+    const int* topk_ids;
+    const float* topk_w;
+    const int* ranges;
+    int* dest_row;
+    int* src_token;
+    int* send_ids;
+    float* send_w;
+    unsigned* status;
+    int t;
+    int k;
+    int cap;
+    int e;
+};
+static_assert(sizeof(EpPackParams) == 80, "EpPackParams mirrors params.rs");
+
+struct EpRowsParams {
+    const bf16_t* x;
+    const int* src_token;
+    bf16_t* send_x;
+    int h;
+    int cap;
+};
+static_assert(sizeof(EpRowsParams) == 32, "EpRowsParams mirrors params.rs");
+
+struct EpReduceParams {
+    const float* back;
+    const int* dest_row;
+    const float* shared_out;
+    void* y;
+    int t;
+    int h;
+    int cap;
+    int world;
+    int y_dtype;
+};
+static_assert(sizeof(EpReduceParams) == 56, "EpReduceParams mirrors params.rs");
 
 struct GemmOperands {
     const void* a;

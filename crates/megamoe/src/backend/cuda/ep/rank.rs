@@ -1,0 +1,419 @@
+//! [`DeviceEpRank`]: one expert-parallel rank whose dispatch and combine stay on the device.
+//!
+//! A forward is three enqueue phases around two all-to-all rounds (see the module docs), on the
+//! rank's stream, with no host synchronisation and no allocation: every message has the size fixed
+//! at construction (`cap` rows per source and destination), so the whole forward can be captured
+//! in a CUDA graph.
+
+use super::exchange::Lane;
+use crate::backend::cuda::buffer::{derr, err, DevBuf};
+use crate::backend::cuda::engine::CudaEngine;
+use crate::backend::cuda::io::{DType, DeviceTensor};
+use crate::backend::cuda::launch::{self, LaunchCfg, StreamRef};
+use crate::backend::cuda::params::*;
+use crate::backend::cuda::workspace::bytes;
+use crate::backend::MoeEngine;
+use crate::checkpoint::MoeLayer;
+use crate::error::{MegaError, Result};
+use crate::forward::{ForwardOutput, Mode};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The device buffers of the exchange (`kernels/ep_exchange.cu` has their layouts).
+struct ExchangeBufs {
+    /// Every rank's expert range `[world][2]` i32.
+    ranges: DevBuf,
+    /// Home token -> row at each destination `[world, cap]` i32.
+    dest_row: DevBuf,
+    /// Row at a destination -> home token `[world, cap]` i32.
+    src_token: DevBuf,
+    send_x: DevBuf,
+    send_ids: DevBuf,
+    send_w: DevBuf,
+    recv_x: DevBuf,
+    recv_ids: DevBuf,
+    recv_w: DevBuf,
+    /// This rank's partial sums of the rows it received `[world * cap, H]` f32 (sent back).
+    part: DevBuf,
+    /// The partial sums of this rank's home tokens, from every rank `[world, cap, H]` f32.
+    back: DevBuf,
+}
+
+/// One rank of a device-resident EP group (see the module docs).
+pub struct DeviceEpRank {
+    pub(super) eng: CudaEngine,
+    rank: usize,
+    world: usize,
+    cap: usize,
+    bufs: ExchangeBufs,
+    /// Home tokens of the forward in flight, and whether its shared expert was forked.
+    inflight: Option<(usize, bool)>,
+}
+
+// SAFETY: as `CudaRankEngine`: the engine's graph stays `None` (groups capture their own), and
+// device memory, streams and the context may be used from any thread once bound.
+unsafe impl Send for DeviceEpRank {}
+
+impl DeviceEpRank {
+    /// Uploads rank `rank`'s `layer` (its experts, TP slice, the whole router and shared expert)
+    /// for a group whose ranks own `ranges` (global expert ids, one range per rank), with room for
+    /// `cap` home tokens per forward on every rank.
+    pub fn new(layer: Arc<MoeLayer>, rank: usize, ranges: &[Range<usize>], cap: usize) -> Result<Self> {
+        let world = ranges.len();
+        if rank >= world || cap == 0 {
+            return Err(MegaError::Input(format!(
+                "device EP rank {rank} of {world}: the rank must be in the group and cap at least 1 (got {cap})"
+            )));
+        }
+        let held = layer.expert_range.clone();
+        if ranges[rank] != held {
+            return Err(MegaError::Input(format!(
+                "device EP rank {rank}: its layer holds experts {held:?} but the group gives it {:?}",
+                ranges[rank]
+            )));
+        }
+        let c = layer.config.clone();
+        let (h, k) = (c.hidden_size, c.num_experts_per_tok);
+        if !h.is_multiple_of(8) {
+            return Err(MegaError::Input(format!(
+                "device EP: hidden size {h} is not a multiple of 8 (rows are copied 16 bytes at a time)"
+            )));
+        }
+        if let Some(r) = ranges.iter().find(|r| r.end > c.n_routed_experts || r.start > r.end) {
+            return Err(MegaError::Input(format!(
+                "device EP: range {r:?} is outside the layer's {} experts",
+                c.n_routed_experts
+            )));
+        }
+        let rows = world
+            .checked_mul(cap)
+            .ok_or_else(|| MegaError::Input("device EP: world x cap overflows".into()))?;
+        let eng = CudaEngine::new(layer, rows)?;
+        let dev = eng.device.clone();
+        let z = |dims: &[usize], what: &str| dev.alloc(bytes(dims, what)?, what);
+        let table: Vec<i32> = ranges.iter().flat_map(|r| [r.start as i32, r.end as i32]).collect();
+        let bufs = ExchangeBufs {
+            ranges: dev.upload(&table, "ep expert ranges")?,
+            dest_row: z(&[world, cap, 4], "ep dest_row")?,
+            src_token: z(&[world, cap, 4], "ep src_token")?,
+            send_x: z(&[world, cap, h, 2], "ep send x")?,
+            send_ids: z(&[world, cap, k, 4], "ep send ids")?,
+            send_w: z(&[world, cap, k, 4], "ep send weights")?,
+            recv_x: z(&[world, cap, h, 2], "ep received x")?,
+            recv_ids: z(&[world, cap, k, 4], "ep received ids")?,
+            recv_w: z(&[world, cap, k, 4], "ep received weights")?,
+            part: z(&[world, cap, h, 4], "ep partial sums")?,
+            back: z(&[world, cap, h, 4], "ep returned sums")?,
+        };
+        Ok(DeviceEpRank { eng, rank, world, cap, bufs, inflight: None })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Home tokens per forward at most (every rank's message size).
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// The rank's own stream (what [`super::DeviceEpGroup`] enqueues on).
+    pub fn stream(&self) -> StreamRef {
+        self.eng.stream_ref()
+    }
+
+    /// One line: the engine, the experts held, the message size.
+    pub fn describe(&self) -> String {
+        let w = &self.eng.weights;
+        format!(
+            "device EP rank {}/{}: {}, experts {:?}, I {}, {} rows per message",
+            self.rank,
+            self.world,
+            self.eng.describe(),
+            w.expert_range(),
+            w.config().moe_intermediate_size,
+            self.cap
+        )
+    }
+
+    /// Bytes of weights this rank holds on the device.
+    pub fn held_bytes(&self) -> usize {
+        self.eng.weights.device_bytes()
+    }
+
+    /// Bytes this rank sends per forward, to itself included (the fixed message sizes).
+    pub fn sent_bytes(&self) -> usize {
+        self.dispatch_lanes().iter().chain(&self.combine_lanes()).map(|l| l.bytes * self.world).sum()
+    }
+
+    /// Makes `mode`'s lazy scratch exist (before a graph capture: no allocation may happen in one).
+    pub fn prepare(&mut self, mode: Mode) -> Result<()> {
+        self.eng.weights.check_mode(mode)?;
+        self.eng.ws.prepare(mode, false)
+    }
+
+    /// Phase 1: routes the home tokens `x` `[T, H]` bf16 (`input_ids` `[T, 1]` on hash layers) into
+    /// the engine's `topk` buffers, starts the shared expert on the workspace's side stream, and
+    /// packs the messages to every rank. `T <= cap`.
+    pub fn enqueue_dispatch(
+        &mut self,
+        x: &DeviceTensor,
+        input_ids: Option<&DeviceTensor>,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let c = self.eng.weights.config().clone();
+        let (t, h, k) = (x.rows, c.hidden_size, c.num_experts_per_tok);
+        if t > self.cap {
+            return Err(MegaError::Input(format!(
+                "device EP rank {}: {t} home tokens exceed the group's {} per rank",
+                self.rank, self.cap
+            )));
+        }
+        x.check("x", t, h, &[DType::Bf16], 16)?;
+        if self.inflight.is_some() {
+            return Err(MegaError::Input(format!(
+                "device EP rank {}: a forward is already in flight (enqueue_reduce ends it)",
+                self.rank
+            )));
+        }
+        let (w, ws, dev) = (&self.eng.weights, &self.eng.ws, &self.eng.device);
+        let ids = DeviceTensor::new(self.eng.io.topk_ids.ptr(), t, k, DType::I32);
+        let wts = DeviceTensor::new(self.eng.io.topk_w.ptr(), t, k, DType::F32);
+        w.enqueue_route(ws, x, input_ids, &ids, &wts, stream)?;
+        let shared = t > 0 && w.shared_inter() > 0;
+        if shared {
+            // The shared expert needs only x: it runs beside the exchange and the routed experts.
+            let side = StreamRef(ws.side.cu_stream());
+            launch::record(&ws.fork, stream)?;
+            launch::wait(side, &ws.fork)?;
+            w.enqueue_shared(ws, x, side)?;
+            launch::record(&ws.join, side)?;
+        }
+        dev.bind()?;
+        let b = &self.bufs;
+        let pack = EpPackParams {
+            topk_ids: ids.ptr,
+            topk_w: wts.ptr,
+            ranges: b.ranges.ptr(),
+            dest_row: b.dest_row.ptr(),
+            src_token: b.src_token.ptr(),
+            send_ids: b.send_ids.ptr(),
+            send_w: b.send_w.ptr(),
+            status: ws.status.ptr(),
+            t: t as i32,
+            k: k as i32,
+            cap: self.cap as i32,
+            e: c.n_routed_experts as i32,
+        };
+        let rows = EpRowsParams {
+            x: x.ptr,
+            src_token: b.src_token.ptr(),
+            send_x: b.send_x.ptr(),
+            h: h as i32,
+            cap: self.cap as i32,
+        };
+        let world = self.world as u32;
+        // SAFETY: the buffers hold [world, cap(, k | H)] (allocated so), the routing [t <= cap, k].
+        unsafe {
+            dev.core.ep_pack.launch(stream, &LaunchCfg::grid((world, 1, 1), 0), &pack)?;
+            dev.core.ep_rows.launch(stream, &LaunchCfg::grid((self.cap as u32, world, 1), 0), &rows)?;
+        }
+        self.inflight = Some((t, shared));
+        Ok(())
+    }
+
+    /// The dispatch round's messages: hidden states, ids, weights (`cap` rows per rank).
+    pub fn dispatch_lanes(&self) -> Vec<Lane> {
+        let c = self.eng.weights.config();
+        let (h, k, cap, b) = (c.hidden_size, c.num_experts_per_tok, self.cap, &self.bufs);
+        vec![
+            Lane { send: b.send_x.ptr(), recv: b.recv_x.ptr(), bytes: cap * h * 2 },
+            Lane { send: b.send_ids.ptr(), recv: b.recv_ids.ptr(), bytes: cap * k * 4 },
+            Lane { send: b.send_w.ptr(), recv: b.recv_w.ptr(), bytes: cap * k * 4 },
+        ]
+    }
+
+    /// Phase 2: this rank's experts over every row it received (`world * cap` rows; empty rows
+    /// carry only -1 ids and plan nothing), each row's slots summed in slot order into `part`.
+    pub fn enqueue_experts(&self, mode: Mode, stream: StreamRef) -> Result<()> {
+        if self.inflight.is_none() {
+            return Err(MegaError::Input(format!(
+                "device EP rank {}: enqueue_experts before enqueue_dispatch",
+                self.rank
+            )));
+        }
+        let c = self.eng.weights.config();
+        let (h, k, rows, b) = (c.hidden_size, c.num_experts_per_tok, self.world * self.cap, &self.bufs);
+        let ids = DeviceTensor::new(b.recv_ids.ptr(), rows, k, DType::I32);
+        let x = DeviceTensor::new(b.recv_x.ptr(), rows, h, DType::Bf16);
+        let w = DeviceTensor::new(b.recv_w.ptr(), rows, k, DType::F32);
+        let part = DeviceTensor::new(b.part.ptr(), rows, h, DType::F32);
+        self.eng.weights.enqueue_routed(&self.eng.ws, &ids, &x, &w, &part, false, mode, stream)
+    }
+
+    /// Forgets a forward whose enqueueing failed half-way (the next dispatch may start).
+    pub fn abandon(&mut self) {
+        self.inflight = None;
+    }
+
+    /// The combine round's message: the partial sums of the rows each rank sent here.
+    pub fn combine_lanes(&self) -> Vec<Lane> {
+        let h = self.eng.weights.config().hidden_size;
+        vec![Lane { send: self.bufs.part.ptr(), recv: self.bufs.back.ptr(), bytes: self.cap * h * 4 }]
+    }
+
+    /// Phase 3: every home token's partial sums added in rank order, then its shared expert, into
+    /// `y` `[T, H]` (f32 or bf16). Ends the forward.
+    pub fn enqueue_reduce(&mut self, y: &DeviceTensor, stream: StreamRef) -> Result<()> {
+        let (t, shared) = self.inflight.ok_or_else(|| {
+            MegaError::Input(format!("device EP rank {}: enqueue_reduce before enqueue_dispatch", self.rank))
+        })?;
+        let h = self.eng.weights.config().hidden_size;
+        y.check("y", t, h, &[DType::F32, DType::Bf16], 16)?;
+        self.inflight = None;
+        let ws = &self.eng.ws;
+        if shared {
+            launch::wait(stream, &ws.join)?;
+        }
+        let p = EpReduceParams {
+            back: self.bufs.back.ptr(),
+            dest_row: self.bufs.dest_row.ptr(),
+            shared_out: if shared { ws.shared_out.ptr() } else { 0 },
+            y: y.ptr,
+            t: t as i32,
+            h: h as i32,
+            cap: self.cap as i32,
+            world: self.world as i32,
+            y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },
+        };
+        let col_blocks = h.div_ceil(4 * crate::backend::cuda::device::CORE_THREADS as usize) as u32;
+        self.eng.device.bind()?;
+        // SAFETY: y holds [t, H] (checked, 16-byte aligned), back and dest_row [world, cap(, H)].
+        unsafe {
+            self.eng.device.core.ep_reduce.launch(stream, &LaunchCfg::grid((t as u32, col_blocks, 1), 0), &p)
+        }
+    }
+
+    /// One forward of this process's only local rank over `ex` (NCCL: a process per rank) from host
+    /// slices: the home tokens `x` `[T, H]` (`input_ids` on hash layers) in, y `[T, H]` f32 and
+    /// the routing out.
+    pub fn forward(
+        &mut self,
+        ex: &mut dyn super::DeviceExchange,
+        x: &[half::bf16],
+        input_ids: Option<&[i64]>,
+        mode: Mode,
+    ) -> Result<ForwardOutput> {
+        self.prepare(mode)?;
+        let t = self.upload(x, input_ids)?;
+        let (x, input_ids, y) = self.io(t);
+        let s = self.stream();
+        super::enqueue_forward(
+            std::slice::from_mut(self),
+            ex,
+            &[super::RankIo { x, input_ids, y }],
+            mode,
+            &[s],
+        )?;
+        // The bounded wait first: a copy to pageable host memory would block on a dead peer.
+        ex.wait(s, "the device EP forward")?;
+        let out = self.collect(t)?;
+        self.finish("the device EP forward")?;
+        Ok(out)
+    }
+
+    /// Copies `x` (and `input_ids`) of `t` home tokens into the engine's io buffers on the rank's
+    /// stream (the host-slice entry of tests, the CLI and [`super::DeviceEpGroup`]).
+    pub(super) fn upload(&mut self, x: &[half::bf16], input_ids: Option<&[i64]>) -> Result<usize> {
+        self.eng.upload_input(&crate::forward::ForwardInput { x, input_ids })
+    }
+
+    /// The engine's io as the phases' tensors for `t` home tokens: x, input ids (hash layers), y.
+    pub(super) fn io(&self, t: usize) -> (DeviceTensor, Option<DeviceTensor>, DeviceTensor) {
+        let h = self.eng.weights.config().hidden_size;
+        let io = &self.eng.io;
+        let ids = self.eng.weights.is_hash().then(|| DeviceTensor::new(io.ids.ptr(), t, 1, DType::I32));
+        (
+            DeviceTensor::new(io.x.ptr(), t, h, DType::Bf16),
+            ids,
+            DeviceTensor::new(io.y.ptr(), t, h, DType::F32),
+        )
+    }
+
+    /// Enqueues the copies of `t` home tokens' outputs (y, routing) to the host; valid after the
+    /// rank's stream is synchronised ([`Self::finish_download`]).
+    pub(super) fn collect(&self, t: usize) -> Result<ForwardOutput> {
+        let c = self.eng.weights.config();
+        Ok(ForwardOutput {
+            y: self.eng.download::<f32>(&self.eng.io.y, t * c.hidden_size, "copying y")?,
+            topk_ids: self.eng.download::<i32>(
+                &self.eng.io.topk_ids,
+                t * c.num_experts_per_tok,
+                "copying topk_ids",
+            )?,
+            topk_weights: self.eng.download::<f32>(
+                &self.eng.io.topk_w,
+                t * c.num_experts_per_tok,
+                "copying topk_w",
+            )?,
+        })
+    }
+
+    /// Waits for the rank's stream and checks the status bits of its kernels.
+    pub(super) fn finish(&self, what: &str) -> Result<()> {
+        self.eng.sync(what)?;
+        let status = self.eng.ws.take_status()?;
+        if status & (STATUS_BAD_TOKEN_ID | STATUS_BAD_EXPERT_ID) as u32 != 0 {
+            return Err(err(format!(
+                "device EP rank {}: malformed ids reported (status 0x{status:x})",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Each destination's rows of the last dispatch, as home tokens (`[world][count]`): the host
+    /// [`crate::parallel::dispatch::DispatchLayout`]'s `tokens`, for tests.
+    #[doc(hidden)]
+    pub fn dispatched_tokens(&self) -> Result<Vec<Vec<u32>>> {
+        let src =
+            self.eng.download::<i32>(&self.bufs.src_token, self.world * self.cap, "copying src_token")?;
+        self.eng.sync("reading the dispatch rows")?;
+        Ok(src
+            .chunks(self.cap)
+            .map(|c| c.iter().take_while(|&&t| t >= 0).map(|&t| t as u32).collect())
+            .collect())
+    }
+
+    /// Fills the engine's workspace and io and every exchange buffer but the expert ranges with
+    /// `byte` (0xFF: NaN), so tests prove every element read was written in the same forward.
+    #[doc(hidden)]
+    pub fn poison(&mut self, byte: u8) -> Result<()> {
+        self.eng.poison(byte)?;
+        let b = &self.bufs;
+        let st = self.eng.device.stream();
+        for buf in [
+            &b.dest_row,
+            &b.src_token,
+            &b.send_x,
+            &b.send_ids,
+            &b.send_w,
+            &b.recv_x,
+            &b.recv_ids,
+            &b.recv_w,
+            &b.part,
+            &b.back,
+        ] {
+            // SAFETY: `buf` holds `buf.bytes()` bytes.
+            unsafe { cudarc::driver::result::memset_d8_async(buf.ptr(), byte, buf.bytes(), st.cu_stream()) }
+                .map_err(derr("poison"))?;
+        }
+        st.synchronize().map_err(derr("poison"))
+    }
+}
