@@ -157,9 +157,12 @@ if [ "${EP:-0}" != 0 ]; then
   # Expert / tensor parallelism with in-process ranks sharing this GPU (a stream each), each row
   # against EP=1 and the CPU reference; per-rank device memory of a V4-Pro layer at EP=8 vs EP=1;
   # the NCCL transport on a 1-rank communicator (libnccl from the Python environment).
-  step ep2 timeout 300 "$bin" verify --backend cuda --ep 2 --quick
-  step ep8 timeout 300 "$bin" verify --backend cuda --ep 8 --quick
-  step ep2tp2 timeout 300 "$bin" verify --backend cuda --ep 2 --tp 2 --quick
+  # EP_HOST=0 skips the host-exchange rows, EP_MEM=0 the per-rank memory rows (whole V4-Pro layers).
+  if [ "${EP_HOST:-1}" != 0 ]; then
+    step ep2 timeout 300 "$bin" verify --backend cuda --ep 2 --quick
+    step ep8 timeout 300 "$bin" verify --backend cuda --ep 8 --quick
+    step ep2tp2 timeout 300 "$bin" verify --backend cuda --ep 2 --tp 2 --quick
+  fi
   # The device-resident exchange over the whole verify sweep (every row's repeat is the group's
   # CUDA-graph replay), EP x TP, NCCL on one rank, and the whole group's graph on V4-Pro shapes.
   step ep2dev timeout 400 "$bin" verify --backend cuda --ep 2 --exchange device
@@ -169,8 +172,10 @@ if [ "${EP:-0}" != 0 ]; then
     --ep 1 --transport nccl --exchange device --quick
   step ep8dev_bench timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 8 --exchange device \
     --tokens "${EP_BENCH_TOKENS:-8,64,512}" --runs 5
-  step ep_mem8 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 8 --tokens 64 --runs 3
-  step ep_mem1 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 1 --tokens 64 --runs 3
+  if [ "${EP_MEM:-1}" != 0 ]; then
+    step ep_mem8 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 8 --tokens 64 --runs 3
+    step ep_mem1 timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 1 --tokens 64 --runs 3
+  fi
   step nccl1 timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" verify --backend cuda --ep 1 \
     --transport nccl --quick
   step launch1 timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" launch --gpus 1 -- verify \

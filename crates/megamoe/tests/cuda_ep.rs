@@ -2,8 +2,8 @@
 //! present; `MEGAMOE_REQUIRE_GPU=1` makes that a failure, as `scripts/device/run.sh` does):
 //!
 //! - the device-resident exchange (`backend::cuda::ep`): groups of 1..8 ranks (EP and EP x TP)
-//!   against the single CUDA engine — a group of one bitwise (its reduction order is the single
-//!   engine's), larger ones within rounding of the reassociated sum —, every buffer poisoned
+//!   against the single CUDA engine within rounding of the reassociated sum (a group of one:
+//!   of the decode launch chosen), every buffer poisoned
 //!   first, repeats and the whole group's CUDA-graph replay bitwise equal, each destination's
 //!   rows equal to the host `DispatchLayout`, hot / empty / foreign experts and ranks without
 //!   tokens; bad input refused by name;
@@ -104,12 +104,11 @@ fn device_exchange_groups_match_the_single_engine() {
                     assert_eq!(got.topk_ids, want.topk_ids, "{what}: routing");
                     assert_eq!(bits(&got.topk_weights), bits(&want.topk_weights), "{what}: routing weights");
                     assert!(got.y.iter().all(|v| v.is_finite()), "{what}: non-finite output");
-                    if topo.world() == 1 {
-                        assert_eq!(bits(&got.y), bits(&want.y), "{what}: one rank is the single engine");
-                    } else {
-                        let e = rel_l2(&got.y, &want.y);
-                        assert!(e <= EP_TOL, "{what}: rel L2 {e:.3e} against the single engine");
-                    }
+                    // A group of one differs from the single engine only where their decode launches
+                    // differ (fused vs separate stages): last bits.
+                    let tol = if topo.world() == 1 { 1e-5 } else { EP_TOL };
+                    let e = rel_l2(&got.y, &want.y);
+                    assert!(e <= tol, "{what}: rel L2 {e:.3e} against the single engine");
                     let again = group.forward(&x, Some(&ids), mode).unwrap();
                     assert_eq!(bits(&again.y), bits(&got.y), "{what}: a repeat differs");
                     check_dispatch_rows(&group, &layer, &topo, &got, t, &what);
@@ -140,7 +139,11 @@ fn check_dispatch_rows(
         let span = topo.tokens_of(t, r);
         let ids = &out.topk_ids[span.start * k..span.end * k];
         let want = DispatchLayout::build(ids, k, layer.config.n_routed_experts, topo).unwrap();
-        assert_eq!(rank.dispatched_tokens().unwrap(), want.tokens, "{what}: rank {r}'s dispatch rows");
+        assert_eq!(
+            rank.dispatched_tokens(group.message_rows(t)).unwrap(),
+            want.tokens,
+            "{what}: rank {r}'s dispatch rows"
+        );
     }
 }
 
@@ -192,7 +195,7 @@ fn nccl_device_exchange_on_one_rank_equals_the_shared_gpu_group() {
     let mut group = device_group(&layer, Topology::new(1, 1).unwrap(), 16);
     for (t, mode) in [(1usize, Mode::W4A16), (16, Mode::W4A8)] {
         let x = synthetic::random_hidden(t, cfg.hidden_size, 40 + t as u64);
-        let a = rank.forward(&mut nccl, &x, None, mode).unwrap();
+        let a = rank.forward(&mut nccl, &x, None, t, mode).unwrap();
         let b = group.forward(&x, None, mode).unwrap();
         assert_eq!(bits(&a.y), bits(&b.y), "T {t} {}: NCCL vs shared-GPU exchange", mode.name());
     }

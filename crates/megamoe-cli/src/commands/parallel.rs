@@ -311,10 +311,11 @@ impl EpGroup {
                 let t0 = std::time::Instant::now();
                 let o = g.forward(x, input_ids, mode)?;
                 let total_s = t0.elapsed().as_secs_f64();
+                let rows = g.message_rows(x.len() / h);
                 let timings = g
                     .ranks()
                     .iter()
-                    .map(|r| RankTimings { total_s, sent_bytes: r.sent_bytes(), ..Default::default() })
+                    .map(|r| RankTimings { total_s, sent_bytes: r.sent_bytes(rows), ..Default::default() })
                     .collect();
                 Ok((o, timings))
             }
@@ -322,11 +323,13 @@ impl EpGroup {
             EpGroup::DeviceNccl(r, nccl) => {
                 let span = self_span(topo, r.rank(), x.len() / h);
                 let ids = input_ids.map(|v| &v[span.clone()]);
+                // Every rank sends messages of the largest home share (rank 0's).
+                let rows = topo.tokens_of(x.len() / h, 0).len().max(1);
                 let t0 = std::time::Instant::now();
-                let o = r.forward(nccl.as_mut(), &x[span.start * h..span.end * h], ids, mode)?;
+                let o = r.forward(nccl.as_mut(), &x[span.start * h..span.end * h], ids, rows, mode)?;
                 let t = RankTimings {
                     total_s: t0.elapsed().as_secs_f64(),
-                    sent_bytes: r.sent_bytes(),
+                    sent_bytes: r.sent_bytes(rows),
                     ..Default::default()
                 };
                 Ok((o, vec![t]))

@@ -28,12 +28,14 @@ pub struct RankIo {
 }
 
 /// Enqueues one forward of the local `ranks` (those `ex` drives, in order): dispatch (route,
-/// shared expert forked, pack), the dispatch round, the local experts, the combine round, the
-/// reduce — each rank on its stream in `streams`. No host synchronisation, no allocation.
+/// shared expert forked, pack into messages of `rows` rows — the group's largest home batch, the
+/// same on every rank), the dispatch round, the local experts, the combine round, the reduce — each
+/// rank on its stream in `streams`. No host synchronisation, no allocation.
 pub fn enqueue_forward(
     ranks: &mut [DeviceEpRank],
     ex: &mut dyn DeviceExchange,
     io: &[RankIo],
+    rows: usize,
     mode: Mode,
     streams: &[StreamRef],
 ) -> Result<()> {
@@ -67,7 +69,7 @@ pub fn enqueue_forward(
     }
     let res = (|| {
         for ((r, io), &s) in ranks.iter_mut().zip(io).zip(streams) {
-            r.enqueue_dispatch(&io.x, io.input_ids.as_ref(), s)?;
+            r.enqueue_dispatch(&io.x, io.input_ids.as_ref(), rows, s)?;
         }
         let lanes: Vec<_> = ranks.iter().map(|r| r.dispatch_lanes()).collect();
         ex.all_to_all(&lanes, streams)?;
@@ -136,6 +138,16 @@ impl DeviceEpGroup {
         &self.ranks
     }
 
+    /// The topology.
+    pub fn topology(&self) -> Topology {
+        self.topo
+    }
+
+    /// Message rows of a batch of `tokens` (the largest home share).
+    pub fn message_rows(&self, tokens: usize) -> usize {
+        self.topo.tokens_of(tokens, 0).len().max(1)
+    }
+
     /// Fills every rank's workspace, io and exchange buffers with `byte` (tests: every element a
     /// forward reads was written by it).
     #[doc(hidden)]
@@ -190,7 +202,9 @@ impl DeviceEpGroup {
                 RankIo { x, input_ids, y }
             })
             .collect();
-        enqueue_forward(&mut self.ranks, &mut self.ex, &io, mode, &streams)?;
+        // The messages hold the largest home share (rank 0's): sized by this batch, not the capacity.
+        let rows = shares[0].len().max(1);
+        enqueue_forward(&mut self.ranks, &mut self.ex, &io, rows, mode, &streams)?;
         for (ev, &s) in self.done.iter().zip(&streams).skip(1) {
             launch::record(ev, s)?;
             launch::wait(streams[0], ev)?;

@@ -3,30 +3,34 @@
 //! router, exchange, experts, exchange, reduce — is enqueue-only and graph-capturable.
 //!
 //! ```text
-//! rank r, home tokens x [T <= cap, H]
+//! rank r, home tokens x [T <= rows, H]
 //!   dispatch  route -> topk [T, k]; shared expert forked onto the side stream;
 //!             moe_ep_pack / moe_ep_rows: for every rank d, the home tokens with a slot on d's
 //!             experts in token order (once per destination, not per slot), their ids (-1 where
 //!             not d's) and weights; rows past the count carry only -1 ids
-//!   round 1   all-to-all of [cap, H] bf16 + [cap, k] ids + [cap, k] weights per rank pair
-//!   experts   plan + experts + combine over the world * cap rows received: per row, the sum of
+//!   round 1   all-to-all of [rows, H] bf16 + [rows, k] ids + [rows, k] weights per rank pair
+//!   experts   plan + experts + combine over the world * rows rows received: per row, the sum of
 //!             its slots on r's experts in slot order (-1 rows plan nothing and sum to 0)
-//!   round 2   all-to-all of [cap, H] f32 partial sums per rank pair
+//!   round 2   all-to-all of [rows, H] f32 partial sums per rank pair
 //!   reduce    moe_ep_reduce: y[t] = sum over ranks d in rank order of d's partial sum of t,
 //!             then the shared expert (joined back)
 //! ```
 //!
 //! **Reduction order.** A token's slots are summed per destination rank (slot order), then the
 //! ranks' partial sums in rank order, then the shared expert: fixed, so the output is bitwise
-//! reproducible, and equal to the single engine's slot-order sum up to that reassociation (the
+//! reproducible, and equal to the single engine's slot-order sum up to that reassociation (a group
+//! of one: bitwise where both run the same launches; at decode the rank takes the fused kernel
+//! while the single engine, its shared expert beside, runs separate stages — last-bit
+//! differences, measured). The
 //! host-buffer path of [`crate::parallel::EpRank`] keeps the single engine's exact order by
 //! sending every slot's row back; here one row per token and destination travels, as in the
 //! dispatch). Tensor parallelism needs nothing more: a destination's partial sum covers its slice
 //! of the intermediate dimension, and the TP ranks' sums are added in rank order like the others.
 //!
-//! **Sizes.** Messages are `cap` rows whatever the routing (a graph cannot change a transfer's
-//! size): `cap` is the largest home batch of a rank, the same on every rank. The receive side
-//! runs its experts over `world * cap` rows (the plan skips the empty ones).
+//! **Sizes.** Messages are `rows` rows whatever the routing (a graph cannot change a transfer's
+//! size): `rows` is the forward's largest home batch, the same on every rank (a server captures a
+//! graph per batch size), at most the `cap` the buffers were allocated for. The receive side runs
+//! its experts over `world * rows` rows (the plan skips the empty ones).
 //!
 //! | file | responsibility |
 //! |---|---|

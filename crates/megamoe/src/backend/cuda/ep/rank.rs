@@ -2,8 +2,9 @@
 //!
 //! A forward is three enqueue phases around two all-to-all rounds (see the module docs), on the
 //! rank's stream, with no host synchronisation and no allocation: every message has the size fixed
-//! at construction (`cap` rows per source and destination), so the whole forward can be captured
-//! in a CUDA graph.
+//! before the forward (`rows` per source and destination: the largest home batch of the forward, the
+//! same on every rank, at most the `cap` the buffers were sized for), so the whole forward can be
+//! captured in a CUDA graph (one per batch size, as servers capture them).
 
 use super::exchange::Lane;
 use crate::backend::cuda::buffer::{derr, err, DevBuf};
@@ -39,6 +40,17 @@ struct ExchangeBufs {
     back: DevBuf,
 }
 
+/// A forward between its dispatch and its reduce.
+#[derive(Clone, Copy, Debug)]
+struct Inflight {
+    /// Home tokens.
+    t: usize,
+    /// Rows per message.
+    rows: usize,
+    /// Whether the shared expert was forked (the reduce joins it).
+    shared: bool,
+}
+
 /// One rank of a device-resident EP group (see the module docs).
 pub struct DeviceEpRank {
     pub(super) eng: CudaEngine,
@@ -46,8 +58,8 @@ pub struct DeviceEpRank {
     world: usize,
     cap: usize,
     bufs: ExchangeBufs,
-    /// Home tokens of the forward in flight, and whether its shared expert was forked.
-    inflight: Option<(usize, bool)>,
+    /// The forward in flight.
+    inflight: Option<Inflight>,
 }
 
 // SAFETY: as `CudaRankEngine`: the engine's graph stays `None` (groups capture their own), and
@@ -118,7 +130,7 @@ impl DeviceEpRank {
         self.world
     }
 
-    /// Home tokens per forward at most (every rank's message size).
+    /// Home tokens per forward at most (the largest message, in rows).
     pub fn cap(&self) -> usize {
         self.cap
     }
@@ -147,9 +159,11 @@ impl DeviceEpRank {
         self.eng.weights.device_bytes()
     }
 
-    /// Bytes this rank sends per forward, to itself included (the fixed message sizes).
-    pub fn sent_bytes(&self) -> usize {
-        self.dispatch_lanes().iter().chain(&self.combine_lanes()).map(|l| l.bytes * self.world).sum()
+    /// Bytes this rank sends in a forward of `rows` message rows, to itself included.
+    pub fn sent_bytes(&self, rows: usize) -> usize {
+        let c = self.eng.weights.config();
+        let (h, k) = (c.hidden_size, c.num_experts_per_tok);
+        rows * (h * 2 + k * 8 + h * 4) * self.world
     }
 
     /// Makes `mode`'s lazy scratch exist (before a graph capture: no allocation may happen in one).
@@ -160,18 +174,21 @@ impl DeviceEpRank {
 
     /// Phase 1: routes the home tokens `x` `[T, H]` bf16 (`input_ids` `[T, 1]` on hash layers) into
     /// the engine's `topk` buffers, starts the shared expert on the workspace's side stream, and
-    /// packs the messages to every rank. `T <= cap`.
+    /// packs the messages to every rank, `rows` rows each (`T <= rows <= cap`; every rank of the
+    /// group passes the same `rows`).
     pub fn enqueue_dispatch(
         &mut self,
         x: &DeviceTensor,
         input_ids: Option<&DeviceTensor>,
+        rows: usize,
         stream: StreamRef,
     ) -> Result<()> {
         let c = self.eng.weights.config().clone();
         let (t, h, k) = (x.rows, c.hidden_size, c.num_experts_per_tok);
-        if t > self.cap {
+        if t > rows || rows > self.cap || rows == 0 {
             return Err(MegaError::Input(format!(
-                "device EP rank {}: {t} home tokens exceed the group's {} per rank",
+                "device EP rank {}: {t} home tokens in messages of {rows} rows; the group takes 1..={} rows \
+                 and at most that many tokens per rank",
                 self.rank, self.cap
             )));
         }
@@ -208,30 +225,35 @@ impl DeviceEpRank {
             status: ws.status.ptr(),
             t: t as i32,
             k: k as i32,
-            cap: self.cap as i32,
+            cap: rows as i32,
             e: c.n_routed_experts as i32,
         };
-        let rows = EpRowsParams {
+        let copy = EpRowsParams {
             x: x.ptr,
             src_token: b.src_token.ptr(),
             send_x: b.send_x.ptr(),
             h: h as i32,
-            cap: self.cap as i32,
+            cap: rows as i32,
         };
         let world = self.world as u32;
-        // SAFETY: the buffers hold [world, cap(, k | H)] (allocated so), the routing [t <= cap, k].
+        // SAFETY: the buffers hold [world, cap >= rows(, k | H)] (allocated so), the routing [t <= rows, k].
         unsafe {
             dev.core.ep_pack.launch(stream, &LaunchCfg::grid((world, 1, 1), 0), &pack)?;
-            dev.core.ep_rows.launch(stream, &LaunchCfg::grid((self.cap as u32, world, 1), 0), &rows)?;
+            dev.core.ep_rows.launch(stream, &LaunchCfg::grid((rows as u32, world, 1), 0), &copy)?;
         }
-        self.inflight = Some((t, shared));
+        self.inflight = Some(Inflight { t, rows, shared });
         Ok(())
     }
 
-    /// The dispatch round's messages: hidden states, ids, weights (`cap` rows per rank).
+    /// The message rows of the forward in flight (the capacity when none is).
+    fn rows(&self) -> usize {
+        self.inflight.map_or(self.cap, |f| f.rows)
+    }
+
+    /// The dispatch round's messages of the forward in flight: hidden states, ids, weights.
     pub fn dispatch_lanes(&self) -> Vec<Lane> {
         let c = self.eng.weights.config();
-        let (h, k, cap, b) = (c.hidden_size, c.num_experts_per_tok, self.cap, &self.bufs);
+        let (h, k, cap, b) = (c.hidden_size, c.num_experts_per_tok, self.rows(), &self.bufs);
         vec![
             Lane { send: b.send_x.ptr(), recv: b.recv_x.ptr(), bytes: cap * h * 2 },
             Lane { send: b.send_ids.ptr(), recv: b.recv_ids.ptr(), bytes: cap * k * 4 },
@@ -249,7 +271,7 @@ impl DeviceEpRank {
             )));
         }
         let c = self.eng.weights.config();
-        let (h, k, rows, b) = (c.hidden_size, c.num_experts_per_tok, self.world * self.cap, &self.bufs);
+        let (h, k, rows, b) = (c.hidden_size, c.num_experts_per_tok, self.world * self.rows(), &self.bufs);
         let ids = DeviceTensor::new(b.recv_ids.ptr(), rows, k, DType::I32);
         let x = DeviceTensor::new(b.recv_x.ptr(), rows, h, DType::Bf16);
         let w = DeviceTensor::new(b.recv_w.ptr(), rows, k, DType::F32);
@@ -265,13 +287,13 @@ impl DeviceEpRank {
     /// The combine round's message: the partial sums of the rows each rank sent here.
     pub fn combine_lanes(&self) -> Vec<Lane> {
         let h = self.eng.weights.config().hidden_size;
-        vec![Lane { send: self.bufs.part.ptr(), recv: self.bufs.back.ptr(), bytes: self.cap * h * 4 }]
+        vec![Lane { send: self.bufs.part.ptr(), recv: self.bufs.back.ptr(), bytes: self.rows() * h * 4 }]
     }
 
     /// Phase 3: every home token's partial sums added in rank order, then its shared expert, into
     /// `y` `[T, H]` (f32 or bf16). Ends the forward.
     pub fn enqueue_reduce(&mut self, y: &DeviceTensor, stream: StreamRef) -> Result<()> {
-        let (t, shared) = self.inflight.ok_or_else(|| {
+        let Inflight { t, rows, shared } = self.inflight.ok_or_else(|| {
             MegaError::Input(format!("device EP rank {}: enqueue_reduce before enqueue_dispatch", self.rank))
         })?;
         let h = self.eng.weights.config().hidden_size;
@@ -288,7 +310,7 @@ impl DeviceEpRank {
             y: y.ptr,
             t: t as i32,
             h: h as i32,
-            cap: self.cap as i32,
+            cap: rows as i32,
             world: self.world as i32,
             y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },
         };
@@ -302,12 +324,13 @@ impl DeviceEpRank {
 
     /// One forward of this process's only local rank over `ex` (NCCL: a process per rank) from host
     /// slices: the home tokens `x` `[T, H]` (`input_ids` on hash layers) in, y `[T, H]` f32 and
-    /// the routing out.
+    /// the routing out; messages of `rows` rows (every rank the same: the largest home batch).
     pub fn forward(
         &mut self,
         ex: &mut dyn super::DeviceExchange,
         x: &[half::bf16],
         input_ids: Option<&[i64]>,
+        rows: usize,
         mode: Mode,
     ) -> Result<ForwardOutput> {
         self.prepare(mode)?;
@@ -318,6 +341,7 @@ impl DeviceEpRank {
             std::slice::from_mut(self),
             ex,
             &[super::RankIo { x, input_ids, y }],
+            rows,
             mode,
             &[s],
         )?;
@@ -378,17 +402,14 @@ impl DeviceEpRank {
         Ok(())
     }
 
-    /// Each destination's rows of the last dispatch, as home tokens (`[world][count]`): the host
-    /// [`crate::parallel::dispatch::DispatchLayout`]'s `tokens`, for tests.
+    /// Each destination's rows of the last dispatch of `rows` message rows, as home tokens
+    /// (`[world][count]`): the host [`crate::parallel::dispatch::DispatchLayout`]'s `tokens`, for tests.
     #[doc(hidden)]
-    pub fn dispatched_tokens(&self) -> Result<Vec<Vec<u32>>> {
-        let src =
-            self.eng.download::<i32>(&self.bufs.src_token, self.world * self.cap, "copying src_token")?;
+    pub fn dispatched_tokens(&self, rows: usize) -> Result<Vec<Vec<u32>>> {
+        let rows = rows.clamp(1, self.cap);
+        let src = self.eng.download::<i32>(&self.bufs.src_token, self.world * rows, "copying src_token")?;
         self.eng.sync("reading the dispatch rows")?;
-        Ok(src
-            .chunks(self.cap)
-            .map(|c| c.iter().take_while(|&&t| t >= 0).map(|&t| t as u32).collect())
-            .collect())
+        Ok(src.chunks(rows).map(|c| c.iter().take_while(|&&t| t >= 0).map(|&t| t as u32).collect()).collect())
     }
 
     /// Fills the engine's workspace and io and every exchange buffer but the expert ranges with
