@@ -25,10 +25,7 @@
 //   0. the producer warp builds the plan in shared memory (every CTA the same, from topk_ids);
 //      (quantized modes) the consumers quantize their share of the expert inputs (df_quant: the
 //      (row, block)s over every CTA's consumer warps; W4A8 during the plan, W4A4 after it) and
-//      arrive at barrier 0; the producer issues the L1's copies once it passed — except W4A8 in a
-//      CTA whose L1 range fits the ring with few blocks (a one-token step): its consumers load
-//      their x blocks, arrive at the CTA's `issued` mbarrier (the producer's weights wait for it),
-//      then write the L1's token rows into the ring (df_fill_inputs; no barrier 0 wait);
+//      arrive at barrier 0; the producer issues the L1's copies once it passed;
 //   1. L1 over the plan's tiles: the ranges, split and reduction order of the separate L1 launch
 //      on the same grid, so the result is the same bit for bit; consumers arrive at barrier 1;
 //      (quantized modes) the consumers wait for barrier 1, then W4A8 whose L2 ranges fit the ring
@@ -153,14 +150,19 @@ __device__ __forceinline__ bool df_range_fits_ring(const DsWork& w)
     return (w.per + segs * (S - 1u)) / S <= (unsigned)ST;
 }
 
-// The (stage, row, 128-block) items of this CTA's range of GEMM `w` (ring stages base + i), in
-// order: f(item, the row's place in the stage's token rows, its source row tl.a_row, block b, the
-// stage's first chunk k and chunk count n).
-template <int NT, int S, int ST, class Tiles, class F>
-__device__ __forceinline__ void df_fill_walk(const DsWork& w, const Tiles& tl, unsigned base, F f)
+// W4A8's L2 token rows written by the consumers straight into the ring (when the CTA's L2 range fits
+// it, df_range_fits_ring): for each stage i of the range (slot (base + i) % ST) and each (row, 128-
+// block) it touches, one warp quantizes the block from the L1 outputs `q.src` (quant_fp8_lane: the
+// values moe_quant_rows writes) and stores the lanes whose chunk the stage holds, at the token
+// layout of ds_issue's copies. Saves the quantized rows' round trip through global memory and a
+// grid barrier (the consumers read the L1 outputs once barrier 1 passed).
+template <int NT, int S, int ST, class Tiles>
+__device__ __forceinline__ void df_fill_tokens(const QuantRowsParams& q, const DsWork& w, const Tiles& tl,
+                                               unsigned base)
 {
     using D = DsShape<NT, S>;
     extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     unsigned i = 0, item = 0;
     for (unsigned x = w.b; x < w.e;) {
         const DsSeg sg = ds_seg(x, w.e, w.nch, w.groups);
@@ -170,84 +172,31 @@ __device__ __forceinline__ void df_fill_walk(const DsWork& w, const Tiles& tl, u
         for (int k = sg.k0; k < sg.k1; k += S, ++i) {
             const int n = min(S, sg.k1 - k);
             unsigned char* st = smem + ((base + i) % ST) * D::STAGE + D::W_STAGE;
-            for (int r = 0; r < mc; ++r)
-                for (int b = k / 2; b <= (k + n - 1) / 2; ++b, ++item) f(item, st + r * D::T_PITCH, tl.a_row(m0 + r), b, k, n);
+            for (int r = 0; r < mc; ++r) {
+                for (int b = k / 2; b <= (k + n - 1) / 2; ++b, ++item) {
+                    if ((int)(item % DS_CONSUMERS) != warp) continue;      // uniform over the warp
+                    unsigned codes;
+                    float scale;
+                    const uint2 v = quant_fp8_lane<false>(q.src + (size_t)(m0 + r) * q.cols, b, lane, codes, scale);
+                    const int c = 2 * b + (lane >> 4);                    // chunk of the lane's 4 values
+                    if (c >= k && c < k + n) *(uint2*)(st + r * D::T_PITCH + (c - k) * 128 + (lane & 15) * 8) = v;
+                }
+            }
         }
         x += sg.k1 - sg.k0;
     }
 }
 
-// One warp's act_quant of block b from its lanes' loaded values `raw` (quant_fp8_values: the values
-// moe_quant_rows writes), stored for the lanes whose chunk the stage [k, k + n) holds, at the token
-// layout of ds_issue's copies (`row`: the row's place in the stage).
-__device__ __forceinline__ void df_store_block(unsigned char* row, uint2 raw, int b, int k, int n, int lane)
-{
-    unsigned codes;
-    float scale;
-    const uint2 v = quant_fp8_values<false>(raw, codes, scale);
-    const int c = 2 * b + (lane >> 4);               // chunk of the lane's 4 values
-    if (c >= k && c < k + n) *(uint2*)(row + (c - k) * 128 + (lane & 15) * 8) = v;
-}
-
-// W4A8's L2 token rows written by the consumers straight into the ring (when the CTA's L2 range fits
-// it, df_range_fits_ring): each item's block quantized by warp item % DS_CONSUMERS from the L1
-// outputs `q.src`. Saves the quantized rows' round trip through global memory and a grid barrier
-// (the consumers read the L1 outputs once barrier 1 passed).
-template <int NT, int S, int ST, class Tiles>
-__device__ __forceinline__ void df_fill_tokens(const QuantRowsParams& q, const DsWork& w, const Tiles& tl,
-                                               unsigned base)
-{
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    df_fill_walk<NT, S, ST>(w, tl, base, [&](unsigned item, unsigned char* row, unsigned src, int b, int k, int n) {
-        if ((int)(item % DS_CONSUMERS) != warp) return;                  // uniform over the warp
-        df_store_block(row, quant_fp8_load(q.src + (size_t)src * q.cols, b, lane), b, k, n, lane);
-    });
-}
-
-// Blocks a consumer warp holds in registers while the producer starts (df_fill_inputs).
-constexpr int DF_FILL_QB = 4;
-
-// W4A8's L1 token rows written by the consumers into the ring from x (quant_in.src) when the CTA's
-// L1 range fits the ring with at most DF_FILL_QB items a warp: every warp loads its blocks, then
-// arrives at `issued` — the producer's first weight copy waits for it, so these loads are not
-// queued behind the weight stream (a round trip issued after it waits for it: the phase probe) —
-// and only then waits for them, quantizes and stores. No grid barrier (barrier 0) is waited for.
-template <int NT, int S, int ST, class Tiles>
-__device__ __forceinline__ void df_fill_inputs(const QuantRowsParams& q, const DsWork& w, const Tiles& tl,
-                                               unsigned issued)
-{
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // Four named registers, not an array (an indexed array would live in local memory).
-    static_assert(DF_FILL_QB == 4, "df_fill_inputs holds four blocks");
-    uint2 r0 = make_uint2(0u, 0u), r1 = r0, r2 = r0, r3 = r0;
-    df_fill_walk<NT, S, ST>(w, tl, 0, [&](unsigned item, unsigned char*, unsigned src, int b, int, int) {
-        if ((int)(item % DS_CONSUMERS) != warp) return;
-        const unsigned u = item / DS_CONSUMERS;
-        const uint2 v = quant_fp8_load(q.src + (size_t)src * q.cols, b, lane);
-        if (u == 0) r0 = v; else if (u == 1) r1 = v; else if (u == 2) r2 = v; else r3 = v;
-    });
-    __syncwarp();
-    if (lane == 0) mbar_arrive(issued);
-    df_fill_walk<NT, S, ST>(w, tl, 0, [&](unsigned item, unsigned char* row, unsigned, int b, int k, int n) {
-        if ((int)(item % DS_CONSUMERS) != warp) return;
-        const unsigned u = item / DS_CONSUMERS;
-        const uint2 v = u == 0 ? r0 : u == 1 ? r1 : u == 2 ? r2 : r3;
-        df_store_block(row, v, b, k, n, lane);
-    });
-}
-
 template <int NT, int S, int ST>
 __device__ __forceinline__ void df_kernel(const DfParams& p)
 {
-    __shared__ __align__(8) unsigned long long full[ST], empty[ST], issued;
+    __shared__ __align__(8) unsigned long long full[ST], empty[ST];
     __shared__ DfPlan sp;
     __shared__ int last_flag;
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) { DS_STAMP_RESET(); DS_STAMP_TIME(PROBE_TIME_START); DS_STAMP(PROBE_START); }
     const DsRing ring = ds_ring<ST>(full, empty);
-    const unsigned issued_bar = smem_u32(&issued);
-    if (threadIdx.x == 0) { mbar_init(issued_bar, DS_CONSUMERS); fence_mbar_init(); }
     const bool qin = p.quant_in.mode != QUANT_COPY, qact = p.quant_act.mode != QUANT_COPY;
     // The expert inputs by token (quant_in.gather 0: W4A8, whose act_quant is the same for every
     // slot of a token) need no plan: the consumers quantize them while the producer builds it.
@@ -272,12 +221,6 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     // W4A8 with small L2 ranges: the consumers write the L2's token rows into the ring themselves
     // (df_fill_tokens); else (W4A4, larger ranges) every CTA quantizes a share into l2.g.a first.
     const bool fill2 = p.quant_act.mode == QUANT_FP8_ACT && df_range_fits_ring<S, ST>(w2);
-    // W4A8 with a small L1 range (a one-token step): the consumers write the L1's token rows into
-    // the ring from x (df_fill_inputs), and this CTA never waits for barrier 0 (the others' inputs).
-    unsigned items1 = 0;
-    if (qin_tokens && p.quant_in.mode == QUANT_FP8_ACT && df_range_fits_ring<S, ST>(w1))
-        df_fill_walk<NT, S, ST>(w1, t1, 0, [&](unsigned, unsigned char*, unsigned, int, int, int) { ++items1; });
-    const bool fill1 = items1 > 0 && items1 <= DF_FILL_QB * DS_CONSUMERS;
 
     if (warp == DS_CONSUMERS) {
         if (lane != 0) return;
@@ -286,9 +229,8 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
         // after the weight stages queues behind them in the memory system (the phase probe: the
         // token rows of a one-token W4A8 step, issued after the first stages' weights, landed
         // ~9 us after them), while the quantization itself takes ~1 us before the weights go out.
-        if (fill1) mbar_wait(issued_bar, 0);        // the consumers' input loads are out
-        else if (qin && w1.b < w1.e) df_wait(p.sync + DF_SYNC_INPUTS, gridDim.x);
-        const unsigned n1 = ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, true, !fill1, 0, ~0u, wpol, !fill1);
+        if (qin && w1.b < w1.e) df_wait(p.sync + DF_SYNC_INPUTS, gridDim.x);
+        const unsigned n1 = ds_issue<NT, S, ST>(ring, p.l1.g, w1, t1, 0, true, true, 0, ~0u, wpol);
         DS_STAMP(PROBE_L1_ISSUED);
         if (w2.b >= w2.e) return;
         if (p.prefetch_bytes > 0) ds_prefetch(p.l2.g.wq, w2, t2, p.prefetch_bytes);
@@ -305,10 +247,6 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     }
 
     // Consumers.
-    if (fill1) {
-        df_fill_inputs<NT, S, ST>(p.quant_in, w1, t1, issued_bar);
-        named_bar(1, 32 * DS_CONSUMERS);             // every warp's token rows before any MMA
-    }
     if (qin && !qin_tokens) {
         df_quant(p.quant_in, sp, sp.rows, true);
         df_fence_for_bulk_readers();
