@@ -70,6 +70,12 @@ if [ "${SANITIZE:-1}" != 0 ]; then
     ${SANITIZE_TESTS:-trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted decode_split tiny_plan concurrent_streams fused_decode}
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
     ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split tiny_plan fused_decode}
+  # The EP exchange's kernels (pack, rows, reduce) and the NCCL rounds; NCCL's own probing of its
+  # kernel images fails API calls it tolerates, so API errors are not reported there.
+  [ -x "$here/bin/cuda_ep" ] && for tool in memcheck racecheck; do
+    step "${tool}_ep" env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" timeout 300 compute-sanitizer --tool "$tool" \
+      --report-api-errors no --error-exitcode 9 "$here/bin/cuda_ep" --test-threads 1 ${SANITIZE_EP_TESTS:-refuses nccl cuda_rank}
+  done
   [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
     --test-threads 1 ${INITCHECK_TESTS:-w4a8_fp8 prefill_tiles decode_path decode_split tiny_plan fused_decode}
   # compute-sanitizer over the verify sweep (every family, format and mode): SANITIZE_VERIFY="memcheck

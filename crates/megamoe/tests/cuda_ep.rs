@@ -96,6 +96,9 @@ fn device_exchange_groups_match_the_single_engine() {
                     &[Mode::W4A16, Mode::W4A8]
                 };
                 for &mode in modes {
+                    if mode == Mode::W4A8 && !(cfg.moe_intermediate_size / tp).is_multiple_of(128) {
+                        continue; // a TP slice of whole 128-blocks only (W4A8's activation blocks)
+                    }
                     let what = format!("row {row} ep {ep} tp {tp} T {t} {}", mode.name());
                     let want =
                         single.forward(&ForwardInput { x: &x, input_ids: Some(&ids) }, mode, None).unwrap();
