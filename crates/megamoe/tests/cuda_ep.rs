@@ -195,6 +195,7 @@ fn nccl_device_exchange_on_one_rank_equals_the_shared_gpu_group() {
     let mut rank =
         DeviceEpRank::new(Arc::new(layer.clone()), 0, std::slice::from_ref(&(0..cfg.n_routed_experts)), 16)
             .unwrap();
+    megamoe::parallel::transport::agree(&mut nccl, &rank.fingerprint(), "device EP group").unwrap();
     let mut group = device_group(&layer, Topology::new(1, 1).unwrap(), 16);
     for (t, mode) in [(1usize, Mode::W4A16), (16, Mode::W4A8)] {
         let x = synthetic::random_hidden(t, cfg.hidden_size, 40 + t as u64);

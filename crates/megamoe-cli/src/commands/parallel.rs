@@ -265,7 +265,9 @@ impl EpGroup {
                 let cap = topo.tokens_of(max_tokens.max(1), 0).len().max(1);
                 let layer = Arc::new(source.rank_layer(&topo, rank)?);
                 let r = DeviceEpRank::new(layer, rank, &ranges, cap)?;
-                let t = nccl_endpoint(rank, world, args.timeout())?;
+                let mut t = nccl_endpoint(rank, world, args.timeout())?;
+                // Every process built the same group (shapes, grid, capacity), checked once.
+                megamoe::parallel::transport::agree(&mut t, &r.fingerprint(), "device EP group")?;
                 Ok(EpGroup::DeviceNccl(Box::new(r), Box::new(t)))
             }
         }

@@ -52,3 +52,58 @@ pub fn exchange_u64(t: &mut dyn Transport, send: &[Vec<u64>], n: usize) -> Resul
         .map(|b| b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
         .collect())
 }
+
+/// Checks that every rank of the group passes the same `fingerprint` (a configuration's numbers:
+/// shapes, grid, message sizes), in one round: a rank that differs is an error naming it and
+/// `what` (on every rank, so none waits for it), and the transport is aborted.
+pub fn agree(t: &mut dyn Transport, fingerprint: &[u64], what: &str) -> Result<()> {
+    let w = t.world();
+    let got = exchange_u64(t, &vec![fingerprint.to_vec(); w], fingerprint.len())?;
+    if let Some(s) = got.iter().position(|v| v.as_slice() != fingerprint) {
+        let msg = format!(
+            "rank {s} runs a different {what} than rank {} ({:?} vs {:?})",
+            t.rank(),
+            got[s],
+            fingerprint
+        );
+        t.abort(&msg);
+        return Err(MegaError::Input(msg));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::parallel::inproc;
+    use std::time::Duration;
+
+    #[test]
+    fn agree_names_the_rank_that_differs() {
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let hs: Vec<_> = inproc::group(3, Duration::from_secs(10))
+                .into_iter()
+                .map(|mut t| {
+                    s.spawn(move || {
+                        let fp = [7, 8, if t.rank() == 2 { 10 } else { 9 }];
+                        agree(&mut t, &fp, "device EP group")
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, res) in results.iter().enumerate() {
+            let e = res.as_ref().unwrap_err().to_string();
+            let other = if r == 2 { 0 } else { 2 };
+            assert!(e.contains(&format!("rank {other} runs a different device EP group")), "rank {r}: {e}");
+        }
+        let ok: Vec<Result<()>> = std::thread::scope(|s| {
+            let hs: Vec<_> = inproc::group(2, Duration::from_secs(10))
+                .into_iter()
+                .map(|mut t| s.spawn(move || agree(&mut t, &[1, 2], "x")))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(ok.iter().all(Result::is_ok));
+    }
+}

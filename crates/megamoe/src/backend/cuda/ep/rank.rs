@@ -58,6 +58,8 @@ pub struct DeviceEpRank {
     world: usize,
     cap: usize,
     bufs: ExchangeBufs,
+    /// Every rank's experts (global ids).
+    ranges: Vec<Range<usize>>,
     /// The forward in flight.
     inflight: Option<Inflight>,
 }
@@ -117,7 +119,7 @@ impl DeviceEpRank {
             part: z(&[world, cap, h, 4], "ep partial sums")?,
             back: z(&[world, cap, h, 4], "ep returned sums")?,
         };
-        Ok(DeviceEpRank { eng, rank, world, cap, bufs, inflight: None })
+        Ok(DeviceEpRank { eng, rank, world, cap, bufs, ranges: ranges.to_vec(), inflight: None })
     }
 
     /// This rank.
@@ -152,6 +154,27 @@ impl DeviceEpRank {
             w.config().moe_intermediate_size,
             self.cap
         )
+    }
+
+    /// The numbers every rank of a group must share (layer, shapes, world, the ranges' table,
+    /// capacity): compared across processes once, before the first forward
+    /// ([`crate::parallel::transport::agree`]), so a rank built differently is an error, not a
+    /// mismatched message.
+    pub fn fingerprint(&self) -> Vec<u64> {
+        let w = &self.eng.weights;
+        let c = w.config();
+        let mut v = vec![
+            0x6d65_6761_6d6f_6502, // "megamoe" + device-exchange protocol version 2
+            w.index() as u64,
+            c.hidden_size as u64,
+            c.moe_intermediate_size as u64,
+            c.n_routed_experts as u64,
+            c.num_experts_per_tok as u64,
+            self.world as u64,
+            self.cap as u64,
+        ];
+        v.extend(self.ranges.iter().flat_map(|r| [r.start as u64, r.end as u64]));
+        v
     }
 
     /// Bytes of weights this rank holds on the device.
