@@ -174,6 +174,7 @@ if [ "${EP:-0}" != 0 ]; then
   step ep2dev timeout 400 "$bin" verify --backend cuda --ep 2 --exchange device
   step ep8dev timeout 400 "$bin" verify --backend cuda --ep 8 --exchange device
   step ep2tp2dev timeout 300 "$bin" verify --backend cuda --ep 2 --tp 2 --exchange device --quick
+  step ep8dev_fp8 timeout 300 "$bin" verify --backend cuda --ep 8 --exchange device --dispatch-payload fp8 --quick
   step nccl1dev timeout 200 env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" "$bin" verify --backend cuda \
     --ep 1 --transport nccl --exchange device --quick
   step ep8dev_bench timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --ep 8 --exchange device \
@@ -243,7 +244,7 @@ grep -h "first divergence:" "$LOGS"/trace_*.log 2>/dev/null
 for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|generated" "$LOGS/$f.log" | tail -n 9; }; done
 [ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
 [ -f "$LOGS/ncu_bench.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|issue_active|grid_size" "$LOGS/ncu_bench.log" | head -150
-for f in ep_tests ep2 ep8 ep2tp2 ep2dev ep8dev ep2tp2dev nccl1dev ep8dev_bench ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
+for f in ep_tests ep2 ep8 ep2tp2 ep2dev ep8dev ep2tp2dev ep8dev_fp8 nccl1dev ep8dev_bench ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
 for c in ${WG_AB:-}; do for f in wg${c}_tests wg${c}_bench wg${c}_flash; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -E "rank |test result|panicked|rel L2|whole-layer" "$LOGS/$f.log" | tail -n 14; }; done; done

@@ -19,7 +19,9 @@ use megamoe::config::MoeConfig;
 use megamoe::formats::WeightFormat;
 use megamoe::forward::{ForwardInput, ForwardOutput, Mode};
 use megamoe::parallel::dispatch::DispatchLayout;
-use megamoe::parallel::{rank_layer, EpConfig, ExchangeOptions, InProcGroup, RankEngine, Topology};
+use megamoe::parallel::{
+    rank_layer, DispatchPayload, EpConfig, ExchangeOptions, InProcGroup, RankEngine, Topology,
+};
 use megamoe::synthetic;
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,7 +62,7 @@ fn mid_config() -> MoeConfig {
 
 fn device_group(layer: &MoeLayer, topo: Topology, max_t: usize) -> DeviceEpGroup {
     let layers = (0..topo.world()).map(|r| rank_layer(layer, &topo, r).unwrap()).collect();
-    DeviceEpGroup::new(layers, topo, max_t).unwrap()
+    DeviceEpGroup::new(layers, topo, max_t, DispatchPayload::Bf16).unwrap()
 }
 
 /// Within rounding of the single engine: the ranks' partial sums reassociate the slot sum (and a
@@ -154,6 +156,18 @@ fn check_dispatch_rows(
 fn device_exchange_refuses_bad_input_by_name() {
     let cfg = synthetic::tiny_config();
     let layer = synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 5);
+    // Refused before any device is touched (the same error on a machine without a GPU).
+    let whole = Arc::new(layer.clone());
+    let e = DeviceEpRank::new(whole.clone(), 0, std::slice::from_ref(&(0..16)), 4, DispatchPayload::Nvfp4)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("bf16 or fp8 rows"), "{e}");
+    let e = DeviceEpRank::new(whole, 0, std::slice::from_ref(&(0..16)), 0, DispatchPayload::Bf16)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("cap at least 1"), "{e}");
     if gpu_or_skip(&layer, 4).is_none() {
         return;
     }
@@ -168,7 +182,7 @@ fn device_exchange_refuses_bad_input_by_name() {
     assert!(e.contains("no graph captured"), "{e}");
     // A rank whose layer is not the group's range for it.
     let whole = Arc::new(layer.clone());
-    let e = DeviceEpRank::new(whole, 1, &[0..8, 8..16], 4).err().unwrap().to_string();
+    let e = DeviceEpRank::new(whole, 1, &[0..8, 8..16], 4, DispatchPayload::Bf16).err().unwrap().to_string();
     assert!(e.contains("holds experts 0..16") && e.contains("8..16"), "{e}");
     // The group still works after the refusals.
     let ok = group.forward(&x[..8 * cfg.hidden_size], None, Mode::W4A16).unwrap();
@@ -192,9 +206,14 @@ fn nccl_device_exchange_on_one_rank_equals_the_shared_gpu_group() {
         }
     };
     let mut nccl = NcclTransport::new(0, 1, id, 0, Duration::from_secs(60)).unwrap();
-    let mut rank =
-        DeviceEpRank::new(Arc::new(layer.clone()), 0, std::slice::from_ref(&(0..cfg.n_routed_experts)), 16)
-            .unwrap();
+    let mut rank = DeviceEpRank::new(
+        Arc::new(layer.clone()),
+        0,
+        std::slice::from_ref(&(0..cfg.n_routed_experts)),
+        16,
+        DispatchPayload::Bf16,
+    )
+    .unwrap();
     megamoe::parallel::transport::agree(&mut nccl, &rank.fingerprint(), "device EP group").unwrap();
     let mut group = device_group(&layer, Topology::new(1, 1).unwrap(), 16);
     for (t, mode) in [(1usize, Mode::W4A16), (16, Mode::W4A8)] {
@@ -239,6 +258,60 @@ fn cuda_rank_engines_in_an_inproc_group_match_the_single_engine() {
                 assert!(e <= EP_TOL, "{what}: rel L2 {e:.3e} against the single engine");
                 assert_eq!(bits(&again.y), bits(&got.y), "{what}: a repeat differs");
             }
+        }
+    }
+}
+
+#[test]
+fn fp8_payload_is_exact_in_w4a8_and_close_elsewhere() {
+    let cfg = mid_config();
+    for (format, seed) in [(WeightFormat::Mxfp4, 61u64), (WeightFormat::Nvfp4, 62)] {
+        let mut layer = synthetic::random_layer(&cfg, format, 1, false, seed);
+        synthetic::skew_routing(&mut layer, 3, 4);
+        if gpu_or_skip(&layer, 4).is_none() {
+            return;
+        }
+        for ep in [2usize, 3] {
+            let topo = Topology::new(ep, 1).unwrap();
+            let layers = |p| {
+                let l = (0..ep).map(|r| rank_layer(&layer, &topo, r).unwrap()).collect();
+                DeviceEpGroup::new(l, topo, 37, p).unwrap()
+            };
+            let (mut bf, mut f8) = (layers(DispatchPayload::Bf16), layers(DispatchPayload::Fp8));
+            f8.poison(0xFF).unwrap();
+            for t in [1usize, 5, 37] {
+                let mut x = synthetic::random_hidden(t, cfg.hidden_size, seed + t as u64);
+                if t == 37 {
+                    x[3 * cfg.hidden_size + 7] = half::bf16::NAN; // a NaN block travels as NaN
+                }
+                for mode in [Mode::W4A8, Mode::W4A16] {
+                    let what = format!("{} ep {ep} T {t} {}", format.name(), mode.name());
+                    let a = bf.forward(&x, None, mode).unwrap();
+                    let b = f8.forward(&x, None, mode).unwrap();
+                    assert_eq!(a.topk_ids, b.topk_ids, "{what}: routing");
+                    if mode == Mode::W4A8 {
+                        // Bitwise, a NaN matching a NaN (its payload bits may differ).
+                        let same =
+                            a.y.iter()
+                                .zip(&b.y)
+                                .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()));
+                        assert!(same, "{what}: fp8 rows are exact in W4A8");
+                    } else {
+                        let finite = |v: &[f32]| {
+                            v.iter().map(|x| if x.is_finite() { *x } else { 0.0 }).collect::<Vec<_>>()
+                        };
+                        let e = rel_l2(&finite(&b.y), &finite(&a.y));
+                        assert!(e <= DispatchPayload::Fp8.expected_rel_l2(), "{what}: rel L2 {e:.3e}");
+                        let nan = |v: &[f32]| v.iter().map(|x| x.is_nan()).collect::<Vec<_>>();
+                        assert_eq!(nan(&b.y), nan(&a.y), "{what}: NaN positions");
+                    }
+                }
+            }
+            f8.capture_graph(5, Mode::W4A8).unwrap();
+            let x = synthetic::random_hidden(5, cfg.hidden_size, 99);
+            let eager = f8.forward(&x, None, Mode::W4A8).unwrap();
+            let replay = f8.replay(&x, None).unwrap();
+            assert_eq!(bits(&replay.y), bits(&eager.y), "fp8 ep {ep}: graph replay");
         }
     }
 }

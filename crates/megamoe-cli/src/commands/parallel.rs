@@ -102,8 +102,11 @@ impl EpArgs {
                 self.combine_payload.name()
             ),
             ExchangeKind::Device => format!(
-                "ep {} x tp {}, {:?}, device exchange (bf16 rows / f32 partial sums)",
-                topo.ep, topo.tp, self.transport
+                "ep {} x tp {}, {:?}, device exchange ({} rows / f32 partial sums)",
+                topo.ep,
+                topo.tp,
+                self.transport,
+                self.dispatch_payload.name()
             ),
         }
         .to_lowercase()
@@ -238,9 +241,9 @@ impl EpGroup {
         use megamoe::backend::cuda::{DeviceEpGroup, DeviceEpRank};
         anyhow::ensure!(cuda, "--exchange device needs the CUDA backend (--backend cuda)");
         anyhow::ensure!(
-            args.exchange() == ExchangeOptions::default(),
-            "--exchange device sends bf16 rows and f32 partial sums: --dispatch-payload / --combine-payload \
-             apply to --exchange host"
+            args.combine_payload == CombinePayload::F32 && args.dispatch_payload != DispatchPayload::Nvfp4,
+            "--exchange device sends bf16 or fp8 rows (--dispatch-payload) and f32 partial sums: nvfp4 rows \
+             and a bf16 combine are --exchange host's"
         );
         let (_, config) = source.config();
         match args.transport {
@@ -248,7 +251,12 @@ impl EpGroup {
                 let layers = (0..topo.world())
                     .map(|r| source.rank_layer(&topo, r))
                     .collect::<anyhow::Result<Vec<_>>>()?;
-                Ok(EpGroup::Device(Box::new(DeviceEpGroup::new(layers, topo, max_tokens)?)))
+                Ok(EpGroup::Device(Box::new(DeviceEpGroup::new(
+                    layers,
+                    topo,
+                    max_tokens,
+                    args.dispatch_payload,
+                )?)))
             }
             TransportKind::Nccl => {
                 let (rank, world) = process_rank()?;
@@ -264,7 +272,7 @@ impl EpGroup {
                     .collect::<megamoe::error::Result<Vec<_>>>()?;
                 let cap = topo.tokens_of(max_tokens.max(1), 0).len().max(1);
                 let layer = Arc::new(source.rank_layer(&topo, rank)?);
-                let r = DeviceEpRank::new(layer, rank, &ranges, cap)?;
+                let r = DeviceEpRank::new(layer, rank, &ranges, cap, args.dispatch_payload)?;
                 let mut t = nccl_endpoint(rank, world, args.timeout())?;
                 // Every process built the same group (shapes, grid, capacity), checked once.
                 megamoe::parallel::transport::agree(&mut t, &r.fingerprint(), "device EP group")?;

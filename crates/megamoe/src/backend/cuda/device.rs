@@ -53,6 +53,7 @@ core_kernels! {
     /// The device-resident EP exchange (`backend/cuda/ep/`).
     ep_pack: EpPackParams = "moe_ep_pack", EP_PACK_THREADS as u32;
     ep_rows: EpRowsParams = "moe_ep_rows", CORE_THREADS;
+    ep_unpack: EpUnpackParams = "moe_ep_unpack", CORE_THREADS;
     ep_reduce: EpReduceParams = "moe_ep_reduce", CORE_THREADS;
 }
 

@@ -335,18 +335,42 @@ kernel_abi! {
         e: i32 => "int",
     }
 
-    /// `moe_ep_rows`: the hidden states of each destination's rows, copied into its send slab.
+    /// `moe_ep_rows`: the hidden states of each destination's rows, copied into its send slab
+    /// (bf16), or quantized into it (FP8 payload: DeepSeek's `act_quant`, 128-blocks).
     struct EpRowsParams {
         /// Home tokens `[T, H]` bf16.
         x: DevPtr => "const bf16_t*",
         /// A destination's row -> home token `[world, cap]` (from `moe_ep_pack`).
         src_token: DevPtr => "const int*",
-        /// Out: `[world, cap, H]` bf16 (empty rows are not written).
+        /// Out (bf16 payload): `[world, cap, H]` bf16 (empty rows are not written).
         send_x: DevPtr => "bf16_t*",
+        /// Out (FP8 payload; nullable: bf16): `[world, cap, H]` e4m3 codes.
+        send_q: DevPtr => "unsigned char*",
+        /// Out (FP8 payload): `[world, cap, H / 128]` f32 power-of-two block scales.
+        send_s: DevPtr => "float*",
         /// Hidden size H.
         h: i32 => "int",
         /// Rows per destination.
         cap: i32 => "int",
+    }
+
+    /// `moe_ep_unpack`: received FP8 rows back to bf16 (`e4m3 * scale`: exactly the values
+    /// `act_quant` quantize-dequantizes to), rows whose ids are all -1 skipped.
+    struct EpUnpackParams {
+        /// `[rows, H]` e4m3 codes.
+        q: DevPtr => "const unsigned char*",
+        /// `[rows, H / 128]` f32 block scales.
+        s: DevPtr => "const float*",
+        /// `[rows, k]` the rows' expert ids.
+        ids: DevPtr => "const int*",
+        /// Out: `[rows, H]` bf16.
+        x: DevPtr => "bf16_t*",
+        /// Rows (every source's messages).
+        rows: i32 => "int",
+        /// Hidden size H.
+        h: i32 => "int",
+        /// Experts per token k.
+        k: i32 => "int",
     }
 
     /// `moe_ep_reduce` (device-resident EP combine): a home token's partial sums from every

@@ -10,7 +10,7 @@ use crate::backend::cuda::launch::{self, StreamRef};
 use crate::checkpoint::MoeLayer;
 use crate::error::{MegaError, Result};
 use crate::forward::{ForwardOutput, Mode};
-use crate::parallel::Topology;
+use crate::parallel::{DispatchPayload, Topology};
 use cudarc::driver::{sys, CudaEvent, CudaGraph};
 use half::bf16;
 use std::sync::Arc;
@@ -113,8 +113,14 @@ pub struct DeviceEpGroup {
 
 impl DeviceEpGroup {
     /// The group of `layers` (rank r's layer at r, from [`crate::parallel::rank_layer`]) for
-    /// batches of up to `max_tokens` tokens (each rank's message holds its largest home share).
-    pub fn new(layers: Vec<MoeLayer>, topo: Topology, max_tokens: usize) -> Result<Self> {
+    /// batches of up to `max_tokens` tokens (each rank's message holds its largest home share),
+    /// hidden states sent as `payload` ([`DeviceEpRank::new`]).
+    pub fn new(
+        layers: Vec<MoeLayer>,
+        topo: Topology,
+        max_tokens: usize,
+        payload: DispatchPayload,
+    ) -> Result<Self> {
         let w = topo.world();
         if layers.len() != w {
             return Err(MegaError::Input(format!("{} layers for a group of {w} ranks", layers.len())));
@@ -124,7 +130,7 @@ impl DeviceEpGroup {
         let ranks = layers
             .into_iter()
             .enumerate()
-            .map(|(r, l)| DeviceEpRank::new(Arc::new(l), r, &ranges, cap))
+            .map(|(r, l)| DeviceEpRank::new(Arc::new(l), r, &ranges, cap, payload))
             .collect::<Result<Vec<_>>>()?;
         let device = ranks[0].eng.device.clone();
         let ex = SharedGpuExchange::new(&device, w)?;

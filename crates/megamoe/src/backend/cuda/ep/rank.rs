@@ -17,6 +17,7 @@ use crate::backend::MoeEngine;
 use crate::checkpoint::MoeLayer;
 use crate::error::{MegaError, Result};
 use crate::forward::{ForwardOutput, Mode};
+use crate::parallel::DispatchPayload;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -38,6 +39,16 @@ struct ExchangeBufs {
     part: DevBuf,
     /// The partial sums of this rank's home tokens, from every rank `[world, cap, H]` f32.
     back: DevBuf,
+    /// The FP8 payload's messages (e4m3 rows and block scales, sent and received), if chosen.
+    fp8: Option<Fp8Bufs>,
+}
+
+/// The FP8 payload's buffers: `[world, cap, H]` e4m3 codes and `[world, cap, H / 128]` f32 scales.
+struct Fp8Bufs {
+    send_q: DevBuf,
+    send_s: DevBuf,
+    recv_q: DevBuf,
+    recv_s: DevBuf,
 }
 
 /// A forward between its dispatch and its reduce.
@@ -71,8 +82,15 @@ unsafe impl Send for DeviceEpRank {}
 impl DeviceEpRank {
     /// Uploads rank `rank`'s `layer` (its experts, TP slice, the whole router and shared expert)
     /// for a group whose ranks own `ranges` (global expert ids, one range per rank), with room for
-    /// `cap` home tokens per forward on every rank.
-    pub fn new(layer: Arc<MoeLayer>, rank: usize, ranges: &[Range<usize>], cap: usize) -> Result<Self> {
+    /// `cap` home tokens per forward on every rank; hidden states travel as `payload` (bf16, or
+    /// FP8: DeepSeek's `act_quant`, half the bytes, exact in W4A8; NVFP4 is the host exchange's).
+    pub fn new(
+        layer: Arc<MoeLayer>,
+        rank: usize,
+        ranges: &[Range<usize>],
+        cap: usize,
+        payload: DispatchPayload,
+    ) -> Result<Self> {
         let world = ranges.len();
         if rank >= world || cap == 0 {
             return Err(MegaError::Input(format!(
@@ -99,6 +117,12 @@ impl DeviceEpRank {
                 c.n_routed_experts
             )));
         }
+        if payload == DispatchPayload::Nvfp4 {
+            return Err(MegaError::Input(
+                "the device exchange sends bf16 or fp8 rows (nvfp4: --exchange host)".into(),
+            ));
+        }
+        payload.check(h)?;
         let rows = world
             .checked_mul(cap)
             .ok_or_else(|| MegaError::Input("device EP: world x cap overflows".into()))?;
@@ -118,6 +142,15 @@ impl DeviceEpRank {
             recv_w: z(&[world, cap, k, 4], "ep received weights")?,
             part: z(&[world, cap, h, 4], "ep partial sums")?,
             back: z(&[world, cap, h, 4], "ep returned sums")?,
+            fp8: match payload {
+                DispatchPayload::Fp8 => Some(Fp8Bufs {
+                    send_q: z(&[world, cap, h], "ep send fp8 rows")?,
+                    send_s: z(&[world, cap, h / 128, 4], "ep send fp8 scales")?,
+                    recv_q: z(&[world, cap, h], "ep received fp8 rows")?,
+                    recv_s: z(&[world, cap, h / 128, 4], "ep received fp8 scales")?,
+                }),
+                _ => None,
+            },
         };
         Ok(DeviceEpRank { eng, rank, world, cap, bufs, ranges: ranges.to_vec(), inflight: None })
     }
@@ -146,13 +179,14 @@ impl DeviceEpRank {
     pub fn describe(&self) -> String {
         let w = &self.eng.weights;
         format!(
-            "device EP rank {}/{}: {}, experts {:?}, I {}, {} rows per message",
+            "device EP rank {}/{}: {}, experts {:?}, I {}, up to {} rows per message, {} rows",
             self.rank,
             self.world,
             self.eng.describe(),
             w.expert_range(),
             w.config().moe_intermediate_size,
-            self.cap
+            self.cap,
+            if self.bufs.fp8.is_some() { "fp8" } else { "bf16" }
         )
     }
 
@@ -172,6 +206,7 @@ impl DeviceEpRank {
             c.num_experts_per_tok as u64,
             self.world as u64,
             self.cap as u64,
+            u64::from(self.bufs.fp8.is_some()),
         ];
         v.extend(self.ranges.iter().flat_map(|r| [r.start as u64, r.end as u64]));
         v
@@ -186,7 +221,8 @@ impl DeviceEpRank {
     pub fn sent_bytes(&self, rows: usize) -> usize {
         let c = self.eng.weights.config();
         let (h, k) = (c.hidden_size, c.num_experts_per_tok);
-        rows * (h * 2 + k * 8 + h * 4) * self.world
+        let x = if self.bufs.fp8.is_some() { h + h / 128 * 4 } else { h * 2 };
+        rows * (x + k * 8 + h * 4) * self.world
     }
 
     /// Makes `mode`'s lazy scratch exist (before a graph capture: no allocation may happen in one).
@@ -255,6 +291,8 @@ impl DeviceEpRank {
             x: x.ptr,
             src_token: b.src_token.ptr(),
             send_x: b.send_x.ptr(),
+            send_q: b.fp8.as_ref().map_or(0, |f| f.send_q.ptr()),
+            send_s: b.fp8.as_ref().map_or(0, |f| f.send_s.ptr()),
             h: h as i32,
             cap: rows as i32,
         };
@@ -277,11 +315,16 @@ impl DeviceEpRank {
     pub fn dispatch_lanes(&self) -> Vec<Lane> {
         let c = self.eng.weights.config();
         let (h, k, cap, b) = (c.hidden_size, c.num_experts_per_tok, self.rows(), &self.bufs);
-        vec![
-            Lane { send: b.send_x.ptr(), recv: b.recv_x.ptr(), bytes: cap * h * 2 },
-            Lane { send: b.send_ids.ptr(), recv: b.recv_ids.ptr(), bytes: cap * k * 4 },
-            Lane { send: b.send_w.ptr(), recv: b.recv_w.ptr(), bytes: cap * k * 4 },
-        ]
+        let mut lanes = match &b.fp8 {
+            Some(f) => vec![
+                Lane { send: f.send_q.ptr(), recv: f.recv_q.ptr(), bytes: cap * h },
+                Lane { send: f.send_s.ptr(), recv: f.recv_s.ptr(), bytes: cap * (h / 128) * 4 },
+            ],
+            None => vec![Lane { send: b.send_x.ptr(), recv: b.recv_x.ptr(), bytes: cap * h * 2 }],
+        };
+        lanes.push(Lane { send: b.send_ids.ptr(), recv: b.recv_ids.ptr(), bytes: cap * k * 4 });
+        lanes.push(Lane { send: b.send_w.ptr(), recv: b.recv_w.ptr(), bytes: cap * k * 4 });
+        lanes
     }
 
     /// Phase 2: this rank's experts over every row it received (`world * cap` rows; empty rows
@@ -299,6 +342,22 @@ impl DeviceEpRank {
         let x = DeviceTensor::new(b.recv_x.ptr(), rows, h, DType::Bf16);
         let w = DeviceTensor::new(b.recv_w.ptr(), rows, k, DType::F32);
         let part = DeviceTensor::new(b.part.ptr(), rows, h, DType::F32);
+        if let Some(f) = &b.fp8 {
+            let p = EpUnpackParams {
+                q: f.recv_q.ptr(),
+                s: f.recv_s.ptr(),
+                ids: b.recv_ids.ptr(),
+                x: b.recv_x.ptr(),
+                rows: rows as i32,
+                h: h as i32,
+                k: k as i32,
+            };
+            self.eng.device.bind()?;
+            // SAFETY: the received buffers hold [world * cap >= rows] rows of their widths.
+            unsafe {
+                self.eng.device.core.ep_unpack.launch(stream, &LaunchCfg::grid((rows as u32, 1, 1), 0), &p)?
+            };
+        }
         self.eng.weights.enqueue_routed(&self.eng.ws, &ids, &x, &w, &part, false, mode, stream)
     }
 
@@ -453,7 +512,10 @@ impl DeviceEpRank {
             &b.recv_w,
             &b.part,
             &b.back,
-        ] {
+        ]
+        .into_iter()
+        .chain(b.fp8.iter().flat_map(|f| [&f.send_q, &f.send_s, &f.recv_q, &f.recv_s]))
+        {
             // SAFETY: `buf` holds `buf.bytes()` bytes.
             unsafe { cudarc::driver::result::memset_d8_async(buf.ptr(), byte, buf.bytes(), st.cu_stream()) }
                 .map_err(derr("poison"))?;

@@ -158,10 +158,23 @@ struct EpRowsParams {
     const bf16_t* x;
     const int* src_token;
     bf16_t* send_x;
+    unsigned char* send_q;
+    float* send_s;
     int h;
     int cap;
 };
-static_assert(sizeof(EpRowsParams) == 32, "EpRowsParams mirrors params.rs");
+static_assert(sizeof(EpRowsParams) == 48, "EpRowsParams mirrors params.rs");
+
+struct EpUnpackParams {
+    const unsigned char* q;
+    const float* s;
+    const int* ids;
+    bf16_t* x;
+    int rows;
+    int h;
+    int k;
+};
+static_assert(sizeof(EpUnpackParams) == 48, "EpUnpackParams mirrors params.rs");
 
 struct EpReduceParams {
     const float* back;
