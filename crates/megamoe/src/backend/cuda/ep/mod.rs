@@ -8,7 +8,8 @@
 //!             moe_ep_pack / moe_ep_rows: for every rank d, the home tokens with a slot on d's
 //!             experts in token order (once per destination, not per slot), their ids (-1 where
 //!             not d's) and weights; rows past the count carry only -1 ids
-//!   round 1   all-to-all of [rows, H] bf16 + [rows, k] ids + [rows, k] weights per rank pair
+//!   round 1   all-to-all of [rows, H] bf16 (or FP8: e4m3 + 128-block scales, act_quant) +
+//!             [rows, k] ids + [rows, k] weights per rank pair (FP8: moe_ep_unpack back to bf16)
 //!   experts   plan + experts + combine over the world * rows rows received: per row, the sum of
 //!             its slots on r's experts in slot order (-1 rows plan nothing and sum to 0)
 //!   round 2   all-to-all of [rows, H] f32 partial sums per rank pair
