@@ -103,12 +103,14 @@ impl DispatchPayload {
 
     /// A bound on the relative L2 error of a forward's output that this payload's quantization of
     /// the input causes where it is not exact (the verify sweep's tolerance for it): fp8 (e4m3,
-    /// 128-blocks) 2e-2; nvfp4 (E2M1, one mantissa bit, 16-blocks) 0.25 (0.14 measured on a random
-    /// tiny layer in W4A16: the error of one FP4 activation quantization).
+    /// three mantissa bits, 128-blocks) 6e-2 (3.2e-2 .. 4.0e-2 measured over the verify sweep in
+    /// W4A16 on the H200: the RMS of e4m3's relative rounding error); nvfp4 (E2M1, one mantissa
+    /// bit, 16-blocks) 0.25 (0.14 measured on a random tiny layer in W4A16: the error of one FP4
+    /// activation quantization).
     pub fn expected_rel_l2(self) -> f64 {
         match self {
             DispatchPayload::Bf16 => 0.0,
-            DispatchPayload::Fp8 => 2e-2,
+            DispatchPayload::Fp8 => 6e-2,
             DispatchPayload::Nvfp4 => 0.25,
         }
     }
