@@ -263,7 +263,7 @@ fn run_forward_ep(
     topo: megamoe::parallel::Topology,
     cuda: bool,
 ) -> anyhow::Result<i32> {
-    use super::parallel::{EpGroup, LayerSource};
+    use super::parallel::{EpGroup, LayerSource, Run};
     let tokens = a.tokens.clone().unwrap_or_else(|| if cuda { vec![64, 512, 4096] } else { vec![64] });
     let max_t = tokens.iter().copied().max().unwrap_or(1);
     let format = a.format.weight_format();
@@ -272,10 +272,6 @@ fn run_forward_ep(
     let t0 = Instant::now();
     let mut group = EpGroup::new(&a.par, topo, &source, cuda, max_t)?;
     eprintln!("built {} rank(s) in {:.1} s", group.describe().len(), t0.elapsed().as_secs_f64());
-    #[cfg(feature = "cuda")]
-    if let Some(g) = group.device_group() {
-        return bench_device_group(a, cfg, topo, g, &tokens);
-    }
     println!(
         "bench forward --ep {} --tp {} ({}), {:?} {:?} (H {}, I {}, {} experts, top-{}) {}",
         topo.ep,
@@ -289,6 +285,10 @@ fn run_forward_ep(
         cfg.num_experts_per_tok,
         a.mode
     );
+    #[cfg(feature = "cuda")]
+    if let Some(g) = group.device_group() {
+        return bench_device_group(a, cfg, g, &tokens);
+    }
     // The routed experts' bytes of the whole layer, for the per-rank ratio.
     let whole_experts =
         3 * cfg.n_routed_experts * format.matrix_bytes(cfg.moe_intermediate_size, cfg.hidden_size);
@@ -310,11 +310,11 @@ fn run_forward_ep(
     };
     for &t in &tokens {
         let x = synthetic::random_hidden(t, cfg.hidden_size, 2);
-        group.forward(&topo, cfg.hidden_size, &x, None, a.mode)?; // warm-up
+        group.forward(Run::Eager, &topo, cfg.hidden_size, &x, None, a.mode)?; // warm-up
         let mut rows: Vec<[f64; 7]> = Vec::with_capacity(a.runs);
         for _ in 0..a.runs {
             let s = Instant::now();
-            let (_, tm) = group.forward(&topo, cfg.hidden_size, &x, None, a.mode)?;
+            let (_, tm) = group.forward(Run::Eager, &topo, cfg.hidden_size, &x, None, a.mode)?;
             let wall = s.elapsed().as_secs_f64();
             let max = |f: fn(&megamoe::parallel::RankTimings) -> f64| tm.iter().map(f).fold(0.0, f64::max);
             rows.push([
@@ -328,7 +328,7 @@ fn run_forward_ep(
             ]);
         }
         let col = |i: usize| med(rows.iter().map(|r| r[i]).collect()) * 1e3;
-        let (_, tm) = group.forward(&topo, cfg.hidden_size, &x, None, a.mode)?;
+        let (_, tm) = group.forward(Run::Eager, &topo, cfg.hidden_size, &x, None, a.mode)?;
         let bytes: usize = tm.iter().map(|r| r.sent_bytes).sum();
         println!(
             "{:>6} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>12.2}",
@@ -354,22 +354,9 @@ fn run_forward_ep(
 fn bench_device_group(
     a: &ForwardBench,
     cfg: &MoeConfig,
-    topo: megamoe::parallel::Topology,
     g: &mut megamoe::backend::cuda::DeviceEpGroup,
     tokens: &[usize],
 ) -> anyhow::Result<i32> {
-    println!(
-        "bench forward --ep {} --tp {} --exchange device, {:?} {:?} (H {}, I {}, {} experts, top-{}) {}",
-        topo.ep,
-        topo.tp,
-        a.shape,
-        a.format,
-        cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.n_routed_experts,
-        cfg.num_experts_per_tok,
-        a.mode
-    );
     for r in g.ranks() {
         println!("  {}: holds {:.1} MB", r.describe(), r.held_bytes() as f64 / 1e6);
     }

@@ -143,6 +143,15 @@ impl LayerSource<'_> {
     }
 }
 
+/// How [`EpGroup::forward`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Run {
+    /// Enqueued and waited for.
+    Eager,
+    /// Captured as a CUDA graph and replayed (the in-process device group; others run eagerly).
+    GraphReplay,
+}
+
 /// An EP group as one process sees it.
 pub enum EpGroup {
     /// Every rank, as threads of this process.
@@ -190,6 +199,19 @@ pub fn process_rank() -> anyhow::Result<(usize, usize)> {
     Ok((rank, world))
 }
 
+/// This process's rank and world under `--transport nccl`, checked against the grid.
+fn nccl_rank(topo: &Topology) -> anyhow::Result<(usize, usize)> {
+    let (rank, world) = process_rank()?;
+    anyhow::ensure!(
+        world == topo.world(),
+        "--transport nccl: {world} processes (MEGAMOE_WORLD) but ep {} x tp {} needs {}",
+        topo.ep,
+        topo.tp,
+        topo.world()
+    );
+    Ok((rank, world))
+}
+
 impl EpGroup {
     /// Builds the group for `topo` over `source` on CPU or CUDA engines able to take `max_tokens`
     /// tokens per stage (the whole batch: the most one rank can receive).
@@ -201,7 +223,8 @@ impl EpGroup {
         max_tokens: usize,
     ) -> anyhow::Result<Self> {
         if args.exchange == ExchangeKind::Device {
-            return Self::device(args, topo, source, cuda, max_tokens);
+            anyhow::ensure!(cuda, "--exchange device needs the CUDA backend (--backend cuda)");
+            return Self::device(args, topo, source, max_tokens);
         }
         let (layer, config) = source.config();
         let cfg = EpConfig { layer, config, topo, exchange: args.exchange() };
@@ -214,14 +237,7 @@ impl EpGroup {
             }
             TransportKind::Nccl => {
                 anyhow::ensure!(cuda, "--transport nccl needs the CUDA backend (--backend cuda)");
-                let (rank, world) = process_rank()?;
-                anyhow::ensure!(
-                    world == topo.world(),
-                    "--transport nccl: {world} processes (MEGAMOE_WORLD) but ep {} x tp {} needs {}",
-                    topo.ep,
-                    topo.tp,
-                    topo.world()
-                );
+                let (rank, world) = nccl_rank(&topo)?;
                 let eng = engine(cuda, source.rank_layer(&topo, rank)?, max_tokens.max(1))?;
                 let t = nccl_transport(rank, world, args.timeout())?;
                 Ok(EpGroup::Single(Box::new(EpRank::new(eng, t, cfg)?)))
@@ -235,11 +251,9 @@ impl EpGroup {
         args: &EpArgs,
         topo: Topology,
         source: &LayerSource<'_>,
-        cuda: bool,
         max_tokens: usize,
     ) -> anyhow::Result<Self> {
         use megamoe::backend::cuda::{DeviceEpGroup, DeviceEpRank};
-        anyhow::ensure!(cuda, "--exchange device needs the CUDA backend (--backend cuda)");
         anyhow::ensure!(
             args.combine_payload == CombinePayload::F32 && args.dispatch_payload != DispatchPayload::Nvfp4,
             "--exchange device sends bf16 or fp8 rows (--dispatch-payload) and f32 partial sums: nvfp4 rows \
@@ -259,14 +273,7 @@ impl EpGroup {
                 )?)))
             }
             TransportKind::Nccl => {
-                let (rank, world) = process_rank()?;
-                anyhow::ensure!(
-                    world == topo.world(),
-                    "--transport nccl: {world} processes (MEGAMOE_WORLD) but ep {} x tp {} needs {}",
-                    topo.ep,
-                    topo.tp,
-                    topo.world()
-                );
+                let (rank, world) = nccl_rank(&topo)?;
                 let ranges = (0..world)
                     .map(|r| topo.shard(config.n_routed_experts, r).map(|s| s.experts))
                     .collect::<megamoe::error::Result<Vec<_>>>()?;
@@ -282,7 +289,7 @@ impl EpGroup {
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn device(_: &EpArgs, _: Topology, _: &LayerSource<'_>, _: bool, _: usize) -> anyhow::Result<Self> {
+    fn device(_: &EpArgs, _: Topology, _: &LayerSource<'_>, _: usize) -> anyhow::Result<Self> {
         anyhow::bail!("--exchange device: this build has no CUDA support (built without the `cuda` feature)")
     }
 
@@ -299,9 +306,13 @@ impl EpGroup {
     }
 
     /// One forward of the batch `x` `[T, H]`: the output of this process's home tokens
-    /// ([`Self::home_tokens`]) and every local rank's timings.
+    /// ([`Self::home_tokens`]) and every local rank's timings. `Run::GraphReplay`: on the
+    /// in-process device group, the forward captured as one CUDA graph and replayed (so `verify`
+    /// checks that the capture equals the eager forward; no timings); elsewhere an eager forward.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn forward(
         &mut self,
+        run: Run,
         topo: &Topology,
         h: usize,
         x: &[half::bf16],
@@ -309,6 +320,11 @@ impl EpGroup {
         mode: Mode,
     ) -> anyhow::Result<(ForwardOutput, Vec<RankTimings>)> {
         match self {
+            #[cfg(feature = "cuda")]
+            EpGroup::Device(g) if run == Run::GraphReplay => {
+                g.capture_graph(x.len() / h, mode)?;
+                Ok((g.replay(x, input_ids)?, Vec::new()))
+            }
             EpGroup::InProc(g) => Ok(g.forward(x, input_ids, mode)?),
             EpGroup::Single(r) => {
                 let span = self_span(topo, r.rank(), x.len() / h);
@@ -345,25 +361,6 @@ impl EpGroup {
                 Ok((o, vec![t]))
             }
         }
-    }
-
-    /// A second forward of the same batch — on the in-process device group as a captured CUDA
-    /// graph's replay (so `verify` checks that the capture equals the eager forward), elsewhere a
-    /// plain repeat.
-    pub fn repeat(
-        &mut self,
-        topo: &Topology,
-        h: usize,
-        x: &[half::bf16],
-        input_ids: Option<&[i64]>,
-        mode: Mode,
-    ) -> anyhow::Result<(ForwardOutput, Vec<RankTimings>)> {
-        #[cfg(feature = "cuda")]
-        if let EpGroup::Device(g) = self {
-            g.capture_graph(x.len() / h, mode)?;
-            return Ok((g.replay(x, input_ids)?, Vec::new()));
-        }
-        self.forward(topo, h, x, input_ids, mode)
     }
 
     /// Weight bytes each local rank's engine holds.

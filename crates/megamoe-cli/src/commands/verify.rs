@@ -316,7 +316,7 @@ fn case_layer(case: &Case, format: WeightFormat, seed: u64) -> Arc<MoeLayer> {
 /// differently) and against the CPU reference, and a repeat run bitwise.
 fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -> anyhow::Result<usize> {
     let all = sweep_cases(args)?;
-    use super::parallel::{EpGroup, LayerSource};
+    use super::parallel::{EpGroup, LayerSource, Run};
     let cuda = super::wants_cuda(kind);
     let dut_kind = if cuda { BackendKind::Cuda } else { BackendKind::Cpu };
     println!("expert parallelism: {}", args.par.label(&topo));
@@ -405,10 +405,10 @@ fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -
                         continue;
                     }
                     let t0 = Instant::now();
-                    let a = group.forward(&topo, h, &x, Some(&ids), mode);
+                    let a = group.forward(Run::Eager, &topo, h, &x, Some(&ids), mode);
                     let ep_ms = t0.elapsed().as_secs_f64() * 1e3;
                     // The device exchange's repeat is a CUDA-graph replay of the whole group.
-                    let b = group.repeat(&topo, h, &x, Some(&ids), mode);
+                    let b = group.forward(Run::GraphReplay, &topo, h, &x, Some(&ids), mode);
                     let t1 = Instant::now();
                     let s = single.forward(&input, mode, None);
                     let ep1_ms = t1.elapsed().as_secs_f64() * 1e3;

@@ -285,6 +285,29 @@ impl NcclTransport {
         Ok(slot.as_ref().expect("just set").ptr())
     }
 
+    /// Posts one `ncclSend` (`send`) or `ncclRecv` of `bytes` bytes at device address `ptr` with
+    /// peer `peer` on stream `s`, inside an open group.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + bytes)` must be device memory of this rank's GPU that stays valid (and, for a
+    /// receive, unused) until the stream passes the group; `s` a stream of that GPU.
+    unsafe fn post(
+        &self,
+        a: &Api,
+        send: bool,
+        ptr: u64,
+        bytes: usize,
+        peer: usize,
+        s: *mut c_void,
+    ) -> Result<()> {
+        let (r, what) = if send {
+            ((a.send)(ptr as *const c_void, bytes, NCCL_UINT8, peer as c_int, self.comm, s), "ncclSend")
+        } else {
+            ((a.recv)(ptr as *mut c_void, bytes, NCCL_UINT8, peer as c_int, self.comm, s), "ncclRecv")
+        };
+        a.check(r, what)
+    }
+
     /// Waits for the transport's own stream (the host-buffer path), as [`Self::wait_stream`].
     fn wait(&mut self, what: &str) -> Result<()> {
         self.wait_stream(StreamRef(self.stream.cu_stream()), what)
@@ -353,35 +376,11 @@ impl NcclTransport {
             let (sl, rl) = (send[p].len(), recv_lens[p]);
             if sl > 0 && posted.is_ok() {
                 // SAFETY: [sptr+so, +sl) lies in the staging buffer; the stream belongs to the comm's device.
-                posted = a.check(
-                    unsafe {
-                        (a.send)(
-                            (sptr + so) as *const c_void,
-                            sl,
-                            NCCL_UINT8,
-                            p as c_int,
-                            self.comm,
-                            s as *mut c_void,
-                        )
-                    },
-                    "ncclSend",
-                );
+                posted = unsafe { self.post(a, true, sptr + so, sl, p, s as *mut c_void) };
             }
             if rl > 0 && posted.is_ok() {
                 // SAFETY: as above, for the receive staging buffer.
-                posted = a.check(
-                    unsafe {
-                        (a.recv)(
-                            (rptr + ro) as *mut c_void,
-                            rl,
-                            NCCL_UINT8,
-                            p as c_int,
-                            self.comm,
-                            s as *mut c_void,
-                        )
-                    },
-                    "ncclRecv",
-                );
+                posted = unsafe { self.post(a, false, rptr + ro, rl, p, s as *mut c_void) };
             }
             so += sl as u64;
             ro += rl as u64;
@@ -468,38 +467,13 @@ impl DeviceExchange for NcclTransport {
         for lane in lanes[0].iter().filter(|l| l.bytes > 0) {
             for p in 0..self.world {
                 let off = (p * lane.bytes) as u64;
+                // SAFETY: the lane's buffers hold world * bytes on this rank's GPU
+                // (`DeviceEpRank::new`); the stream belongs to the same device.
                 if posted.is_ok() {
-                    // SAFETY: the lane's buffers hold world * bytes on this rank's GPU
-                    // (`DeviceEpRank::new`); the stream belongs to the same device.
-                    posted = a.check(
-                        unsafe {
-                            (a.send)(
-                                (lane.send + off) as *const c_void,
-                                lane.bytes,
-                                NCCL_UINT8,
-                                p as c_int,
-                                self.comm,
-                                s,
-                            )
-                        },
-                        "ncclSend",
-                    );
+                    posted = unsafe { self.post(a, true, lane.send + off, lane.bytes, p, s) };
                 }
                 if posted.is_ok() {
-                    // SAFETY: as above, for the receive side.
-                    posted = a.check(
-                        unsafe {
-                            (a.recv)(
-                                (lane.recv + off) as *mut c_void,
-                                lane.bytes,
-                                NCCL_UINT8,
-                                p as c_int,
-                                self.comm,
-                                s,
-                            )
-                        },
-                        "ncclRecv",
-                    );
+                    posted = unsafe { self.post(a, false, lane.recv + off, lane.bytes, p, s) };
                 }
             }
         }

@@ -4,7 +4,25 @@ use super::buffer::{derr, err};
 use super::engine::CudaEngine;
 use crate::error::{MegaError, Result};
 use crate::forward::{ForwardInput, ForwardOutput, Mode};
-use cudarc::driver::{sys, CudaGraph};
+use cudarc::driver::{sys, CudaGraph, CudaStream};
+use std::sync::Arc;
+
+/// Captures what `enqueue` puts on `stream` (and on the streams it forks from it) into an
+/// instantiated, uploaded CUDA graph; the capture is ended even when `enqueue` fails.
+pub(super) fn capture_on(
+    stream: &Arc<CudaStream>,
+    enqueue: impl FnOnce() -> Result<()>,
+) -> Result<CudaGraph> {
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(derr("begin capture"))?;
+    let enq = enqueue();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    enq?;
+    let graph = graph.map_err(derr("end capture"))?.ok_or_else(|| err("graph capture produced no graph"))?;
+    graph.upload().map_err(derr("graph upload"))?;
+    Ok(graph)
+}
 
 /// A forward captured for a fixed token count and mode.
 pub(super) struct Captured {
@@ -29,16 +47,10 @@ impl CudaEngine {
         self.ws.prepare(mode, false)?;
         self.device.bind()?;
         self.sync("before capture")?;
-        self.stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(derr("begin capture"))?;
         let io = self.forward_io(tokens);
-        let enq = self.weights.forward_stages(&self.ws, &io, mode, false, self.stream_ref());
-        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        enq?;
+        let st = self.stream.clone();
         let graph =
-            graph.map_err(derr("end capture"))?.ok_or_else(|| err("graph capture produced no graph"))?;
-        graph.upload().map_err(derr("graph upload"))?;
+            capture_on(&st, || self.weights.forward_stages(&self.ws, &io, mode, false, self.stream_ref()))?;
         self.graph = Some(Captured { tokens, mode, graph });
         Ok(())
     }

@@ -4,7 +4,7 @@
 
 use super::exchange::{DeviceExchange, SharedGpuExchange};
 use super::rank::DeviceEpRank;
-use crate::backend::cuda::buffer::{derr, err};
+use crate::backend::cuda::buffer::derr;
 use crate::backend::cuda::io::DeviceTensor;
 use crate::backend::cuda::launch::{self, StreamRef};
 use crate::checkpoint::MoeLayer;
@@ -253,14 +253,7 @@ impl DeviceEpGroup {
             r.finish("before capture")?;
         }
         let st = self.ranks[0].eng.stream.clone();
-        st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(derr("begin capture"))?;
-        let enq = self.enqueue(&shares, mode);
-        let graph = st.end_capture(sys::CUgraphInstantiate_flags(0));
-        enq?;
-        let graph =
-            graph.map_err(derr("end capture"))?.ok_or_else(|| err("graph capture produced no graph"))?;
-        graph.upload().map_err(derr("graph upload"))?;
+        let graph = crate::backend::cuda::graph::capture_on(&st, || self.enqueue(&shares, mode))?;
         self.graph = Some(Captured { tokens, mode, graph });
         Ok(())
     }
