@@ -74,7 +74,7 @@ if [ "${SANITIZE:-1}" != 0 ]; then
   # kernel images fails API calls it tolerates, so API errors are not reported there.
   [ -x "$here/bin/cuda_ep" ] && for tool in memcheck racecheck; do
     step "${tool}_ep" env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" timeout 300 compute-sanitizer --tool "$tool" \
-      --report-api-errors no --error-exitcode 9 "$here/bin/cuda_ep" --test-threads 1 ${SANITIZE_EP_TESTS:-refuses nccl cuda_rank}
+      --report-api-errors no --error-exitcode 9 "$here/bin/cuda_ep" --test-threads 1 ${SANITIZE_EP_TESTS:-refuses nccl cuda_rank fp8}
   done
   [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
     --test-threads 1 ${INITCHECK_TESTS:-w4a8_fp8 prefill_tiles decode_path decode_split tiny_plan fused_decode}

@@ -145,7 +145,7 @@ fn check_dispatch_rows(
         let ids = &out.topk_ids[span.start * k..span.end * k];
         let want = DispatchLayout::build(ids, k, layer.config.n_routed_experts, topo).unwrap();
         assert_eq!(
-            rank.dispatched_tokens(group.message_rows(t)).unwrap(),
+            rank.dispatched_tokens(megamoe::backend::cuda::ep::message_rows(topo, t)).unwrap(),
             want.tokens,
             "{what}: rank {r}'s dispatch rows"
         );

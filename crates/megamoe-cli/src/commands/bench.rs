@@ -371,15 +371,11 @@ fn bench_device_group(
             eager.push(s.elapsed().as_secs_f64() * 1e3);
         }
         g.capture_graph(t, a.mode)?;
-        let mut graph: Vec<f64> =
-            g.time_replays(&x, None, a.runs.max(1))?.into_iter().map(f64::from).collect();
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        let rows = g.message_rows(t);
+        let graph: Vec<f64> = g.time_replays(&x, None, a.runs.max(1))?.into_iter().map(f64::from).collect();
+        let rows = megamoe::backend::cuda::ep::message_rows(&g.topology(), t);
         let sent: usize = g.ranks().iter().map(|r| r.sent_bytes(rows)).sum();
-        println!("{:>6} {:>12.4} {:>12.3} {:>12.2}", t, med(&mut graph), med(&mut eager), sent as f64 / 1e6);
+        let med = |v: &[f64]| super::median_min(v).0;
+        println!("{:>6} {:>12.4} {:>12.3} {:>12.2}", t, med(&graph), med(&eager), sent as f64 / 1e6);
     }
     println!(
         "(graph_ms: median CUDA-graph replay of the whole group on one GPU; eager_ms: host-slice forward \

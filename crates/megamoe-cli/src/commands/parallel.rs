@@ -277,7 +277,7 @@ impl EpGroup {
                 let ranges = (0..world)
                     .map(|r| topo.shard(config.n_routed_experts, r).map(|s| s.experts))
                     .collect::<megamoe::error::Result<Vec<_>>>()?;
-                let cap = topo.tokens_of(max_tokens.max(1), 0).len().max(1);
+                let cap = megamoe::backend::cuda::ep::message_rows(&topo, max_tokens);
                 let layer = Arc::new(source.rank_layer(&topo, rank)?);
                 let r = DeviceEpRank::new(layer, rank, &ranges, cap, args.dispatch_payload)?;
                 let mut t = nccl_endpoint(rank, world, args.timeout())?;
@@ -337,7 +337,7 @@ impl EpGroup {
                 let t0 = std::time::Instant::now();
                 let o = g.forward(x, input_ids, mode)?;
                 let total_s = t0.elapsed().as_secs_f64();
-                let rows = g.message_rows(x.len() / h);
+                let rows = megamoe::backend::cuda::ep::message_rows(topo, x.len() / h);
                 let timings = g
                     .ranks()
                     .iter()
@@ -349,8 +349,7 @@ impl EpGroup {
             EpGroup::DeviceNccl(r, nccl) => {
                 let span = self_span(topo, r.rank(), x.len() / h);
                 let ids = input_ids.map(|v| &v[span.clone()]);
-                // Every rank sends messages of the largest home share (rank 0's).
-                let rows = topo.tokens_of(x.len() / h, 0).len().max(1);
+                let rows = megamoe::backend::cuda::ep::message_rows(topo, x.len() / h);
                 let t0 = std::time::Instant::now();
                 let o = r.forward(nccl.as_mut(), &x[span.start * h..span.end * h], ids, rows, mode)?;
                 let t = RankTimings {

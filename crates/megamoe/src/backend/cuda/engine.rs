@@ -10,7 +10,6 @@ use super::device::CudaDevice;
 use super::graph::Captured;
 use super::io::{DType, DeviceTensor, ForwardIo, Routing};
 use super::launch::StreamRef;
-use super::params::{STATUS_BAD_EXPERT_ID, STATUS_BAD_TOKEN_ID};
 use super::weights::LayerWeights;
 use super::workspace::{bytes, Workspace, WorkspaceDims};
 use crate::backend::MoeEngine;
@@ -230,10 +229,7 @@ impl CudaEngine {
         let topk_weights =
             self.download::<f32>(&self.io.topk_w, t * c.num_experts_per_tok, "copying topk_w")?;
         self.sync("forward")?;
-        let status = self.ws.take_status()?;
-        if status & (STATUS_BAD_TOKEN_ID | STATUS_BAD_EXPERT_ID) as u32 != 0 {
-            return Err(err(format!("internal: the forward reported malformed ids (status 0x{status:x})")));
-        }
+        self.ws.check_ids("the forward")?;
         Ok(ForwardOutput { y, topk_ids, topk_weights })
     }
 }

@@ -24,6 +24,21 @@ pub(super) fn capture_on(
     Ok(graph)
 }
 
+/// Times `iters` launches of `graph` with CUDA events on `stream` (ms each), after one warm-up launch.
+pub(super) fn time_graph(stream: &Arc<CudaStream>, graph: &CudaGraph, iters: usize) -> Result<Vec<f32>> {
+    graph.launch().map_err(derr("graph launch"))?;
+    let mut out = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = stream.record_event(flags).map_err(derr("event"))?;
+        graph.launch().map_err(derr("graph launch"))?;
+        let z = stream.record_event(flags).map_err(derr("event"))?;
+        z.synchronize().map_err(derr("event sync"))?;
+        out.push(a.elapsed_ms(&z).map_err(derr("elapsed"))?);
+    }
+    Ok(out)
+}
+
 /// A forward captured for a fixed token count and mode.
 pub(super) struct Captured {
     tokens: usize,
@@ -76,17 +91,7 @@ impl CudaEngine {
         if t != tokens {
             return Err(MegaError::Input(format!("time_replays: captured for {tokens} tokens, got {t}")));
         }
-        let g = &self.graph.as_ref().expect("checked").graph;
-        g.launch().map_err(derr("graph launch"))?;
-        let mut out = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let a = self.stream.record_event(flags).map_err(derr("event"))?;
-            g.launch().map_err(derr("graph launch"))?;
-            let z = self.stream.record_event(flags).map_err(derr("event"))?;
-            z.synchronize().map_err(derr("event sync"))?;
-            out.push(a.elapsed_ms(&z).map_err(derr("elapsed"))?);
-        }
+        let out = time_graph(&self.stream, &self.graph.as_ref().expect("checked").graph, iters)?;
         self.sync("timing")?;
         Ok(out)
     }

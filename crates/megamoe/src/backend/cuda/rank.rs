@@ -17,7 +17,6 @@ use super::buffer::{derr, err, DevBuf};
 use super::engine::CudaEngine;
 use super::io::{DType, DeviceTensor};
 use super::launch::StreamRef;
-use super::params::{STATUS_BAD_EXPERT_ID, STATUS_BAD_TOKEN_ID};
 use crate::backend::MoeEngine;
 use crate::checkpoint::MoeLayer;
 use crate::error::{MegaError, Result};
@@ -56,13 +55,7 @@ impl CudaRankEngine {
     }
 
     fn check_status(&self) -> Result<()> {
-        let status = self.eng.ws.take_status()?;
-        if status & (STATUS_BAD_TOKEN_ID | STATUS_BAD_EXPERT_ID) as u32 != 0 {
-            return Err(err(format!(
-                "internal: the EP rank's stages reported malformed ids (status 0x{status:x})"
-            )));
-        }
-        Ok(())
+        self.eng.ws.check_ids("the EP rank's stages")
     }
 
     fn fits(&self, t: usize, what: &str) -> Result<()> {

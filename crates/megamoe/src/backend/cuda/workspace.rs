@@ -7,6 +7,7 @@
 
 use super::buffer::{derr, err, lazy, DevBuf};
 use super::device::CudaDevice;
+use super::params::{STATUS_BAD_EXPERT_ID, STATUS_BAD_TOKEN_ID};
 use super::weights::LayerWeights;
 use crate::backend::gpu_layout::{max_tiles, MIN_BLOCK_M};
 use crate::config::MoeConfig;
@@ -454,6 +455,16 @@ impl Workspace {
         let v = self.status.read::<u32>(self.device.stream(), 0, 1)?[0];
         self.status.write(self.device.stream(), 0, &[0u32])?;
         Ok(v)
+    }
+
+    /// [`Self::take_status`], as an error naming `who` when a kernel saw malformed ids (the
+    /// engines validate ids on the host first, so this is an internal error).
+    pub(crate) fn check_ids(&self, who: &str) -> Result<()> {
+        let status = self.take_status()?;
+        if status & (STATUS_BAD_TOKEN_ID | STATUS_BAD_EXPERT_ID) as u32 != 0 {
+            return Err(err(format!("internal: {who} reported malformed ids (status 0x{status:x})")));
+        }
+        Ok(())
     }
 }
 

@@ -11,7 +11,7 @@ use crate::checkpoint::MoeLayer;
 use crate::error::{MegaError, Result};
 use crate::forward::{ForwardOutput, Mode};
 use crate::parallel::{DispatchPayload, Topology};
-use cudarc::driver::{sys, CudaEvent, CudaGraph};
+use cudarc::driver::{CudaEvent, CudaGraph};
 use half::bf16;
 use std::sync::Arc;
 
@@ -58,15 +58,6 @@ pub fn enqueue_forward(
             ex.world()
         )));
     }
-    if let Some(r) = ranks.iter().find(|r| r.cap() != ranks[0].cap()) {
-        return Err(MegaError::Input(format!(
-            "device EP rank {} has {} rows per message, rank {} {}",
-            r.rank(),
-            r.cap(),
-            ranks[0].rank(),
-            ranks[0].cap()
-        )));
-    }
     let res = (|| {
         for ((r, io), &s) in ranks.iter_mut().zip(io).zip(streams) {
             r.enqueue_dispatch(&io.x, io.input_ids.as_ref(), rows, s)?;
@@ -89,6 +80,12 @@ pub fn enqueue_forward(
         }
     }
     res
+}
+
+/// Rows of every message of a group's forward of `tokens` tokens: the largest home share (rank
+/// 0's, [`Topology::tokens_of`]), at least one. The same on every rank, whichever process it is.
+pub fn message_rows(topo: &Topology, tokens: usize) -> usize {
+    topo.tokens_of(tokens, 0).len().max(1)
 }
 
 /// A forward captured for a fixed batch and mode.
@@ -126,7 +123,7 @@ impl DeviceEpGroup {
             return Err(MegaError::Input(format!("{} layers for a group of {w} ranks", layers.len())));
         }
         let ranges: Vec<_> = layers.iter().map(|l| l.expert_range.clone()).collect();
-        let cap = topo.tokens_of(max_tokens.max(1), 0).len().max(1);
+        let cap = message_rows(&topo, max_tokens);
         let ranks = layers
             .into_iter()
             .enumerate()
@@ -144,14 +141,9 @@ impl DeviceEpGroup {
         &self.ranks
     }
 
-    /// The topology.
+    /// The rank grid.
     pub fn topology(&self) -> Topology {
         self.topo
-    }
-
-    /// Message rows of a batch of `tokens` (the largest home share).
-    pub fn message_rows(&self, tokens: usize) -> usize {
-        self.topo.tokens_of(tokens, 0).len().max(1)
     }
 
     /// Fills every rank's workspace, io and exchange buffers with `byte` (tests: every element a
@@ -208,8 +200,8 @@ impl DeviceEpGroup {
                 RankIo { x, input_ids, y }
             })
             .collect();
-        // The messages hold the largest home share (rank 0's): sized by this batch, not the capacity.
-        let rows = shares[0].len().max(1);
+        // Messages sized by this batch, not the capacity.
+        let rows = message_rows(&self.topo, shares.last().map_or(0, |s| s.end));
         enqueue_forward(&mut self.ranks, &mut self.ex, &io, rows, mode, &streams)?;
         for (ev, &s) in self.done.iter().zip(&streams).skip(1) {
             launch::record(ev, s)?;
@@ -218,13 +210,11 @@ impl DeviceEpGroup {
         Ok(())
     }
 
-    /// Copies every rank's outputs back in token order, after waiting for all of them.
+    /// Copies every rank's outputs back in token order (each after its stream is done).
     fn collect(&self, shares: &[std::ops::Range<usize>]) -> Result<ForwardOutput> {
-        let parts: Vec<ForwardOutput> =
-            self.ranks.iter().zip(shares).map(|(r, span)| r.collect(span.len())).collect::<Result<_>>()?;
         let mut out = ForwardOutput::default();
-        for (r, p) in self.ranks.iter().zip(parts) {
-            r.finish("the device EP forward")?;
+        for (r, span) in self.ranks.iter().zip(shares) {
+            let p = r.collect(span.len())?;
             out.y.extend(p.y);
             out.topk_ids.extend(p.topk_ids);
             out.topk_weights.extend(p.topk_weights);
@@ -250,7 +240,7 @@ impl DeviceEpGroup {
         let shares = self.shares(tokens)?;
         for r in &mut self.ranks {
             r.prepare(mode)?;
-            r.finish("before capture")?;
+            r.sync("before capture")?;
         }
         let st = self.ranks[0].eng.stream.clone();
         let graph = crate::backend::cuda::graph::capture_on(&st, || self.enqueue(&shares, mode))?;
@@ -275,10 +265,11 @@ impl DeviceEpGroup {
         let shares = self.upload(x, input_ids)?;
         let t = shares.last().map_or(0, |s| s.end);
         for r in &self.ranks {
-            r.finish("uploading the replay's inputs")?;
+            r.sync("uploading the replay's inputs")?;
         }
         self.captured(t, "replay")?.launch().map_err(derr("graph launch"))?;
-        self.ranks[0].finish("the replayed forward")?;
+        // The graph runs on rank 0's stream: done there before the other ranks' streams copy.
+        self.ranks[0].sync("the replayed forward")?;
         self.collect(&shares)
     }
 
@@ -288,21 +279,11 @@ impl DeviceEpGroup {
         let shares = self.upload(x, input_ids)?;
         let t = shares.last().map_or(0, |s| s.end);
         for r in &self.ranks {
-            r.finish("uploading the inputs")?;
+            r.sync("uploading the inputs")?;
         }
         let st = self.ranks[0].eng.stream.clone();
-        let g = self.captured(t, "time_replays")?;
-        g.launch().map_err(derr("graph launch"))?;
-        let mut out = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let a = st.record_event(flags).map_err(derr("event"))?;
-            g.launch().map_err(derr("graph launch"))?;
-            let z = st.record_event(flags).map_err(derr("event"))?;
-            z.synchronize().map_err(derr("event sync"))?;
-            out.push(a.elapsed_ms(&z).map_err(derr("elapsed"))?);
-        }
-        self.ranks[0].finish("timing")?;
+        let out = crate::backend::cuda::graph::time_graph(&st, self.captured(t, "time_replays")?, iters)?;
+        self.ranks[0].sync("timing")?;
         Ok(out)
     }
 }

@@ -47,5 +47,5 @@ mod rank;
 
 pub(crate) use exchange::check_round;
 pub use exchange::{DeviceExchange, Lane, SharedGpuExchange};
-pub use group::{enqueue_forward, DeviceEpGroup, RankIo};
+pub use group::{enqueue_forward, message_rows, DeviceEpGroup, RankIo};
 pub use rank::DeviceEpRank;

@@ -29,9 +29,11 @@ struct ExchangeBufs {
     dest_row: DevBuf,
     /// Row at a destination -> home token `[world, cap]` i32.
     src_token: DevBuf,
-    send_x: DevBuf,
+    /// How the hidden states travel (the payload's own send / receive buffers).
+    rows: RowBufs,
     send_ids: DevBuf,
     send_w: DevBuf,
+    /// The received hidden states as the experts read them `[world * cap, H]` bf16.
     recv_x: DevBuf,
     recv_ids: DevBuf,
     recv_w: DevBuf,
@@ -39,16 +41,25 @@ struct ExchangeBufs {
     part: DevBuf,
     /// The partial sums of this rank's home tokens, from every rank `[world, cap, H]` f32.
     back: DevBuf,
-    /// The FP8 payload's messages (e4m3 rows and block scales, sent and received), if chosen.
-    fp8: Option<Fp8Bufs>,
 }
 
-/// The FP8 payload's buffers: `[world, cap, H]` e4m3 codes and `[world, cap, H / 128]` f32 scales.
-struct Fp8Bufs {
-    send_q: DevBuf,
-    send_s: DevBuf,
-    recv_q: DevBuf,
-    recv_s: DevBuf,
+/// The hidden states' messages, by payload.
+#[allow(clippy::large_enum_variant)] // one per rank, built once and never moved in a forward
+enum RowBufs {
+    /// `[world, cap, H]` bf16 sent (received straight into `recv_x`).
+    Bf16 { send_x: DevBuf },
+    /// `[world, cap, H]` e4m3 codes and `[world, cap, H / 128]` f32 scales, sent and received
+    /// (`moe_ep_unpack` restores `recv_x`).
+    Fp8 { send_q: DevBuf, send_s: DevBuf, recv_q: DevBuf, recv_s: DevBuf },
+}
+
+impl RowBufs {
+    fn all(&self) -> Vec<&DevBuf> {
+        match self {
+            RowBufs::Bf16 { send_x } => vec![send_x],
+            RowBufs::Fp8 { send_q, send_s, recv_q, recv_s } => vec![send_q, send_s, recv_q, recv_s],
+        }
+    }
 }
 
 /// A forward between its dispatch and its reduce.
@@ -134,7 +145,15 @@ impl DeviceEpRank {
             ranges: dev.upload(&table, "ep expert ranges")?,
             dest_row: z(&[world, cap, 4], "ep dest_row")?,
             src_token: z(&[world, cap, 4], "ep src_token")?,
-            send_x: z(&[world, cap, h, 2], "ep send x")?,
+            rows: match payload {
+                DispatchPayload::Fp8 => RowBufs::Fp8 {
+                    send_q: z(&[world, cap, h], "ep send fp8 rows")?,
+                    send_s: z(&[world, cap, h / 128, 4], "ep send fp8 scales")?,
+                    recv_q: z(&[world, cap, h], "ep received fp8 rows")?,
+                    recv_s: z(&[world, cap, h / 128, 4], "ep received fp8 scales")?,
+                },
+                _ => RowBufs::Bf16 { send_x: z(&[world, cap, h, 2], "ep send x")? },
+            },
             send_ids: z(&[world, cap, k, 4], "ep send ids")?,
             send_w: z(&[world, cap, k, 4], "ep send weights")?,
             recv_x: z(&[world, cap, h, 2], "ep received x")?,
@@ -142,15 +161,6 @@ impl DeviceEpRank {
             recv_w: z(&[world, cap, k, 4], "ep received weights")?,
             part: z(&[world, cap, h, 4], "ep partial sums")?,
             back: z(&[world, cap, h, 4], "ep returned sums")?,
-            fp8: match payload {
-                DispatchPayload::Fp8 => Some(Fp8Bufs {
-                    send_q: z(&[world, cap, h], "ep send fp8 rows")?,
-                    send_s: z(&[world, cap, h / 128, 4], "ep send fp8 scales")?,
-                    recv_q: z(&[world, cap, h], "ep received fp8 rows")?,
-                    recv_s: z(&[world, cap, h / 128, 4], "ep received fp8 scales")?,
-                }),
-                _ => None,
-            },
         };
         Ok(DeviceEpRank { eng, rank, world, cap, bufs, ranges: ranges.to_vec(), inflight: None })
     }
@@ -186,7 +196,7 @@ impl DeviceEpRank {
             w.expert_range(),
             w.config().moe_intermediate_size,
             self.cap,
-            if self.bufs.fp8.is_some() { "fp8" } else { "bf16" }
+            if self.is_fp8() { "fp8" } else { "bf16" }
         )
     }
 
@@ -206,7 +216,7 @@ impl DeviceEpRank {
             c.num_experts_per_tok as u64,
             self.world as u64,
             self.cap as u64,
-            u64::from(self.bufs.fp8.is_some()),
+            u64::from(self.is_fp8()),
         ];
         v.extend(self.ranges.iter().flat_map(|r| [r.start as u64, r.end as u64]));
         v
@@ -217,12 +227,14 @@ impl DeviceEpRank {
         self.eng.weights.device_bytes()
     }
 
+    fn is_fp8(&self) -> bool {
+        matches!(self.bufs.rows, RowBufs::Fp8 { .. })
+    }
+
     /// Bytes this rank sends in a forward of `rows` message rows, to itself included.
     pub fn sent_bytes(&self, rows: usize) -> usize {
-        let c = self.eng.weights.config();
-        let (h, k) = (c.hidden_size, c.num_experts_per_tok);
-        let x = if self.bufs.fp8.is_some() { h + h / 128 * 4 } else { h * 2 };
-        rows * (x + k * 8 + h * 4) * self.world
+        let lanes = self.dispatch_lanes_of(rows).into_iter().chain(self.combine_lanes_of(rows));
+        lanes.map(|l| l.bytes).sum::<usize>() * self.world
     }
 
     /// Makes `mode`'s lazy scratch exist (before a graph capture: no allocation may happen in one).
@@ -242,8 +254,8 @@ impl DeviceEpRank {
         rows: usize,
         stream: StreamRef,
     ) -> Result<()> {
-        let c = self.eng.weights.config().clone();
-        let (t, h, k) = (x.rows, c.hidden_size, c.num_experts_per_tok);
+        let c = self.eng.weights.config();
+        let (t, h, k, e) = (x.rows, c.hidden_size, c.num_experts_per_tok, c.n_routed_experts);
         if t > rows || rows > self.cap || rows == 0 {
             return Err(MegaError::Input(format!(
                 "device EP rank {}: {t} home tokens in messages of {rows} rows; the group takes 1..={} rows \
@@ -285,14 +297,18 @@ impl DeviceEpRank {
             t: t as i32,
             k: k as i32,
             cap: rows as i32,
-            e: c.n_routed_experts as i32,
+            e: e as i32,
+        };
+        let (send_x, send_q, send_s) = match &b.rows {
+            RowBufs::Bf16 { send_x } => (send_x.ptr(), 0, 0),
+            RowBufs::Fp8 { send_q, send_s, .. } => (0, send_q.ptr(), send_s.ptr()),
         };
         let copy = EpRowsParams {
             x: x.ptr,
             src_token: b.src_token.ptr(),
-            send_x: b.send_x.ptr(),
-            send_q: b.fp8.as_ref().map_or(0, |f| f.send_q.ptr()),
-            send_s: b.fp8.as_ref().map_or(0, |f| f.send_s.ptr()),
+            send_x,
+            send_q,
+            send_s,
             h: h as i32,
             cap: rows as i32,
         };
@@ -313,17 +329,24 @@ impl DeviceEpRank {
 
     /// The dispatch round's messages of the forward in flight: hidden states, ids, weights.
     pub fn dispatch_lanes(&self) -> Vec<Lane> {
+        self.dispatch_lanes_of(self.rows())
+    }
+
+    /// The dispatch round's messages of `rows` rows.
+    fn dispatch_lanes_of(&self, rows: usize) -> Vec<Lane> {
         let c = self.eng.weights.config();
-        let (h, k, cap, b) = (c.hidden_size, c.num_experts_per_tok, self.rows(), &self.bufs);
-        let mut lanes = match &b.fp8 {
-            Some(f) => vec![
-                Lane { send: f.send_q.ptr(), recv: f.recv_q.ptr(), bytes: cap * h },
-                Lane { send: f.send_s.ptr(), recv: f.recv_s.ptr(), bytes: cap * (h / 128) * 4 },
+        let (h, k, b) = (c.hidden_size, c.num_experts_per_tok, &self.bufs);
+        let mut lanes = match &b.rows {
+            RowBufs::Fp8 { send_q, send_s, recv_q, recv_s } => vec![
+                Lane { send: send_q.ptr(), recv: recv_q.ptr(), bytes: rows * h },
+                Lane { send: send_s.ptr(), recv: recv_s.ptr(), bytes: rows * (h / 128) * 4 },
             ],
-            None => vec![Lane { send: b.send_x.ptr(), recv: b.recv_x.ptr(), bytes: cap * h * 2 }],
+            RowBufs::Bf16 { send_x } => {
+                vec![Lane { send: send_x.ptr(), recv: b.recv_x.ptr(), bytes: rows * h * 2 }]
+            }
         };
-        lanes.push(Lane { send: b.send_ids.ptr(), recv: b.recv_ids.ptr(), bytes: cap * k * 4 });
-        lanes.push(Lane { send: b.send_w.ptr(), recv: b.recv_w.ptr(), bytes: cap * k * 4 });
+        lanes.push(Lane { send: b.send_ids.ptr(), recv: b.recv_ids.ptr(), bytes: rows * k * 4 });
+        lanes.push(Lane { send: b.send_w.ptr(), recv: b.recv_w.ptr(), bytes: rows * k * 4 });
         lanes
     }
 
@@ -342,10 +365,10 @@ impl DeviceEpRank {
         let x = DeviceTensor::new(b.recv_x.ptr(), rows, h, DType::Bf16);
         let w = DeviceTensor::new(b.recv_w.ptr(), rows, k, DType::F32);
         let part = DeviceTensor::new(b.part.ptr(), rows, h, DType::F32);
-        if let Some(f) = &b.fp8 {
+        if let RowBufs::Fp8 { recv_q, recv_s, .. } = &b.rows {
             let p = EpUnpackParams {
-                q: f.recv_q.ptr(),
-                s: f.recv_s.ptr(),
+                q: recv_q.ptr(),
+                s: recv_s.ptr(),
                 ids: b.recv_ids.ptr(),
                 x: b.recv_x.ptr(),
                 rows: rows as i32,
@@ -368,8 +391,12 @@ impl DeviceEpRank {
 
     /// The combine round's message: the partial sums of the rows each rank sent here.
     pub fn combine_lanes(&self) -> Vec<Lane> {
+        self.combine_lanes_of(self.rows())
+    }
+
+    fn combine_lanes_of(&self, rows: usize) -> Vec<Lane> {
         let h = self.eng.weights.config().hidden_size;
-        vec![Lane { send: self.bufs.part.ptr(), recv: self.bufs.back.ptr(), bytes: self.rows() * h * 4 }]
+        vec![Lane { send: self.bufs.part.ptr(), recv: self.bufs.back.ptr(), bytes: rows * h * 4 }]
     }
 
     /// Phase 3: every home token's partial sums added in rank order, then its shared expert, into
@@ -429,9 +456,7 @@ impl DeviceEpRank {
         )?;
         // The bounded wait first: a copy to pageable host memory would block on a dead peer.
         ex.wait(s, "the device EP forward")?;
-        let out = self.collect(t)?;
-        self.finish("the device EP forward")?;
-        Ok(out)
+        self.collect(t)
     }
 
     /// Copies `x` (and `input_ids`) of `t` home tokens into the engine's io buffers on the rank's
@@ -452,36 +477,15 @@ impl DeviceEpRank {
         )
     }
 
-    /// Enqueues the copies of `t` home tokens' outputs (y, routing) to the host; valid after the
-    /// rank's stream is synchronised ([`Self::finish_download`]).
+    /// `t` home tokens' outputs (y, routing) copied back once the rank's stream is done, its
+    /// kernels' status checked.
     pub(super) fn collect(&self, t: usize) -> Result<ForwardOutput> {
-        let c = self.eng.weights.config();
-        Ok(ForwardOutput {
-            y: self.eng.download::<f32>(&self.eng.io.y, t * c.hidden_size, "copying y")?,
-            topk_ids: self.eng.download::<i32>(
-                &self.eng.io.topk_ids,
-                t * c.num_experts_per_tok,
-                "copying topk_ids",
-            )?,
-            topk_weights: self.eng.download::<f32>(
-                &self.eng.io.topk_w,
-                t * c.num_experts_per_tok,
-                "copying topk_w",
-            )?,
-        })
+        self.eng.collect(t).map_err(|e| err(format!("device EP rank {}: {e}", self.rank)))
     }
 
-    /// Waits for the rank's stream and checks the status bits of its kernels.
-    pub(super) fn finish(&self, what: &str) -> Result<()> {
-        self.eng.sync(what)?;
-        let status = self.eng.ws.take_status()?;
-        if status & (STATUS_BAD_TOKEN_ID | STATUS_BAD_EXPERT_ID) as u32 != 0 {
-            return Err(err(format!(
-                "device EP rank {}: malformed ids reported (status 0x{status:x})",
-                self.rank
-            )));
-        }
-        Ok(())
+    /// Waits for the rank's stream (outside a forward).
+    pub(super) fn sync(&self, what: &str) -> Result<()> {
+        self.eng.sync(what)
     }
 
     /// Each destination's rows of the last dispatch of `rows` message rows, as home tokens
@@ -504,7 +508,6 @@ impl DeviceEpRank {
         for buf in [
             &b.dest_row,
             &b.src_token,
-            &b.send_x,
             &b.send_ids,
             &b.send_w,
             &b.recv_x,
@@ -514,7 +517,7 @@ impl DeviceEpRank {
             &b.back,
         ]
         .into_iter()
-        .chain(b.fp8.iter().flat_map(|f| [&f.send_q, &f.send_s, &f.recv_q, &f.recv_s]))
+        .chain(b.rows.all())
         {
             // SAFETY: `buf` holds `buf.bytes()` bytes.
             unsafe { cudarc::driver::result::memset_d8_async(buf.ptr(), byte, buf.bytes(), st.cu_stream()) }
