@@ -275,14 +275,27 @@ pub fn pack_l2(w2: &ExpertProj) -> Result<Packed> {
     pack_experts(w2.experts, h, w2.cols, &rows, |x| Ok(vec![mxfp4(w2, x, "w2")?]))
 }
 
-/// Consumer warpgroups of the W4A8 kernels: each owns one (m64 weight block, 64-token half) of
-/// the CTA tile.
-pub const CONSUMERS: usize = 4;
+/// Consumer warpgroups of the W4A8 kernels of token tile `nt`: each owns one m64 weight block (half
+/// a 128-row group) x the whole tile, so each block is decoded once per tile. 64-token tiles take
+/// four (112 registers a thread: two 32-register accumulators), wider tiles two (232 registers: two
+/// 64-register accumulators and a second A register set, so the next chunk decodes while this one's
+/// QGMMAs run).
+pub fn consumers(nt: usize) -> usize {
+    if nt <= 64 {
+        4
+    } else {
+        2
+    }
+}
 
-/// 128-row weight groups one CTA of token tile `nt` covers: the consumers' m64 blocks
-/// (`CONSUMERS / (nt / 64)`), two per group.
+/// Threads of a W4A8 kernel: the producer warpgroup and the consumers.
+pub fn threads(nt: usize) -> usize {
+    128 * (1 + consumers(nt))
+}
+
+/// 128-row weight groups one CTA of token tile `nt` covers: the consumers' m64 blocks, two per group.
 pub fn groups_per_cta(nt: usize) -> usize {
-    CONSUMERS / (nt / 64) / 2
+    consumers(nt) / 2
 }
 
 /// Bytes of one stage of the W4A8 kernels for token tile `nt`: the e4m3 token tile (`nt` rows x

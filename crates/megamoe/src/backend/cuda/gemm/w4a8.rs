@@ -24,9 +24,6 @@ use crate::error::Result;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Threads of the kernels: a producer warpgroup and the consumer warpgroups.
-const THREADS: u32 = 128 * (1 + layout::CONSUMERS as u32);
-
 /// The module: the kernel source plus one instantiation per token tile.
 pub fn module_spec() -> ModuleSpec {
     let mut inst = String::from(
@@ -68,8 +65,9 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
         let mut k = Kernels { l1: HashMap::new(), l2: HashMap::new() };
         for nt in layout::TOKEN_TILES {
             let smem = layout::smem_bytes(nt);
-            k.l1.insert(nt, Kernel::load(&m, &name(1, nt), THREADS, smem)?);
-            k.l2.insert(nt, Kernel::load(&m, &name(2, nt), THREADS, smem)?);
+            let threads = layout::threads(nt) as u32;
+            k.l1.insert(nt, Kernel::load(&m, &name(1, nt), threads, smem)?);
+            k.l2.insert(nt, Kernel::load(&m, &name(2, nt), threads, smem)?);
         }
         Ok(k)
     })

@@ -16,33 +16,38 @@
 //   boxes of 4 blocks x NT rows (16 bytes: the smallest inner extent TMA takes) holding the chunk's.
 // - Outputs as gemm_tc.cu: L1 act [rows, I] bf16 (clamped SwiGLU x routing weight), L2 [rows, H] f32.
 //
-// Tiling: CTA = 640 threads over a 256-row x 64-token or a 128-row x 128-token tile: warpgroup 0 is the producer (one
-// thread issues every copy; setmaxnreg gives its registers away), warpgroups 1..4 the consumers,
-// each owning one (m64 weight block, 64-token half) of the CTA tile: NT = 64 tiles take 4 m64 blocks
-// (two 128-row groups, blockIdx.y = group pair) x 1 half, NT = 128 tiles 2 blocks (one group) x 2
-// halves. Every consumer does the same work per 128-k chunk: decode its block's A registers, four
-// m64n64k32 QGMMAs, promote. Four consumers (16 warps, four per scheduler) hide each one's latency
-// chain: a consumer's own steps are serial (one unit accumulator, 112 registers a thread).
-// Pipeline: ring of ST stages [token tile NT x 128 B | NT x 4 f32 scales (2 KB) | the CTA's 16 or 8
-// weight blocks], full / empty mbarriers (empty: one arrival per consumer warp). Per chunk a
-// consumer waits for its stage, decodes (the raw words of the next chunk are loaded while the
-// QGMMAs run), issues the QGMMAs into its unit accumulator (the first with scale-d 0), waits, and
-// promotes: acc += unit_acc * (token's block scale) — the activation scale is per token and per
-// 128-block, so it cannot be folded into the operands; promotion at every block also bounds the FP8
-// MMA's reduced-precision accumulation to 128 products — then releases the stage. Fixed k order:
-// bitwise reproducible.
+// Tiling: warpgroup 0 is the producer (one thread issues every copy; setmaxnreg gives its registers
+// away), the others are consumers, each owning one m64 weight block (4 slabs: a half 128-row group)
+// x the whole NT-token tile, so every weight block is decoded once per tile and its A registers feed
+// one m64nNTk32 QGMMA per k32 step:
+// - NT = 64: four consumers (256 rows = two groups, blockIdx.y = group pair), 640 threads, 112
+//   registers a consumer thread (two 32-register accumulators); four warps per scheduler hide each
+//   one's serial chain (decode, QGMMAs, promote);
+// - NT = 128: two consumers (one group, blockIdx.y = group), 384 threads, 232 registers a consumer
+//   thread (two 64-register accumulators, two A register sets): a consumer decodes chunk c + 1
+//   while chunk c's QGMMAs run, and the two consumers' QGMMAs and promotions interleave. (A 128-token
+//   tile over four m64n64 consumers decoded every block twice: half the integer work per MAC.)
+// Pipeline: ring of ST stages [token tile NT x 128 B | NT x 4 f32 scales (<= 2 KB) | the CTA's 16 or
+// 8 weight blocks], full / empty mbarriers (empty: one arrival per consumer warp). Per chunk a
+// consumer waits for its stage, issues its QGMMAs into its unit accumulator (the first with scale-d
+// 0), waits, and promotes: acc += unit_acc * (token's block scale) — the activation scale is per
+// token and per 128-block, so it cannot be folded into the operands; promotion at every block also
+// bounds the FP8 MMA's reduced-precision accumulation to 128 products — then releases the stage.
+// Fixed k order: bitwise reproducible.
 
-#define W8_THREADS 640
-constexpr int W8_CONSUMERS = 4;
-// Registers a thread after the hand-over: 128 x 32 + 512 x 112 = 640 x 96 (the entry count).
-constexpr int W8_PRODUCER_REGS = 32, W8_CONSUMER_REGS = 112;
+// Register budgets after the hand-over (entry count x threads = producer + consumers):
+// 640 x 96 = 128 x 32 + 512 x 112; 384 x 168 = 128 x 40 + 256 x 232.
 constexpr int W8_BLK = 1088, W8_CODE_BYTES = 1024, W8_SCALE_BYTES = 2048;
 
 template <int NT>
 struct W8Shape {
-    static constexpr int HALVES = NT / 64;                 // 64-token halves of the tile
-    static constexpr int BLOCKS = W8_CONSUMERS / HALVES;   // m64 weight blocks of the CTA
-    static constexpr int GROUPS = BLOCKS / 2;              // 128-row groups of the CTA
+    static constexpr int CONSUMERS = NT <= 64 ? 4 : 2;     // = gpu_layout::w4a8::consumers
+    static constexpr int THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int PRODUCER_REGS = CONSUMERS == 4 ? 32 : 40;
+    static constexpr int CONSUMER_REGS = CONSUMERS == 4 ? 112 : 232;
+    static constexpr bool DECODE_AHEAD = CONSUMERS == 2;   // a second A register set fits
+    static constexpr int NJ = NT / 8;                      // accumulator columns of 8 tokens
+    static constexpr int GROUPS = CONSUMERS / 2;           // 128-row groups of the CTA
     static constexpr int T_BYTES = NT * 128;
     static constexpr int W_GROUP = 8 * W8_BLK;
     static constexpr int STAGE = (T_BYTES + W8_SCALE_BYTES + GROUPS * W_GROUP + 1023) / 1024 * 1024;   // = w4a8::stage_bytes
@@ -90,13 +95,12 @@ struct W8Ring {
     unsigned long long* empty;
     int stages, stage_bytes, t_bytes;
     int code_off, x_off;                 // this lane's codes and exponent bytes inside a stage
-    int half;                            // the consumer's 64-token half of the tile
 
     __device__ __forceinline__ void wait_full(unsigned c) const {
         mbar_wait(smem_u32(&full[c % stages]), (c / stages) & 1);
     }
-    // This warp is done with chunk c's stage (its QGMMAs retired, its loads in registers): each of
-    // the 16 consumer warps arrives once, then the producer may refill it.
+    // This warp is done with chunk c's stage (its QGMMAs retired, its loads in registers): each
+    // consumer warp arrives once, then the producer may refill it.
     __device__ __forceinline__ void release(unsigned c) const {
         __syncwarp();
         if ((threadIdx.x & 31) == 0) mbar_arrive(smem_u32(&empty[c % stages]));
@@ -105,31 +109,49 @@ struct W8Ring {
         const unsigned char* st = gbase + (c % stages) * stage_bytes;
         return w8_load(st + code_off, st + x_off);
     }
-    // Stage c's scales of 128-block kc (its chunk within the tile) for this half: token n's at [4 n].
+    // Stage c's scales of 128-block kc (its chunk within the tile): token n's at [4 n].
     __device__ __forceinline__ const float* scales(unsigned c, int kc) const {
-        return (const float*)(gbase + (c % stages) * stage_bytes + t_bytes) + 4 * 64 * half + (kc & 3);
+        return (const float*)(gbase + (c % stages) * stage_bytes + t_bytes) + (kc & 3);
     }
 };
 
-// Four m64n64k32 QGMMAs of chunk c over this consumer's half into uacc (the first with scale-d 0).
-__device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[8][4], const unsigned (&a)[4][4], unsigned c)
+// Four m64nNTk32 QGMMAs of chunk c over the tile into uacc (the first with scale-d 0).
+template <int NT>
+__device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[NT / 8][4], const unsigned (&a)[4][4], unsigned c)
 {
-    // +32 bytes per k32 step; the second half's tokens are 64 rows (8 swizzle atoms) further.
-    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes) + r.half * 512;
+    // +32 bytes (2 descriptor units) per k32 step inside the 128-byte swizzled rows.
+    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes);
     wgmma_fence();
-    wgmma_m64n64k32_e4m3_first(uacc, a[0], desc);
-    wgmma_m64n64k32_e4m3(uacc, a[1], desc + 2);
-    wgmma_m64n64k32_e4m3(uacc, a[2], desc + 4);
-    wgmma_m64n64k32_e4m3(uacc, a[3], desc + 6);
+    WgmmaE4m3<NT>::first(uacc, a[0], desc);
+    WgmmaE4m3<NT>::mma(uacc, a[1], desc + 2);
+    WgmmaE4m3<NT>::mma(uacc, a[2], desc + 4);
+    WgmmaE4m3<NT>::mma(uacc, a[3], desc + 6);
     wgmma_commit();
 }
 
+// acc += uacc x the chunk's activation scale of each token column (this lane's tokens 8 jn + 2 t + e).
+template <int NJ>
+__device__ __forceinline__ void w8_promote(float (&acc)[NJ][4], const float (&uacc)[NJ][4], const float* sc)
+{
+    // One base per lane, constant offsets per column (LDS [r + imm], no per-load address math).
+    const float* st = sc + 8 * (threadIdx.x & 3);
+    #pragma unroll
+    for (int jn = 0; jn < NJ; ++jn) {
+        const float s0 = st[32 * jn], s1 = st[32 * jn + 4];
+        acc[jn][0] = fmaf(uacc[jn][0], s0, acc[jn][0]);
+        acc[jn][1] = fmaf(uacc[jn][1], s1, acc[jn][1]);
+        acc[jn][2] = fmaf(uacc[jn][2], s0, acc[jn][2]);
+        acc[jn][3] = fmaf(uacc[jn][3], s1, acc[jn][3]);
+    }
+}
+
 // Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one consumer's
-// (m64 block, 64-token half): tokens m0 .. m0 + mc of the half.
+// m64 block: tokens m0 .. m0 + mc of the tile.
 template <int NT, int ST, bool L1, typename Store>
 __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& amap, const TmaDesc& smap, Store store)
 {
     using S = W8Shape<NT>;
+    constexpr int NJ = S::NJ;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -143,13 +165,13 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
             mbar_init(smem_u32(&full[s]), 1);
-            mbar_init(smem_u32(&empty[s]), 4 * W8_CONSUMERS);   // every consumer warp
+            mbar_init(smem_u32(&empty[s]), 4 * S::CONSUMERS);   // every consumer warp
         }
         fence_mbar_init();
     }
     __syncthreads();
     if (wg == 0) {
-        setmaxnreg_dec<W8_PRODUCER_REGS>();
+        setmaxnreg_dec<S::PRODUCER_REGS>();
         if (threadIdx.x != 0) return;
         // A CTA past an odd group count loads (and later stores) only the group that exists.
         const int ng = min(S::GROUPS, groups - G0);
@@ -174,59 +196,61 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             }
         }
     }
-    setmaxnreg_inc<W8_CONSUMER_REGS>();
-    const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const int block = cw % S::BLOCKS, half = cw / S::BLOCKS;
+    setmaxnreg_inc<S::CONSUMER_REGS>();
+    const int block = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int slab = 4 * block + warp;                 // slab of the CTA = its block in the stage
     // A consumer of the missing group of an odd count idles (still releasing its stages).
     const bool live = G0 * 8 + slab < groups * 8;
     const int blk = S::T_BYTES + W8_SCALE_BYTES + (live ? slab : 0) * W8_BLK;
     const W8Ring ring{base, gbase, full, empty, ST, S::STAGE, S::T_BYTES,
-                      blk + lane * 32, blk + W8_CODE_BYTES + (lane >> 2) * 8, half};
-    const int t = lane & 3;
+                      blk + lane * 32, blk + W8_CODE_BYTES + (lane >> 2) * 8};
     unsigned it = 0;
     for (int tile = blockIdx.x;; tile += gridDim.x) {
         int grp, m0, mend;
         if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
-        const int mc = min(mend - m0 - 64 * half, 64);
-        float acc[8][4], uacc[8][4];
+        const int mc = min(mend - m0, NT);
+        float acc[NJ][4], uacc[NJ][4];
         #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < NJ; ++i)
             #pragma unroll
             for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
         ring.wait_full(it);
+        unsigned a[4][4];
         W8Raw raw = ring.load(it);
+        if constexpr (S::DECODE_AHEAD) w8_decode(raw, a);
         for (int kc = 0; kc < nch; ++kc) {
             const unsigned c = it + kc;
-            unsigned a[4][4];
-            w8_decode(raw, a);
-            w8_issue(ring, uacc, a, c);
-            if (kc + 1 < nch) {                        // the next chunk's raw words, while the QGMMAs run
+            if constexpr (!S::DECODE_AHEAD) w8_decode(raw, a);
+            w8_issue<NT>(ring, uacc, a, c);
+            unsigned an[4][4];                         // DECODE_AHEAD: chunk c + 1's A registers
+            if (kc + 1 < nch) {                        // the next chunk, while the QGMMAs run
                 ring.wait_full(c + 1);
                 raw = ring.load(c + 1);
+                if constexpr (S::DECODE_AHEAD) w8_decode(raw, an);
             }
             wgmma_wait<0>();
             wgmma_fence_acc(uacc);
             wgmma_fence_a(a);
-            const float* sc = ring.scales(c, kc);
-            #pragma unroll
-            for (int jn = 0; jn < 8; ++jn) {
-                const float s0 = sc[4 * (8 * jn + 2 * t)], s1 = sc[4 * (8 * jn + 2 * t + 1)];
-                acc[jn][0] = fmaf(uacc[jn][0], s0, acc[jn][0]);
-                acc[jn][1] = fmaf(uacc[jn][1], s1, acc[jn][1]);
-                acc[jn][2] = fmaf(uacc[jn][2], s0, acc[jn][2]);
-                acc[jn][3] = fmaf(uacc[jn][3], s1, acc[jn][3]);
-            }
+            w8_promote(acc, uacc, ring.scales(c, kc));
             ring.release(c);
+            if constexpr (S::DECODE_AHEAD) {
+                if (kc + 1 < nch) {
+                    #pragma unroll
+                    for (int p = 0; p < 4; ++p)
+                        #pragma unroll
+                        for (int r = 0; r < 4; ++r) a[p][r] = an[p][r];
+                }
+            }
         }
         it += nch;
-        if (live && mc > 0) store(acc, grp, m0 + 64 * half, mc, G0 * 8 + slab);
+        if (live && mc > 0) store(acc, grp, m0, mc, G0 * 8 + slab);
     }
 }
 
 // L1 epilogue of one slab: gate/up of column 8 gslab + g (packed rows 16 gslab + g, + 8) times their
 // row alphas, clamped SwiGLU x routing weight.
-__device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (&acc)[8][4], int grp, int m0,
+template <int NJ>
+__device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (&acc)[NJ][4], int grp, int m0,
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
@@ -236,7 +260,7 @@ __device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (
     const float* ra = g.alpha_w + (size_t)grp * ((2 * I + 127) / 128 * 128) + gslab * 16 + gi;
     const float ag = ra[0], au = ra[8];
     #pragma unroll
-    for (int jn = 0; jn < 8; ++jn)
+    for (int jn = 0; jn < NJ; ++jn)
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;
@@ -248,7 +272,8 @@ __device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (
 }
 
 // L2 epilogue of one slab: output rows 16 gslab + g and + 8 times their row alphas, f32.
-__device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (&acc)[8][4], int grp, int m0,
+template <int NJ>
+__device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (&acc)[NJ][4], int grp, int m0,
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
@@ -257,7 +282,7 @@ __device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (
     const float* ra = g.alpha_w + (size_t)grp * ((H + 127) / 128 * 128) + h0;
     const float a0 = h0 < H ? ra[0] : 0.f, a1 = h0 + 8 < H ? ra[8] : 0.f;
     #pragma unroll
-    for (int jn = 0; jn < 8; ++jn)
+    for (int jn = 0; jn < NJ; ++jn)
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;
@@ -271,15 +296,15 @@ __device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (
 // Entry points of token tile NT with ST stages (appended by the host, gemm/w4a8.rs). Min 1 CTA per
 // SM: setmaxnreg needs the entry register count known.
 #define W8_KERNELS(NT, ST)                                                                                \
-    extern "C" __global__ void __launch_bounds__(W8_THREADS, 1) moe_w8_l1_n##NT(const __grid_constant__ W8L1Params p) \
+    extern "C" __global__ void __launch_bounds__(W8Shape<NT>::THREADS, 1) moe_w8_l1_n##NT(const __grid_constant__ W8L1Params p) \
     {                                                                                                     \
-        w8_gemm<NT, ST, true>(p.l1.g, p.amap, p.smap, [&](const float (&acc)[8][4], int grp, int m0, int mc, int gs) { \
+        w8_gemm<NT, ST, true>(p.l1.g, p.amap, p.smap, [&](const float (&acc)[W8Shape<NT>::NJ][4], int grp, int m0, int mc, int gs) { \
             w8_store_l1(p.l1, acc, grp, m0, mc, gs);                                                      \
         });                                                                                               \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(W8_THREADS, 1) moe_w8_l2_n##NT(const __grid_constant__ W8L2Params p) \
+    extern "C" __global__ void __launch_bounds__(W8Shape<NT>::THREADS, 1) moe_w8_l2_n##NT(const __grid_constant__ W8L2Params p) \
     {                                                                                                     \
-        w8_gemm<NT, ST, false>(p.l2.g, p.amap, p.smap, [&](const float (&acc)[8][4], int grp, int m0, int mc, int gs) { \
+        w8_gemm<NT, ST, false>(p.l2.g, p.amap, p.smap, [&](const float (&acc)[W8Shape<NT>::NJ][4], int grp, int m0, int mc, int gs) { \
             w8_store_l2(p.l2, acc, grp, m0, mc, gs);                                                      \
         });                                                                                               \
     }
