@@ -152,7 +152,8 @@ impl W4a8Experts {
 
     fn cfg(l: &GemmLaunch, rows: usize) -> LaunchCfg {
         let groups = (padded_rows(rows) / GROUP_ROWS).div_ceil(layout::groups_per_cta(l.block_m));
-        LaunchCfg::grid((l.looping_grid(), groups as u32, 1), layout::smem_bytes(l.block_m))
+        // Group sets in x, tiles in y (as the bf16 wgmma kernels: CTAs running at once share token tiles).
+        LaunchCfg::grid((groups as u32, l.looping_grid().min(65_535), 1), layout::smem_bytes(l.block_m))
     }
 
     /// Enqueues the L1 GEMM over `a` (`p.g` carries this layout's weights and row alphas).

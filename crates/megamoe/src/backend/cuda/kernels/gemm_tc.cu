@@ -390,7 +390,7 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 
 #ifdef TC_WGMMA
 // ---- Hopper (sm_90a) prefill path: warp-specialised wgmma over the same packed weights.
-// CTA = NC + 1 warpgroups over GPC 128-row groups (blockIdx.y * GPC ..): warpgroup 0 = producer (one
+// CTA = NC + 1 warpgroups over GPC 128-row groups (blockIdx.x * GPC ..): warpgroup 0 = producer (one
 // thread issues the copies; setmaxnreg gives its registers to the consumers), warpgroups 1..NC =
 // consumers owning MB = 2 * GPC / NC m64 blocks each (m64 block mi = cw * MB + b holds slabs
 // 4 mi .. 4 mi + 3 of the CTA), A from registers (the same per-warp fragments as the mma.sync
@@ -542,7 +542,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     const int K = L1 ? g.h : g.inter;
     const int groups = (R + 127) / 128;
     const int nch = K / 64;
-    const int G0 = blockIdx.y * GPC;
+    const int G0 = blockIdx.x * GPC;
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
@@ -559,7 +559,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
         const int ng = min(GPC, groups - G0);
         const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
         unsigned it = 0;
-        for (int tile = blockIdx.x;; tile += gridDim.x) {
+        for (int tile = blockIdx.y;; tile += gridDim.y) {
             int grp, m0, mend;
             if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
             const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * nch * 8 * BLK;
@@ -587,7 +587,7 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     }
     const int U = nch * MB;
     unsigned it = 0;
-    for (int tile = blockIdx.x;; tile += gridDim.x) {
+    for (int tile = blockIdx.y;; tile += gridDim.y) {
         int grp, m0, mend;
         if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
         const int mc = min(mend - m0, NT);

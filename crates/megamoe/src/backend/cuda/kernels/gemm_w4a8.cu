@@ -20,10 +20,10 @@
 // away), the others are consumers, each owning one m64 weight block (4 slabs: a half 128-row group)
 // x the whole NT-token tile, so every weight block is decoded once per tile and its A registers feed
 // one m64nNTk32 QGMMA per k32 step:
-// - NT = 64: four consumers (256 rows = two groups, blockIdx.y = group pair), 640 threads, 112
+// - NT = 64: four consumers (256 rows = two groups, blockIdx.x = group pair), 640 threads, 112
 //   registers a consumer thread (two 32-register accumulators); four warps per scheduler hide each
 //   one's serial chain (decode, QGMMAs, promote);
-// - NT = 128: two consumers (one group, blockIdx.y = group), 384 threads, 232 registers a consumer
+// - NT = 128: two consumers (one group, blockIdx.x = group), 384 threads, 232 registers a consumer
 //   thread (two 64-register accumulators, two A register sets): a consumer decodes chunk c + 1
 //   while chunk c's QGMMAs run, and the two consumers' QGMMAs and promotions interleave. (A 128-token
 //   tile over four m64n64 consumers decoded every block twice: half the integer work per MAC.)
@@ -160,7 +160,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     const int K = L1 ? g.h : g.inter;
     const int groups = (R + 127) / 128;
     const int nch = K / 128;
-    const int G0 = blockIdx.y * S::GROUPS;
+    const int G0 = blockIdx.x * S::GROUPS;
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
@@ -177,7 +177,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
         const int ng = min(S::GROUPS, groups - G0);
         const size_t expert_bytes = (size_t)groups * 8 * nch * W8_BLK;
         unsigned it = 0;
-        for (int tile = blockIdx.x;; tile += gridDim.x) {
+        for (int tile = blockIdx.y;; tile += gridDim.y) {
             int grp, m0, mend;
             if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
             const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * nch * S::W_GROUP;
@@ -205,7 +205,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     const W8Ring ring{base, gbase, full, empty, ST, S::STAGE, S::T_BYTES,
                       blk + lane * 32, blk + W8_CODE_BYTES + (lane >> 2) * 8};
     unsigned it = 0;
-    for (int tile = blockIdx.x;; tile += gridDim.x) {
+    for (int tile = blockIdx.y;; tile += gridDim.y) {
         int grp, m0, mend;
         if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
         const int mc = min(mend - m0, NT);
