@@ -11,7 +11,7 @@
 # opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
 # (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
 # prefill tests and rows under each MEGAMOE_WG_CONSUMERS), QUANT_DECODE=1 (W4A8 / W4A4 decode rows,
-# fused against the separate stages).
+# fused against the separate stages), AB_OLD=path (an earlier binary: the AB_SPECS rows of both builds, alternated).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
@@ -228,6 +228,25 @@ if [ "${NCU_DETAIL:-0}" != 0 ] && command -v ncu >/dev/null; then
     rm -f "$OUT/detail_$tag.ncu-rep"
   done
 fi
+if [ -n "${AB_OLD:-}" ]; then
+  # Two builds in one call: this one and AB_OLD (an earlier `megamoe` binary staged beside it; both
+  # find their kernels in the same cache), alternated AB_ROUNDS times over the AB_SPECS rows
+  # ("shape format mode" triples; W4A8 on the FP8 kernels) of AB_TOKENS.
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for which in new old; do
+      b="$bin"; [ "$which" = old ] && b="$AB_OLD"
+      while read -r shape fmt mode; do
+        [ -z "$shape" ] && continue
+        ep=""; [ "$shape" = v4-pro ] && ep="--simulate-ep 8"
+        step "ab_${which}_${shape}_${fmt}_${mode}_r$r" timeout 200 env MEGAMOE_W4A8_FP8=1 "$b" bench forward --backend cuda \
+          --shape "$shape" $ep --format "$fmt" --mode "$mode" --tokens "${AB_TOKENS:-4096,16384}" \
+          --json "$OUT/ab_${which}_${shape}_${fmt}_${mode}_r$r.json"
+      done <<<"${AB_SPECS:-v4-pro nvfp4 w4a16
+v4-pro mxfp4 w4a8
+v4-flash nvfp4 w4a16}"
+    done
+  done
+fi
 if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
   # The first tensor-core launches of the timings run: the T=1 decode L1 / L2 and the shared expert.
   step ncu timeout 240 env MEGAMOE_GEMM=tc ncu --clock-control none -k regex:moe_tc --launch-count 6 \
@@ -248,6 +267,7 @@ for f in ep_tests ep2 ep8 ep2tp2 ep2dev ep8dev ep2tp2dev ep8dev_fp8 nccl1dev ep8
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
 for c in ${WG_AB:-}; do for f in wg${c}_tests wg${c}_bench wg${c}_flash; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -E "rank |test result|panicked|rel L2|whole-layer" "$LOGS/$f.log" | tail -n 14; }; done; done
+for f in "$LOGS"/ab_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f" .log)"; grep -E "^v4-" "$f"; }; done
 for f in fp8_rate soak run_model bench bench_ab bench_flash bench_w4a8 bench_w4a8_bf16 bench_mx16 bench_w4a8_flash bench_w4a8_bf16_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 # The device tool returns at most 8 files: the JSON results and plots travel inside the archive.
 for f in "$OUT"/*.json "$OUT"/*.png; do [ -f "$f" ] && mv "$f" "$LOGS/"; done

@@ -23,3 +23,30 @@ __device__ __forceinline__ bool gemm_tile(const GemmOperands& g, int t, int& grp
     }
     return true;
 }
+
+// The routing weights of this lane's L1 epilogue tokens 8 (j0 + jj) + 2 t + e (jj < WB, e < 2) of a
+// tile whose rows are [m0, m0 + mc): every (perm, topk_w) load of the group issued before any is used,
+// so the group costs two dependent global round trips, not two per token (the epilogue branches per
+// token, which kept the compiler from hoisting them: ncu put ~28% of the W4A8 prefill L1's stall
+// samples there). A token past the tile reads the last row's weight, never used; 1 when the L1 has
+// no routing weights (a dense GEMM: the shared expert).
+template <int WB, class SlotOf>
+__device__ __forceinline__ void tile_route_weights(const GemmL1Params& p, int m0, int mc, int j0, SlotOf slot_of,
+                                                   float (&w)[WB][2])
+{
+    const int t = threadIdx.x & 3;
+    if (!p.perm) {
+        #pragma unroll
+        for (int jj = 0; jj < WB; ++jj) w[jj][0] = w[jj][1] = 1.f;
+        return;
+    }
+    int slot[WB][2];
+    #pragma unroll
+    for (int jj = 0; jj < WB; ++jj)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) slot[jj][e] = slot_of(m0 + min(8 * (j0 + jj) + 2 * t + e, max(mc - 1, 0)));
+    #pragma unroll
+    for (int jj = 0; jj < WB; ++jj)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) w[jj][e] = p.topk_w[slot[jj][e]];
+}
