@@ -231,16 +231,17 @@ fi
 if [ -n "${AB_OLD:-}" ]; then
   # Two builds in one call: this one and AB_OLD (an earlier `megamoe` binary staged beside it; both
   # find their kernels in the same cache), alternated AB_ROUNDS times over the AB_SPECS rows
-  # ("shape format mode" triples; W4A8 on the FP8 kernels) of AB_TOKENS.
+  # ("shape format mode [VAR=VALUE]" lines; W4A8 on the FP8 kernels unless the line says
+  # MEGAMOE_W4A8_FP8=0) of AB_TOKENS.
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     for which in new old; do
       b="$bin"; [ "$which" = old ] && b="$AB_OLD"
-      while read -r shape fmt mode; do
+      while read -r shape fmt mode extra; do
         [ -z "$shape" ] && continue
         ep=""; [ "$shape" = v4-pro ] && ep="--simulate-ep 8"
-        step "ab_${which}_${shape}_${fmt}_${mode}_r$r" timeout 200 env MEGAMOE_W4A8_FP8=1 "$b" bench forward --backend cuda \
-          --shape "$shape" $ep --format "$fmt" --mode "$mode" --tokens "${AB_TOKENS:-4096,16384}" \
-          --json "$OUT/ab_${which}_${shape}_${fmt}_${mode}_r$r.json"
+        tag="${which}_${shape}_${fmt}_${mode}${extra:+_${extra//[^A-Za-z0-9]/}}_r$r"
+        step "ab_$tag" timeout 200 env MEGAMOE_W4A8_FP8=1 $extra "$b" bench forward --backend cuda \
+          --shape "$shape" $ep --format "$fmt" --mode "$mode" --tokens "${AB_TOKENS:-4096,16384}" --json "$OUT/ab_$tag.json"
       done <<<"${AB_SPECS:-v4-pro nvfp4 w4a16
 v4-pro mxfp4 w4a8
 v4-flash nvfp4 w4a16}"
