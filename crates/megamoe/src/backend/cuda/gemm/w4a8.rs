@@ -5,11 +5,11 @@
 //! weight bytes). Held beside the routed experts' own layout, so a layer that has them holds its
 //! expert weights twice (both layouts take 0.53 bytes per weight): uploaded only on sm_90a for MXFP4 layers whose rows fit e4m3
 //! exactly ([`layout::unsupported_reason`]), and only when asked for with `MEGAMOE_W4A8_FP8=1`:
-//! measured on the H200 (one V4-Pro EP8 rank, 2026-12-02) they are slower than the exact bf16 path
+//! measured on the H200 (one V4-Pro EP8 rank, 2026-12-03) they are slower than the exact bf16 path
 //! that W4A8 takes otherwise (the W4A16 kernels on quantize-dequantized activations, whose prefill
-//! tiles are fitted to the routing): T = 4096 1.25 ms against 1.00 ms for W4A16 on the same
-//! weights, T = 16384 4.33 against 3.50. Until they are faster, W4A8 forwards default to that path
-//! and MXFP4 layers hold one copy of their experts.
+//! tiles are fitted to the routing): T = 4096 1.19 ms against 1.05 ms, T = 16384 3.73 against 3.30.
+//! Until they are faster, W4A8 forwards default to that path and MXFP4 layers hold one copy of
+//! their experts.
 
 use super::{GemmLaunch, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::err;
