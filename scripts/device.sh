@@ -2,7 +2,8 @@
 # Run HERE (no GPU needed): builds the release `megamoe` binary and the CUDA test executables,
 # stages them with scripts/device/run.sh into .device-carry/ (git-ignored), and prints
 # the device `run` call to make. The companion script runs THERE, on the GPU machine.
-# Usage: bash scripts/device.sh   (env CARRY_DIR: where to stage, default .device-carry)
+# Usage: bash scripts/device.sh   (env CARRY_DIR: where to stage, default .device-carry; KCACHE_SEED:
+# an unpacked earlier kernel cache; AB_OLD_BIN: an earlier `megamoe` to stage beside this one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 carry="${CARRY_DIR:-$PWD/.device-carry}"
@@ -22,8 +23,10 @@ for l in sys.stdin:
         print(m["target"]["name"], m["executable"])')
 rm -rf "$carry" && mkdir -p "$carry/bin"
 cp "$CARGO_TARGET_DIR/release/megamoe" "$carry/bin/"
+# AB_OLD_BIN: an earlier build's `megamoe`, staged as old/megamoe for run.sh's AB_OLD comparison.
+if [ -n "${AB_OLD_BIN:-}" ]; then mkdir -p "$carry/old" && cp "$AB_OLD_BIN" "$carry/old/megamoe"; fi
 while read -r name exe; do [ -n "$name" ] && cp "$exe" "$carry/bin/$name"; done <<<"$tests"
-strip --strip-debug "$carry"/bin/* 2>/dev/null || true
+strip --strip-debug "$carry"/bin/* ${AB_OLD_BIN:+"$carry"/old/*} 2>/dev/null || true
 # The kernels, compiled here for sm_90a into the cache the device run loads them from (keyed by the
 # source, the options and the NVRTC version: both sides use NVRTC 13.0, the include path below and
 # ptxas' verbose report), so a fresh device machine spends no time in NVRTC. PRECOMPILE=0 skips it.
@@ -33,13 +36,31 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
   # KCACHE_SEED: a directory of earlier cache entries (an unpacked kcache.tar.xz): only the modules
   # whose source changed since are compiled again (the stale entries travel too, unused).
   if [ -n "${KCACHE_SEED:-}" ]; then mkdir -p "$carry/kcache" && cp "$KCACHE_SEED"/* "$carry/kcache/"; fi
-  MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
-    "$carry/bin/megamoe" kernels --arch sm_90a >/dev/null || echo "warning: precompiling the kernels failed" >&2
-  # The phase-probe build of the FP4 / bf16 tensor-core modules (run.sh PHASE_PROBE=1).
-  [ "${PRECOMPILE_PROBE:-1}" != 0 ] && for m in gemm_tc-nvfp4 gemm_tc-bf16; do
-    MEGAMOE_PHASE_PROBE=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
-      "$carry/bin/megamoe" kernels --arch sm_90a --filter "$m" >/dev/null || echo "warning: precompiling the probe build failed" >&2
-  done
+  # Every staged build's kernels (this one's, and AB_OLD_BIN's for run.sh AB_OLD), and the
+  # phase-probe build of the FP4 / bf16 tensor-core modules (run.sh PHASE_PROBE=1).
+  precompile() {
+    for b in "$carry/bin/megamoe" ${AB_OLD_BIN:+"$carry/old/megamoe"}; do
+      MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
+        "$b" kernels --arch sm_90a >/dev/null || echo "warning: precompiling the kernels of $b failed" >&2
+      if [ "${PRECOMPILE_PROBE:-1}" != 0 ]; then
+        for m in gemm_tc-nvfp4 gemm_tc-bf16; do
+          MEGAMOE_PHASE_PROBE=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
+            "$b" kernels --arch sm_90a --filter "$m" >/dev/null || echo "warning: precompiling the probe build failed" >&2
+        done
+      fi
+    done
+  }
+  precompile
+  # A seeded cache carries every earlier build's entries: keep only those the staged builds read
+  # (their access times, set back first; all hits now, so this pass compiles nothing). Where the
+  # file system does not record reads, everything stays.
+  if [ -n "${KCACHE_SEED:-}" ] && [ "${KCACHE_TRIM:-1}" != 0 ]; then
+    find "$carry/kcache" -type f -exec touch -a -d '2000-01-01' {} +
+    precompile
+    if [ -n "$(find "$carry/kcache" -type f -newerat '2001-01-01' -print -quit)" ]; then
+      find "$carry/kcache" -type f ! -newerat '2001-01-01' -delete
+    fi
+  fi
   # Compressed: the device tool carries at most 64 MiB with the working tree.
   [ -d "$carry/kcache" ] && tar -cJf "$carry/kcache.tar.xz" -C "$carry" kcache && rm -rf "$carry/kcache"
 fi
