@@ -199,6 +199,15 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N)); }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N)); }
+// The register split of a warp-specialised CTA of one producer and `nc` consumer warpgroups (the
+// wgmma prefill kernels and the W4A8 ones): the entry count 65536 / threads (multiple of 8), the
+// producer's cut to wg_producer_regs(nc) handed to the consumers (NC 2: 168 -> 40 / 232; 3: 128 ->
+// 32 / 160; 4: 96 -> 32 / 112).
+__host__ __device__ constexpr int wg_entry_regs(int nc) { return 65536 / (128 * (nc + 1)) / 8 * 8; }
+__host__ __device__ constexpr int wg_producer_regs(int nc) { return nc == 2 ? 40 : 32; }
+__host__ __device__ constexpr int wg_consumer_regs(int nc) {
+    return (wg_entry_regs(nc) * (nc + 1) - wg_producer_regs(nc)) / nc / 8 * 8;
+}
 // Named barrier over `threads` threads (a warpgroup: 128).
 __device__ __forceinline__ void named_bar(unsigned id, unsigned threads) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");

@@ -429,14 +429,7 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // until only unit u is in flight (u - 1 done), release a finished chunk's stage, decode unit u + 1's
 // A registers while unit u runs. Results are bitwise reproducible (a fixed k order per output).
 
-// Registers per thread: the entry count 65536 / threads (multiple of 8), the producer's cut to
-// wg_producer_regs(nc) handed to the consumers (NC 2: 168 -> 40 / 232; 3: 128 -> 32 / 160;
-// 4: 96 -> 32 / 112).
-__host__ __device__ constexpr int wg_entry_regs(int nc) { return 65536 / (128 * (nc + 1)) / 8 * 8; }
-__host__ __device__ constexpr int wg_producer_regs(int nc) { return nc == 2 ? 40 : 32; }
-__host__ __device__ constexpr int wg_consumer_regs(int nc) {
-    return (wg_entry_regs(nc) * (nc + 1) - wg_producer_regs(nc)) / nc / 8 * 8;
-}
+// Registers per thread: common.cuh wg_entry_regs / wg_producer_regs / wg_consumer_regs.
 
 template <int NT, int GPC, int ST>
 struct WgShape {

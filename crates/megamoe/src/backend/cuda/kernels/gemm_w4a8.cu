@@ -35,16 +35,14 @@
 // bounds the FP8 MMA's reduced-precision accumulation to 128 products — then releases the stage.
 // Fixed k order: bitwise reproducible.
 
-// Register budgets after the hand-over (entry count x threads = producer + consumers):
-// 640 x 96 = 128 x 32 + 512 x 112; 384 x 168 = 128 x 40 + 256 x 232.
 constexpr int W8_BLK = 1088, W8_CODE_BYTES = 1024, W8_SCALE_BYTES = 2048;
 
-template <int NT>
+// Token tile NT over NC consumer warpgroups (gpu_layout::w4a8::consumers, passed by the host's
+// instantiation); registers as the wgmma kernels split them (wg_consumer_regs: 112 for four, 232 for two).
+template <int NT, int NC>
 struct W8Shape {
-    static constexpr int CONSUMERS = NT <= 64 ? 4 : 2;     // = gpu_layout::w4a8::consumers
+    static constexpr int CONSUMERS = NC;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
-    static constexpr int PRODUCER_REGS = CONSUMERS == 4 ? 32 : 40;
-    static constexpr int CONSUMER_REGS = CONSUMERS == 4 ? 112 : 232;
     static constexpr bool DECODE_AHEAD = CONSUMERS == 2;   // a second A register set fits
     static constexpr int NJ = NT / 8;                      // accumulator columns of 8 tokens
     static constexpr int GROUPS = CONSUMERS / 2;           // 128-row groups of the CTA
@@ -147,10 +145,10 @@ __device__ __forceinline__ void w8_promote(float (&acc)[NJ][4], const float (&ua
 
 // Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one consumer's
 // m64 block: tokens m0 .. m0 + mc of the tile.
-template <int NT, int ST, bool L1, typename Store>
+template <int NT, int NC, int ST, bool L1, typename Store>
 __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& amap, const TmaDesc& smap, Store store)
 {
-    using S = W8Shape<NT>;
+    using S = W8Shape<NT, NC>;
     constexpr int NJ = S::NJ;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
@@ -171,7 +169,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     }
     __syncthreads();
     if (wg == 0) {
-        setmaxnreg_dec<S::PRODUCER_REGS>();
+        setmaxnreg_dec<wg_producer_regs(NC)>();
         if (threadIdx.x != 0) return;
         // A CTA past an odd group count loads (and later stores) only the group that exists.
         const int ng = min(S::GROUPS, groups - G0);
@@ -196,7 +194,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             }
         }
     }
-    setmaxnreg_inc<S::CONSUMER_REGS>();
+    setmaxnreg_inc<wg_consumer_regs(NC)>();
     const int block = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int slab = 4 * block + warp;                 // slab of the CTA = its block in the stage
     // A consumer of the missing group of an odd count idles (still releasing its stages).
@@ -298,18 +296,18 @@ __device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (
         }
 }
 
-// Entry points of token tile NT with ST stages (appended by the host, gemm/w4a8.rs). Min 1 CTA per
-// SM: setmaxnreg needs the entry register count known.
-#define W8_KERNELS(NT, ST)                                                                                \
-    extern "C" __global__ void __launch_bounds__(W8Shape<NT>::THREADS, 1) moe_w8_l1_n##NT(const __grid_constant__ W8L1Params p) \
+// Entry points of token tile NT over NC consumers with ST stages (appended by the host, gemm/w4a8.rs).
+// Min 1 CTA per SM: setmaxnreg needs the entry register count known.
+#define W8_KERNELS(NT, NC, ST)                                                                            \
+    extern "C" __global__ void __launch_bounds__(W8Shape<NT, NC>::THREADS, 1) moe_w8_l1_n##NT(const __grid_constant__ W8L1Params p) \
     {                                                                                                     \
-        w8_gemm<NT, ST, true>(p.l1.g, p.amap, p.smap, [&](const float (&acc)[W8Shape<NT>::NJ][4], int grp, int m0, int mc, int gs) { \
+        w8_gemm<NT, NC, ST, true>(p.l1.g, p.amap, p.smap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             w8_store_l1(p.l1, acc, grp, m0, mc, gs);                                                      \
         });                                                                                               \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(W8Shape<NT>::THREADS, 1) moe_w8_l2_n##NT(const __grid_constant__ W8L2Params p) \
+    extern "C" __global__ void __launch_bounds__(W8Shape<NT, NC>::THREADS, 1) moe_w8_l2_n##NT(const __grid_constant__ W8L2Params p) \
     {                                                                                                     \
-        w8_gemm<NT, ST, false>(p.l2.g, p.amap, p.smap, [&](const float (&acc)[W8Shape<NT>::NJ][4], int grp, int m0, int mc, int gs) { \
+        w8_gemm<NT, NC, ST, false>(p.l2.g, p.amap, p.smap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             w8_store_l2(p.l2, acc, grp, m0, mc, gs);                                                      \
         });                                                                                               \
     }
