@@ -16,22 +16,14 @@
 
 constexpr int STAGES = 16, BLK = 576, CH = 16, STAGE = BLK * CH, CTAS = 128, PER = 1600;
 
-__device__ __forceinline__ unsigned su32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void expect_tx(unsigned b, unsigned n) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(n) : "memory");
-}
-__device__ __forceinline__ void arrive(unsigned b) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory"); }
+// The project's PTX wrappers (mbarriers, bulk and tensor copies): the kernels' own, sm_90a part.
+#define TC_WGMMA 1
+#include "../../crates/megamoe/src/backend/cuda/kernels/common.cuh"
+
+// A polling wait (the kernels' mbar_wait passes a suspend-time hint).
 __device__ __forceinline__ void wait_parity(unsigned b, unsigned ph) {
     asm volatile("{\n.reg .pred P;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n@!P bra WAIT_%=;\n}\n"
                  :: "r"(b), "r"(ph) : "memory");
-}
-__device__ __forceinline__ void bulk(unsigned dst, const void* src, unsigned n, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(n), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void box(unsigned dst, const void* map, int x, int y, unsigned bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 :: "r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar) : "memory");
 }
 
 struct Params {
@@ -46,35 +38,35 @@ __global__ void __launch_bounds__(64, 1) stream(const __grid_constant__ Params p
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(su32(&full[s])));
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(su32(&empty[s])));
+            mbar_init(smem_u32(&full[s]), 1);
+            mbar_init(smem_u32(&empty[s]), 1);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_mbar_init();
     }
     __syncthreads();
     const int b = blockIdx.x, slab = b % 8, grp = b / 8;
     if (threadIdx.x == 32) {
         for (int i = 0; i < PER; ++i) {
             const int s = i % STAGES;
-            if (i >= STAGES) wait_parity(su32(&empty[s]), ((i / STAGES) - 1) & 1);
-            const unsigned dst = su32(sm + s * STAGE), fb = su32(&full[s]);
-            expect_tx(fb, STAGE);
+            if (i >= STAGES) wait_parity(smem_u32(&empty[s]), ((i / STAGES) - 1) & 1);
+            const unsigned dst = smem_u32(sm + s * STAGE), fb = smem_u32(&full[s]);
+            mbar_arrive_expect_tx(fb, STAGE);
             const long long row = (long long)grp * PER * CH + (long long)i * CH;   // 4608-B rows (modes 1, 3)
             switch (p.mode) {
-            case 0: bulk(dst, p.base + ((long long)b * PER + i) * STAGE, STAGE, fb); break;
-            case 1: box(dst, &p.map, slab * (BLK / 4), (int)row, fb); break;
-            case 2: box(dst, &p.map, 0, (b * PER + i) * CH, fb); break;
+            case 0: bulk_g2s(dst, p.base + ((long long)b * PER + i) * STAGE, STAGE, fb); break;
+            case 1: tma_load_2d(dst, &p.map, slab * (BLK / 4), (int)row, fb); break;
+            case 2: tma_load_2d(dst, &p.map, 0, (b * PER + i) * CH, fb); break;
             case 3:
-                for (int c = 0; c < CH; ++c) bulk(dst + c * BLK, p.base + (row + c) * 8 * BLK + slab * BLK, BLK, fb);
+                for (int c = 0; c < CH; ++c) bulk_g2s(dst + c * BLK, p.base + (row + c) * 8 * BLK + slab * BLK, BLK, fb);
                 break;
-            default: bulk(dst, p.base + ((long long)b * PER + i) * STAGE, STAGE, fb); break;
+            default: bulk_g2s(dst, p.base + ((long long)b * PER + i) * STAGE, STAGE, fb); break;
             }
         }
     } else if (threadIdx.x == 0) {
         for (int i = 0; i < PER; ++i) {
             const int s = i % STAGES;
-            wait_parity(su32(&full[s]), (i / STAGES) & 1);
-            arrive(su32(&empty[s]));
+            wait_parity(smem_u32(&full[s]), (i / STAGES) & 1);
+            mbar_arrive(smem_u32(&empty[s]));
         }
     }
 }
