@@ -230,8 +230,8 @@ if [ "${NCU_DETAIL:-0}" != 0 ] && command -v ncu >/dev/null; then
 fi
 if [ -n "${AB_OLD:-}" ]; then
   # Two builds in one call: this one and AB_OLD (an earlier `megamoe` binary staged beside it by
-  # scripts/device.sh AB_OLD_BIN=...; both
-  # find their kernels in the same cache), alternated AB_ROUNDS times over the AB_SPECS rows
+  # scripts/device.sh AB_OLD_BIN=...; both find their kernels in the same cache), alternated
+  # AB_ROUNDS times over the AB_SPECS rows
   # ("shape format mode [VAR=VALUE]" lines; W4A8 on the FP8 kernels unless the line says
   # MEGAMOE_W4A8_FP8=0) of AB_TOKENS.
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do

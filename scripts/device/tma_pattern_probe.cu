@@ -53,13 +53,13 @@ __global__ void __launch_bounds__(64, 1) stream(const __grid_constant__ Params p
             mbar_arrive_expect_tx(fb, STAGE);
             const long long row = (long long)grp * PER * CH + (long long)i * CH;   // 4608-B rows (modes 1, 3)
             switch (p.mode) {
-            case 0: bulk_g2s(dst, p.base + ((long long)b * PER + i) * STAGE, STAGE, fb); break;
+            case 0:
+            default: bulk_g2s(dst, p.base + ((long long)b * PER + i) * STAGE, STAGE, fb); break;
             case 1: tma_load_2d(dst, &p.map, slab * (BLK / 4), (int)row, fb); break;
             case 2: tma_load_2d(dst, &p.map, 0, (b * PER + i) * CH, fb); break;
             case 3:
                 for (int c = 0; c < CH; ++c) bulk_g2s(dst + c * BLK, p.base + (row + c) * 8 * BLK + slab * BLK, BLK, fb);
                 break;
-            default: bulk_g2s(dst, p.base + ((long long)b * PER + i) * STAGE, STAGE, fb); break;
             }
         }
     } else if (threadIdx.x == 0) {

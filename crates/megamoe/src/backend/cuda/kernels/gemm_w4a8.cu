@@ -41,6 +41,7 @@ constexpr int W8_BLK = 1088, W8_CODE_BYTES = 1024, W8_SCALE_BYTES = 2048;
 // instantiation); registers as the wgmma kernels split them (wg_consumer_regs: 112 for four, 232 for two).
 template <int NT, int NC>
 struct W8Shape {
+    static_assert(NC == 2 || NC == 4, "two consumers per 128-row group, one or two groups per CTA");
     static constexpr int CONSUMERS = NC;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr bool DECODE_AHEAD = CONSUMERS == 2;   // a second A register set fits
