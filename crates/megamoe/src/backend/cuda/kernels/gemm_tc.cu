@@ -569,17 +569,20 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
         for (int tile = blockIdx.y;; tile += gridDim.y) {
             int grp, m0, mend;
             if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
-            const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * nch * 8 * BLK;
-            for (int c = 0; c < nch; ++c, ++it) {
+            // Chunk c of group gi at csrc + gi * group_bytes: one running pointer per chunk (the
+            // producer has 32 registers; per-group 64-bit offsets held across the loop spilled).
+            const size_t group_bytes = (size_t)nch * S::W_GROUP;
+            const unsigned char* csrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * group_bytes;
+            for (int c = 0; c < nch; ++c, ++it, csrc += S::W_GROUP) {
                 const unsigned s = it % ST, u = it / ST;
                 if (u > 0) mbar_wait(empty0 + 8 * s, (u - 1) & 1);
                 const unsigned fb = full0 + 8 * s;
                 const unsigned dst = base + s * S::STAGE;
                 mbar_arrive_expect_tx(fb, S::T_BYTES + ng * S::W_GROUP);
                 tma_load_2d(dst, &amap, c * 64, m0, fb);
-                for (int gi = 0; gi < ng; ++gi)
-                    bulk_g2s(dst + S::T_BYTES + gi * S::W_GROUP,
-                             wsrc + ((size_t)gi * nch + c) * S::W_GROUP, S::W_GROUP, fb);
+                const unsigned char* src = csrc;
+                for (int gi = 0; gi < ng; ++gi, src += group_bytes)
+                    bulk_g2s(dst + S::T_BYTES + gi * S::W_GROUP, src, S::W_GROUP, fb);
             }
         }
     }
