@@ -24,29 +24,48 @@ __device__ __forceinline__ bool gemm_tile(const GemmOperands& g, int t, int& grp
     return true;
 }
 
-// The routing weights of this lane's L1 epilogue tokens 8 (j0 + jj) + 2 t + e (jj < WB, e < 2) of a
-// tile whose rows are [m0, m0 + mc): every (perm, topk_w) load of the group issued before any is used,
-// so the group costs two dependent global round trips, not two per token (the epilogue branches per
-// token, which kept the compiler from hoisting them: ncu put ~28% of the W4A8 prefill L1's stall
-// samples there). A token past the tile reads the last row's weight, never used; 1 when the L1 has
-// no routing weights (a dense GEMM: the shared expert).
-template <int WB, class SlotOf>
-__device__ __forceinline__ void tile_route_weights(const GemmL1Params& p, int m0, int mc, int j0, SlotOf slot_of,
-                                                   float (&w)[WB][2])
+// Calls f(jn, e, m, w) for each of this lane's L1 epilogue tokens 8 jn + 2 t + e (jn < NJ, e < 2)
+// inside the tile's rows [m0, m0 + mc): m its row, w its routing weight (1 where the L1 has none: a
+// dense GEMM, the shared expert). The weights are loaded 2 x WB at a time, every (perm, topk_w) load
+// of a group issued before any is used, so a group costs two dependent global round trips, not two
+// per token (a per-token branch kept the compiler from hoisting them: ncu put ~28% of the W4A8
+// prefill L1's stall samples there); a token past the tile reads the last row's weight, never used.
+// Decode tiles (NJ = 1) load per lane instead, a lane past the tile's tokens loading nothing.
+template <int NJ, class SlotOf, class F>
+__device__ __forceinline__ void l1_epilogue_tokens(const GemmL1Params& p, int m0, int mc, SlotOf slot_of, F f)
 {
+    constexpr int WB = NJ < 8 ? NJ : 8;
     const int t = threadIdx.x & 3;
-    if (!p.perm) {
+    #pragma unroll
+    for (int j0 = 0; j0 < NJ; j0 += WB) {
+        float w[WB][2];
+        if constexpr (NJ == 1) {
+            const int tok = 2 * t, m = m0 + tok;
+            w[0][0] = tok < mc && p.perm ? p.topk_w[slot_of(m)] : 1.f;
+            w[0][1] = tok + 1 < mc && p.perm ? p.topk_w[slot_of(m + 1)] : 1.f;
+        } else if (!p.perm) {
+            #pragma unroll
+            for (int jj = 0; jj < WB; ++jj) w[jj][0] = w[jj][1] = 1.f;
+        } else {
+            int slot[WB][2];
+            #pragma unroll
+            for (int jj = 0; jj < WB; ++jj)
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) slot[jj][e] = slot_of(m0 + min(8 * (j0 + jj) + 2 * t + e, max(mc - 1, 0)));
+            #pragma unroll
+            for (int jj = 0; jj < WB; ++jj)
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) w[jj][e] = p.topk_w[slot[jj][e]];
+        }
         #pragma unroll
-        for (int jj = 0; jj < WB; ++jj) w[jj][0] = w[jj][1] = 1.f;
-        return;
+        for (int jj = 0; jj < WB; ++jj) {
+            const int jn = j0 + jj;
+            if (jn >= NJ) break;
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int tok = jn * 8 + 2 * t + e;
+                if (tok < mc) f(jn, e, m0 + tok, w[jj][e]);
+            }
+        }
     }
-    int slot[WB][2];
-    #pragma unroll
-    for (int jj = 0; jj < WB; ++jj)
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) slot[jj][e] = slot_of(m0 + min(8 * (j0 + jj) + 2 * t + e, max(mc - 1, 0)));
-    #pragma unroll
-    for (int jj = 0; jj < WB; ++jj)
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) w[jj][e] = p.topk_w[slot[jj][e]];
 }

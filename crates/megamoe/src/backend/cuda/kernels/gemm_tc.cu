@@ -306,40 +306,18 @@ __device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (
                                             int mc, int gslab, float* gate_tr, float* up_tr, SlotOf slot_of)
 {
     const GemmOperands& g = p.g;
-    const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
+    const int gi = (threadIdx.x & 31) >> 2;
     const int I = g.inter;
     const int col = gslab * 8 + gi;
     if (col >= I) return;
     float ag = 1.f, au = 1.f;
     if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
     if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
-    constexpr int NJ = NM / 8, WB = NJ < 8 ? NJ : 8;   // routing weights loaded 2 x WB at a time
-    #pragma unroll
-    for (int j0 = 0; j0 < NJ; j0 += WB) {
-        float w[WB][2];
-        if constexpr (NJ == 1) {
-            // Decode tiles (one column block): a lane past the tile's tokens loads nothing.
-            const int tok = 2 * t, m = m0 + tok;
-            w[0][0] = tok < mc && p.perm ? p.topk_w[slot_of(m)] : 1.f;
-            w[0][1] = tok + 1 < mc && p.perm ? p.topk_w[slot_of(m + 1)] : 1.f;
-        } else {
-            tile_route_weights<WB>(p, m0, mc, j0, slot_of, w);
-        }
-        #pragma unroll
-        for (int jj = 0; jj < WB; ++jj) {
-            const int jn = j0 + jj;
-            if (jn >= NJ) break;
-            #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int tok = jn * 8 + 2 * t + e;
-                if (tok >= mc) continue;
-                const int m = m0 + tok;
-                const float gt = acc[jn][e] * ag, u = acc[jn][2 + e] * au;
-                if constexpr (TRACE) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
-                p.act[(size_t)m * I + col] = f2bf(swiglu(gt, u, w[jj][e], p.limit));
-            }
-        }
-    }
+    l1_epilogue_tokens<NM / 8>(p, m0, mc, slot_of, [&](int jn, int e, int m, float w) {
+        const float gt = acc[jn][e] * ag, u = acc[jn][2 + e] * au;
+        if constexpr (TRACE) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
+        p.act[(size_t)m * I + col] = f2bf(swiglu(gt, u, w, p.limit));
+    });
 }
 
 template <int NM, bool TRACE>

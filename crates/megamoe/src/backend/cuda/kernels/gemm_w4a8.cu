@@ -253,26 +253,14 @@ __device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
-    const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
+    const int gi = (threadIdx.x & 31) >> 2;
     const int I = g.inter, col = gslab * 8 + gi;
     if (col >= I) return;
     const float* ra = g.alpha_w + (size_t)grp * ((2 * I + 127) / 128 * 128) + gslab * 16 + gi;
     const float ag = ra[0], au = ra[8];
-    constexpr int WB = NJ < 8 ? NJ : 8;              // routing weights loaded 2 x WB at a time
-    #pragma unroll
-    for (int j0 = 0; j0 < NJ; j0 += WB) {
-        float w[WB][2];
-        tile_route_weights<WB>(p, m0, mc, j0, [&](int m) { return p.perm[m]; }, w);
-        #pragma unroll
-        for (int jj = 0; jj < WB; ++jj)
-            #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int tok = (j0 + jj) * 8 + 2 * t + e;
-                if (tok >= mc) continue;
-                const int m = m0 + tok;
-                p.act[(size_t)m * I + col] = f2bf(swiglu(acc[j0 + jj][e] * ag, acc[j0 + jj][2 + e] * au, w[jj][e], p.limit));
-            }
-    }
+    l1_epilogue_tokens<NJ>(p, m0, mc, [&](int m) { return p.perm[m]; }, [&](int jn, int e, int m, float w) {
+        p.act[(size_t)m * I + col] = f2bf(swiglu(acc[jn][e] * ag, acc[jn][2 + e] * au, w, p.limit));
+    });
 }
 
 // L2 epilogue of one slab: output rows 16 gslab + g and + 8 times their row alphas, f32.
