@@ -99,11 +99,13 @@ __device__ __forceinline__ void tc_decode(unsigned (&a)[4], const TcLane& l)
         a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
     } else {
         const unsigned w = (Q == 0) ? l.w[0].x : (Q == 1) ? l.w[0].y : (Q == 2) ? l.w[0].z : l.w[0].w;
+        // Rotations whose masked bits do not wrap are plain shifts (w << 4, w << 6): ptxas may put
+        // those on the FMA pipe (IMAD.SHL) beside the HMUL2s, off the busier integer pipe.
         const unsigned M = 0x81C081C0u;
         a[0] = w & M;
-        a[1] = __funnelshift_l(w, w, 4) & M;
+        a[1] = (w << 4) & M;
         a[2] = __funnelshift_l(w, w, 10) & M;
-        a[3] = (__funnelshift_l(w, w, 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
+        a[3] = ((w << 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
         // s2 = the bf16 scales of rows g (low half) and g+8 (high half) at step Q: one byte permute
         // and one shift(-add); the multiplies take each half through HMUL2's operand swizzle.
         // NVFP4: e5m3 bytes (gpu_layout::tc::nvfp4_scale_byte: |e4m3| with a 5-bit exponent, so
@@ -575,6 +577,19 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     }
     const int U = nch * MB;
     unsigned it = 0;
+    // A consumer whose blocks all lie past the last group (in the last group set of a count that is
+    // not a multiple of GPC: a V4-Pro L2's 56 groups in sets of 3) only passes the stages on, so the
+    // tensor pipe serves the other consumers alone and that CTA ends sooner.
+    if (G0 + cw * MB / 2 >= groups) {
+        for (int tile = blockIdx.y;; tile += gridDim.y) {
+            int grp, m0, mend;
+            if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
+            for (int c = 0; c < nch; ++c, ++it) {
+                ring.wait_full(it);
+                ring.release(it);
+            }
+        }
+    }
     for (int tile = blockIdx.y;; tile += gridDim.y) {
         int grp, m0, mend;
         if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
