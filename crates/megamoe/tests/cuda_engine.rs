@@ -500,6 +500,50 @@ fn prefill_three_consumer_ctas_match_host_model() {
     w4a16_matches_host_model(&cfg, t, 27, "prefill three-consumer");
 }
 
+/// The routed L1 and L2 of large W4A16 batches run as one persistent wgmma launch on sm_90a (the
+/// pair kernel: CTAs take (layer, tile, group set) units from a queue, an L2 unit waits for its
+/// tile's L1 units): bitwise equal to the two separate launches (`MEGAMOE_WG_PAIR=0`), forward
+/// after forward (the queue's counters back at zero each time), with L1 and L2 group sets that leave
+/// idle consumers (10 and 9 groups in sets of 3), two- and three-consumer configurations, and
+/// experts of several tiles each (T=3000: ~280 rows per expert).
+#[test]
+fn prefill_pair_launch_matches_separate_launches_bitwise() {
+    use megamoe::backend::gpu_layout::tc as layout;
+    let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
+    for (cfg, t, seed) in [(three, 1400, 61), (two_group_config(), 1024, 63), (two_group_config(), 3000, 65)]
+    {
+        let rows = (t * cfg.num_experts_per_tok) as f64 / cfg.n_routed_experts as f64;
+        let nt = layout::choose_wg_tile(&layout::WG_TOKEN_TILES, rows, rows.sqrt(), layout::WG_NARROW_STEPS);
+        let tiles = cfg.n_routed_experts * (rows / nt as f64).ceil() as usize;
+        let configs: Vec<_> = [2 * cfg.moe_intermediate_size, cfg.hidden_size]
+            .map(|r| layout::choose_wg_config(nt, layout::padded_rows(r) / layout::GROUP_ROWS, tiles, 132, 3))
+            .into();
+        assert_eq!(configs[0], configs[1], "T={t}: one configuration for both GEMMs");
+        assert!(
+            layout::wg_pair_configs().any(|c| c == configs[0]),
+            "T={t}: {:?} has a pair kernel",
+            configs[0]
+        );
+        let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
+        let Some(mut pair) = engine_with(&layer, t, Some("tc")) else { return };
+        std::env::set_var("MEGAMOE_WG_PAIR", "0");
+        let apart = engine_with(&layer, t, Some("tc"));
+        std::env::remove_var("MEGAMOE_WG_PAIR");
+        let mut apart = apart.unwrap();
+        let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
+        let input = ForwardInput { x: &x, input_ids: None };
+        pair.poison(0xFF).unwrap();
+        apart.poison(0xFF).unwrap();
+        let want = apart.forward(&input, Mode::W4A16, None).unwrap();
+        let host = host_forward(&layer, &x, &want.topk_ids, &want.topk_weights, Mode::W4A16);
+        for round in 0..3 {
+            let got = pair.forward(&input, Mode::W4A16, None).unwrap();
+            eprintln!("pair T={t} {:?} round {round}: rel L2 {:.2e}", configs[0], rel_l2(&got.y, &host));
+            assert_eq!(got.y, want.y, "T={t} round {round}: the pair launch differs from the separate ones");
+        }
+    }
+}
+
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
 /// evenly (Stream-K): with K = 1152 (18 chunks) and 640 (10) a (tile, group)'s K parts land in
 /// several CTAs and are summed by the last to arrive, and a CTA's range crosses units (T=8: ~23

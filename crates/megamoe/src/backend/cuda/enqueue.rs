@@ -366,6 +366,7 @@ impl LayerWeights {
             a_rows: slots,
             split: Some(ws.split_routed.ptr()),
             next_wq: self.experts.l2.wq.ptr(),
+            sched: ws.pair_sched.as_ref().map_or(0, |b| b.ptr()),
         };
         Plan { tokens: t, topk_ids, launch }
     }
@@ -653,6 +654,15 @@ impl LayerWeights {
         } else {
             None
         };
+        let l2 = |a: u64| GemmL2Params {
+            g: self.routed_operands(ws, a, 0, &ex.l2, self.act_global_scales(mode, false)),
+            out: ws.l2.ptr(),
+        };
+        // W4A16's L2 reads the L1's activations as they are: one launch for both where the family
+        // has one (the wgmma pair kernel).
+        if mode == Mode::W4A16 && tr.is_none() && ex.kernels.l1_l2(s, &plan.launch, &l1, &l2(ws.act.ptr()))? {
+            return Ok(());
+        }
         ex.kernels.l1(s, &plan.launch, &l1, tr)?;
         let l2_in = if mode == Mode::W4A16 {
             ws.act.ptr()
@@ -661,11 +671,7 @@ impl LayerWeights {
             self.quant_rows(plan, &self.quant_params(ws, plan, ws.act.ptr(), actq, false, mode, None), s)?;
             actq
         };
-        let l2 = GemmL2Params {
-            g: self.routed_operands(ws, l2_in, 0, &ex.l2, self.act_global_scales(mode, false)),
-            out: ws.l2.ptr(),
-        };
-        ex.kernels.l2(s, &plan.launch, &l2)
+        ex.kernels.l2(s, &plan.launch, &l2(l2_in))
     }
 
     /// The routed experts of a W4A8 prefill forward on the FP8 kernels: act_quant of the gathered
@@ -717,6 +723,7 @@ impl LayerWeights {
             a_rows: t,
             split: Some(ws.split_shared.ptr()),
             next_wq: sh.l2.wq.ptr(),
+            sched: 0,
         };
         let dense = |a: u64, side: &super::gemm::PackedSide| GemmOperands {
             a,

@@ -534,6 +534,18 @@ kernel_abi! {
         amap: TmaDesc => "TmaDesc",
     }
 
+    /// The Hopper wgmma pair kernel: a routed L1 and its L2 in one persistent launch whose CTAs
+    /// take (layer, tile, group set) units from a queue (`gemm_tc.cu` `WgPairSched`).
+    struct WgPairParams {
+        /// The L1 (its `l1.act` is the L2's A, read through `l2.amap`).
+        l1: WgL1Params => "WgL1Params",
+        /// The L2.
+        l2: WgL2Params => "WgL2Params",
+        /// `[2 + tiles]` u32, 0 between launches (the last CTA out resets them): the next unit,
+        /// the CTAs done taking units, and per token tile its L1 units done.
+        sched: DevPtr => "unsigned*",
+    }
+
     /// The Hopper FP8 (W4A8) L1 kernel (`gemm_w4a8.cu`): `l1.g.wq` in the W4A8 layout,
     /// `l1.g.alpha_w` its per-row alphas `[G][R_pad]`, A e4m3 bytes through `amap` (boxes of 128
     /// columns x the token tile, 128B-swizzled) and their block scales through `smap`.

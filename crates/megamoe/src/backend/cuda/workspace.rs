@@ -112,7 +112,7 @@ impl WorkspaceDims {
         let parts = [
             bytes(&[mt, e, 4], "scores")?,
             bytes(&[s, 4 * 4], "slots")?,
-            bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8], "tiles")?,
+            bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8 + 4], "tiles and their pair counters")?,
             bytes(&[plan_chunks(s), el, 4], "plan chunk rows")?,
             bytes(&[s, i, 2], "activations")?,
             bytes(&[s, h, 4], "l2 rows")?,
@@ -219,6 +219,10 @@ pub struct Workspace {
     pub(crate) split_routed: DevBuf,
     /// The same for the shared expert (which may run concurrently, on the side stream).
     pub(crate) split_shared: DevBuf,
+    /// Scheduler counters of the routed experts' L1 + L2 pair launch `[2 + max_tiles]` u32
+    /// ([`super::gemm::GemmLaunch::sched`]; zero between forwards: the kernel leaves them so);
+    /// `None` with `MEGAMOE_WG_PAIR=0` (the two GEMMs then launch apart: A/B runs, tests).
+    pub(crate) pair_sched: Option<DevBuf>,
     /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
     /// batches; [`Self::prepare`]).
     pub(crate) xin: Option<DevBuf>,
@@ -290,6 +294,10 @@ impl Workspace {
             status: z(&[4], "status")?,
             split_routed: z(&[Workspace::split_bytes(device.sm_count())], "routed split scratch")?,
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
+            pair_sched: match std::env::var("MEGAMOE_WG_PAIR") {
+                Ok(v) if v.trim() == "0" => None,
+                _ => Some(z(&[2 + tiles, 4], "pair scheduler counters")?),
+            },
             xin: None,
             actq: None,
             gate_tr: None,
@@ -304,7 +312,7 @@ impl Workspace {
     }
 
     /// `(buffer, offset, bytes)` of every counter range of the split scratch (routed L1, L2,
-    /// fused-kernel barriers, then the same for the shared expert).
+    /// fused-kernel barriers, then the same for the shared expert), then the pair scheduler's.
     fn split_counter_ranges(&self) -> Vec<(&DevBuf, usize, usize)> {
         use crate::backend::gpu_layout::tc::FUSED_SYNC_COUNTERS;
         let l = split_layout(self.device.sm_count());
@@ -318,6 +326,7 @@ impl Workspace {
                     (buf, l.sync, 4 * FUSED_SYNC_COUNTERS),
                 ]
             })
+            .chain(self.pair_sched.iter().map(|b| (b, 0, b.bytes())))
             .collect()
     }
 
@@ -409,6 +418,7 @@ impl Workspace {
             &self.split_shared,
         ]
         .into_iter()
+        .chain(self.pair_sched.iter())
         .chain(self.xin.iter())
         .chain(self.actq.iter())
         .chain(self.gate_tr.iter())
@@ -437,7 +447,7 @@ impl Workspace {
     }
 
     /// The split scratch's counters (routed L1, L2 — each padded to 256 bytes — and the fused
-    /// kernel's barriers, then the same for the shared expert), read back after a
+    /// kernel's barriers, then the same for the shared expert) and the pair scheduler's, read back after a
     /// synchronisation: every streaming launch must leave them all zero. Diagnostics and tests.
     pub fn split_counters(&self) -> Result<Vec<u32>> {
         self.device.synchronize()?;

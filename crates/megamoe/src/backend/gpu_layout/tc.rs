@@ -670,6 +670,12 @@ pub fn wg_configs() -> impl Iterator<Item = WgConfig> {
     })
 }
 
+/// The configurations also built as a pair kernel (a routed L1 and its L2 in one persistent
+/// launch, `moe_wg_pair_*`): those of large launches, two or more groups per CTA.
+pub fn wg_pair_configs() -> impl Iterator<Item = WgConfig> {
+    wg_configs().filter(|c| c.groups >= 2)
+}
+
 /// Groups per CTA of a two-consumer wgmma launch over `groups` 128-row groups and `tiles` expected
 /// token tiles: two while that still gives every SM two CTAs, else one.
 pub fn choose_wg_groups(groups: usize, tiles: usize, sm_count: usize) -> usize {

@@ -116,6 +116,11 @@ pub(crate) struct GemmLaunch {
     /// The packed weights of the pair's L2 (0: none): a family's decode L1 may prefetch the first
     /// bytes of the L2's work into the L2 cache ([`crate::backend::gpu_layout::tc::STREAM_PREFETCH_BYTES`]).
     pub next_wq: u64,
+    /// Scheduler counters of a routed L1 + L2 pair launch ([`GemmKernels::l1_l2`]; zeroed, each
+    /// launch leaves them zeroed; [`Workspace::pair_sched`]); 0: none.
+    ///
+    /// [`Workspace::pair_sched`]: super::workspace::Workspace::pair_sched
+    pub sched: u64,
 }
 
 impl GemmLaunch {
@@ -143,6 +148,12 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()>;
     /// Enqueues the L2 GEMM.
     fn l2(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL2Params) -> Result<()>;
+    /// Enqueues a routed L1 and the L2 that reads its activations (`l2.g.a == l1.act`) as one
+    /// launch, where the family has one for `l`; `Ok(false)`: it has not, the caller enqueues
+    /// [`Self::l1`] and [`Self::l2`].
+    fn l1_l2(&self, _s: StreamRef, _l: &GemmLaunch, _l1: &GemmL1Params, _l2: &GemmL2Params) -> Result<bool> {
+        Ok(false)
+    }
     /// The split scratch of a fused decode launch (plan, L1, L2 and combine in one kernel) of
     /// launch `l` over operands of `g`'s sizes, when the family has one for it.
     fn fused_decode(&self, _l: &GemmLaunch, _g: &GemmOperands) -> Option<FusedSplit> {

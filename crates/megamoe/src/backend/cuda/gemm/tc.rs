@@ -39,6 +39,9 @@ struct TcKernels {
     /// `MEGAMOE_WGMMA=0`.
     wg_l1: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     wg_l2: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
+    /// Hopper wgmma pair kernels (a routed L1 and its L2 in one persistent launch), by
+    /// configuration ([`layout::wg_pair_configs`]; used for launches given scheduler counters).
+    wg_pair: HashMap<layout::WgConfig, Kernel<WgPairParams>>,
     /// Consumer warpgroups of every wgmma launch whose tile is built with them
     /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
     /// launch still gives every SM two CTAs.
@@ -120,6 +123,16 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
                 layout::wg_narrow_steps(f, c)
             ));
         }
+        for c in layout::wg_pair_configs() {
+            inst.push_str(&format!(
+                "WG_PAIR_KERNEL({}, {}, {}, {}, {})\n",
+                c.nt,
+                c.groups,
+                c.consumers,
+                layout::wg_stages(f, c.nt, c.groups),
+                layout::wg_narrow_steps(f, c)
+            ));
+        }
         for nt in layout::STREAM_TOKEN_TILES {
             let (s, st) = (layout::stream_chunks_per_stage(f, nt), layout::stream_stages(f, nt));
             inst.push_str(&format!("DS_KERNELS({nt}, {s}, {st})\nDF_KERNEL({nt}, {s}, {st})\n"));
@@ -153,6 +166,7 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     v.extend(layout::TOKEN_TILES.iter().map(|&nt| trace_name(nt)));
     if has_wgmma(arch) {
         v.extend(layout::wg_configs().flat_map(|c| [wg_name(1, c), wg_name(2, c)]));
+        v.extend(layout::wg_pair_configs().map(wg_pair_name));
         v.extend(
             layout::STREAM_TOKEN_TILES.iter().flat_map(|&nt| [ds_name(1, nt), ds_name(2, nt), df_name(nt)]),
         );
@@ -170,6 +184,9 @@ fn trace_name(nt: usize) -> String {
 }
 fn wg_name(layer: u8, c: layout::WgConfig) -> String {
     format!("moe_wg_l{layer}_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
+}
+fn wg_pair_name(c: layout::WgConfig) -> String {
+    format!("moe_wg_pair_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
 }
 fn ds_name(layer: u8, nt: usize) -> String {
     format!("moe_ds_l{layer}_n{nt}")
@@ -189,6 +206,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             l1_trace: HashMap::new(),
             wg_l1: HashMap::new(),
             wg_l2: HashMap::new(),
+            wg_pair: HashMap::new(),
             ds_l1: HashMap::new(),
             ds_l2: HashMap::new(),
             df: HashMap::new(),
@@ -223,6 +241,10 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
                 k.wg_l1.insert(c, Kernel::load(&m, &wg_name(1, c), c.threads(), smem)?);
                 k.wg_l2.insert(c, Kernel::load(&m, &wg_name(2, c), c.threads(), smem)?);
+            }
+            for c in layout::wg_pair_configs() {
+                let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
+                k.wg_pair.insert(c, Kernel::load(&m, &wg_pair_name(c), c.threads(), smem)?);
             }
         }
         for (nt, s) in layout::configs() {
@@ -320,6 +342,28 @@ impl GemmKernels for TcKernels {
     }
     fn needs_contiguous_a(&self, l: &GemmLaunch) -> bool {
         self.wgmma(l)
+    }
+    fn l1_l2(&self, s: StreamRef, l: &GemmLaunch, l1: &GemmL1Params, l2: &GemmL2Params) -> Result<bool> {
+        // Routed tiles (the plan's table: the scheduler counts its tiles), contiguous rows, an L2
+        // over the L1's activations, and one configuration for both GEMMs.
+        if !self.wgmma(l) || l.sched == 0 || l1.g.tiles == 0 || l1.g.a_rows != 0 || l2.g.a != l1.act {
+            return Ok(false);
+        }
+        let (h, inter) = (l1.g.h as usize, l1.g.inter as usize);
+        let (c, _) = self.wg_cfg(l, 2 * inter);
+        let Some(k) = self.wg_pair.get(&c).filter(|_| self.wg_cfg(l, h).0 == c) else { return Ok(false) };
+        let p = WgPairParams {
+            l1: WgL1Params { l1: *l1, amap: tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)? },
+            l2: WgL2Params { l2: *l2, amap: tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)? },
+            sched: l.sched,
+        };
+        // Persistent: one CTA per SM (the kernels' shared memory allows no more) takes units.
+        let cfg =
+            LaunchCfg::grid((self.sm_count as u32, 1, 1), layout::wg_smem_bytes(self.format, c.nt, c.groups));
+        // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters
+        // (the workspace's: max_tiles at the smallest tile, >= grid_tiles >= the plan's count).
+        unsafe { k.launch(s, &cfg, &p)? };
+        Ok(true)
     }
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
         let rows = 2 * p.g.inter as usize;

@@ -408,6 +408,9 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // the first use of a load issued just before its decode), issue unit u's four wgmma k16 steps, wait
 // until only unit u is in flight (u - 1 done), release a finished chunk's stage, decode unit u + 1's
 // A registers while unit u runs. Results are bitwise reproducible (a fixed k order per output).
+// Launches: one GEMM per launch (moe_wg_l1_* / moe_wg_l2_*, CTAs over (group set, tile)), or a
+// routed L1 and its L2 in one persistent launch (moe_wg_pair_*, CTAs taking units from a queue;
+// WgPairSched below): the same K loop and epilogues, so both give the same bits.
 
 // Registers per thread: common.cuh wg_entry_regs / wg_producer_regs / wg_consumer_regs.
 
@@ -511,9 +514,103 @@ __device__ __forceinline__ void wg_tile_k_loop(const Ring& ring, float (&acc)[MB
     }
 }
 
-// Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one m64 block.
-template <int NT, int GPC, int NC, int ST, int NS, bool L1, typename Store>
-__device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& amap, Store store)
+// The units of a wgmma launch. A unit is (layer, token tile, group set): one CTA's K loop over one
+// tile of one GEMM (layer 0 = L1, 1 = L2) for its GPC 128-row groups. The producer takes them and
+// publishes each to the consumers with its first stage (WgUnit code in `stage_unit`).
+//
+// WgGridSched (moe_wg_l1_* / moe_wg_l2_*: one layer): group set blockIdx.x, tiles blockIdx.y,
+// + gridDim.y, ... (x dispatched first: the CTAs running at once share a few token tiles in L2).
+//
+// WgPairSched (moe_wg_pair_*: a routed L1 and its L2 in one persistent launch of ~one CTA per SM):
+// units from a queue in order: every L1 unit tile-major (set fastest: the CTAs running at once share
+// a few token tiles), then every L2 unit. A CTA moves on to its next unit while the last one's
+// epilogue runs (no CTA starts with an empty pipeline, none idles in the tail of the L1 while the
+// L2 waits for a kernel boundary). An L2 unit's copies wait until every L1 unit of its tile has
+// stored its activations (sched[2 + tile] counts them: each consumer thread fences its stores
+// against the async proxy, a named barrier, then one GPU-scope release add; the producer spins with
+// an acquire load and fences before its tensor-map copies). No deadlock: units are taken in order,
+// an L1 unit waits on nothing, and a producer waiting on an L2 unit has already issued its earlier
+// units, which its consumers finish. The last CTA out resets the counters for the next launch.
+struct WgUnit {
+    int layer, tile, set;
+    static constexpr int END = -1;
+    __device__ __forceinline__ int code() const { return (tile << 11) | (set << 1) | layer; }
+    static __device__ __forceinline__ WgUnit of(int code) { return WgUnit{code & 1, code >> 11, (code >> 1) & 1023}; }
+};
+
+template <int NT>
+struct WgGridSched {
+    const GemmOperands& g;
+    const TmaDesc& amap;
+    int layer;
+    __device__ __forceinline__ const GemmOperands& ops(int) const { return g; }
+    __device__ __forceinline__ const TmaDesc& map(int) const { return amap; }
+    // The producer's n-th unit (false: none left).
+    __device__ __forceinline__ bool take(unsigned n, WgUnit& u) const {
+        u = WgUnit{layer, (int)(blockIdx.y + n * gridDim.y), (int)blockIdx.x};
+        int grp, m0, mend;
+        return gemm_tile<NT>(g, u.tile, grp, m0, mend);
+    }
+    __device__ __forceinline__ void unit_stored(const WgUnit&) const {}
+    __device__ __forceinline__ void producer_done() const {}
+};
+
+__device__ __forceinline__ void wg_release_add_gpu(unsigned* p) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
+}
+
+template <int GPC, int NC>
+struct WgPairSched {
+    const WgPairParams& p;
+    __device__ __forceinline__ const GemmOperands& ops(int layer) const { return layer ? p.l2.l2.g : p.l1.l1.g; }
+    __device__ __forceinline__ const TmaDesc& map(int layer) const { return layer ? p.l2.amap : p.l1.amap; }
+    __device__ __forceinline__ int sets(int layer) const {
+        const int rows = layer ? p.l1.l1.g.h : 2 * p.l1.l1.g.inter;
+        return ((rows + 127) / 128 + GPC - 1) / GPC;
+    }
+    // The next unit of the queue; an L2 unit's copies first wait for its tile's activations. (One
+    // division for both layers: the branchier form made ptxas serialise the consumers' wgmmas.)
+    __device__ __forceinline__ bool take(unsigned, WgUnit& u) const {
+        const int v = (int)atomicAdd(p.sched, 1u);
+        const int tiles = *p.l1.l1.g.num_tiles, s1 = sets(0), n1 = tiles * s1;
+        const int layer = v >= n1;
+        const int w = layer ? v - n1 : v, s = layer ? sets(1) : s1;
+        u = WgUnit{layer, w / s, w % s};
+        if (u.tile >= tiles) return false;
+        if (layer) {
+            const unsigned* done = p.sched + 2 + u.tile;
+            for (unsigned d;;) {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(d) : "l"(done) : "memory");
+                if (d >= (unsigned)s1) break;
+                __nanosleep(128);
+            }
+            asm volatile("fence.proxy.async.global;" ::: "memory");   // before the copies read the rows
+        }
+        return true;
+    }
+    // Every consumer thread, after its epilogue of unit u.
+    __device__ __forceinline__ void unit_stored(const WgUnit& u) const {
+        if (u.layer != 0) return;
+        asm volatile("fence.proxy.async.global;" ::: "memory");   // this thread's act stores, for TMA readers
+        named_bar(1, 128 * NC);
+        if (threadIdx.x == 128) wg_release_add_gpu(p.sched + 2 + u.tile);
+    }
+    // The producer thread, having taken its last unit: the last CTA out resets the counters (every
+    // unit was taken and every wait passed, so nothing reads or adds to them any more).
+    __device__ __forceinline__ void producer_done() const {
+        if (atomicAdd(p.sched + 1, 1u) != gridDim.x - 1) return;
+        const int tiles = *p.l1.l1.g.num_tiles;
+        for (int t = 0; t < tiles; ++t) p.sched[2 + t] = 0u;
+        p.sched[0] = 0u;
+        p.sched[1] = 0u;
+    }
+};
+
+// Runs every unit the schedule gives this CTA; `store(layer, acc, grp, m0, mc, gslab)` is the
+// epilogue of one m64 block.
+template <int NT, int GPC, int NC, int ST, int NS, typename Sched, typename Store>
+__device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
 {
     static_assert((2 * GPC) % NC == 0, "every consumer warpgroup owns whole m64 blocks");
     constexpr int MB = 2 * GPC / NC;
@@ -522,14 +619,19 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     constexpr int BLK = S::BLK;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+    __shared__ int stage_unit[ST];       // the unit whose first chunk the stage holds (WgUnit code)
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
     const unsigned full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
-    const int R = L1 ? 2 * g.inter : g.h;
-    const int K = L1 ? g.h : g.inter;
-    const int groups = (R + 127) / 128;
-    const int nch = K / 64;
-    const int G0 = blockIdx.x * GPC;
+    // Rows (groups) and K chunks of a layer's GEMM.
+    auto groups_of = [&](int layer) {
+        const GemmOperands& g = sched.ops(layer);
+        return ((layer ? g.h : 2 * g.inter) + 127) / 128;
+    };
+    auto chunks_of = [&](int layer) {
+        const GemmOperands& g = sched.ops(layer);
+        return (layer ? g.inter : g.h) / 64;
+    };
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
@@ -542,29 +644,39 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     if (wg == 0) {
         setmaxnreg_dec<wg_producer_regs(NC)>();
         if (threadIdx.x != 0) return;
-        // A CTA past the last whole set of groups loads (and later stores) only the groups that exist.
-        const int ng = min(GPC, groups - G0);
-        const size_t expert_bytes = (size_t)groups * 8 * nch * BLK;
         unsigned it = 0;
-        for (int tile = blockIdx.y;; tile += gridDim.y) {
+        WgUnit u;
+        for (unsigned n = 0; sched.take(n, u); ++n) {
+            const GemmOperands& g = sched.ops(u.layer);
             int grp, m0, mend;
-            if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
+            gemm_tile<NT>(g, u.tile, grp, m0, mend);
+            const int groups = groups_of(u.layer), nch = chunks_of(u.layer), G0 = u.set * GPC;
+            // A CTA past the last whole set of groups loads (and later stores) only the groups that exist.
+            const int ng = min(GPC, groups - G0);
             // Chunk c of group gi at csrc + gi * group_bytes: one running pointer per chunk (the
             // producer has 32 registers; per-group 64-bit offsets held across the loop spilled).
             const size_t group_bytes = (size_t)nch * S::W_GROUP;
-            const unsigned char* csrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * group_bytes;
+            const unsigned char* csrc = g.wq + ((size_t)grp * groups + G0) * group_bytes;
             for (int c = 0; c < nch; ++c, ++it, csrc += S::W_GROUP) {
-                const unsigned s = it % ST, u = it / ST;
-                if (u > 0) mbar_wait(empty0 + 8 * s, (u - 1) & 1);
+                const unsigned s = it % ST, r = it / ST;
+                if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
+                if (c == 0) stage_unit[s] = u.code();
                 const unsigned fb = full0 + 8 * s;
                 const unsigned dst = base + s * S::STAGE;
                 mbar_arrive_expect_tx(fb, S::T_BYTES + ng * S::W_GROUP);
-                tma_load_2d(dst, &amap, c * 64, m0, fb);
+                tma_load_2d(dst, &sched.map(u.layer), c * 64, m0, fb);
                 const unsigned char* src = csrc;
                 for (int gi = 0; gi < ng; ++gi, src += group_bytes)
                     bulk_g2s(dst + S::T_BYTES + gi * S::W_GROUP, src, S::W_GROUP, fb);
             }
         }
+        // The end, published like a unit: a stage with no copies.
+        const unsigned s = it % ST, r = it / ST;
+        if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
+        stage_unit[s] = WgUnit::END;
+        mbar_arrive(full0 + 8 * s);
+        sched.producer_done();
+        return;
     }
     setmaxnreg_inc<wg_consumer_regs(NC)>();
     const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -575,24 +687,25 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
         ring.wl_off[b] = S::T_BYTES + slab * BLK + lane * (MM_WF == WF_BF16 ? 64 : 16);
         ring.sc_off[b] = S::T_BYTES + slab * BLK + 512 + (lane >> 2) * (MM_WF == WF_NVFP4 ? 8 : 4);
     }
-    const int U = nch * MB;
-    unsigned it = 0;
-    // A consumer whose blocks all lie past the last group (in the last group set of a count that is
-    // not a multiple of GPC: a V4-Pro L2's 56 groups in sets of 3) only passes the stages on, so the
-    // tensor pipe serves the other consumers alone and that CTA ends sooner.
-    if (G0 + cw * MB / 2 >= groups) {
-        for (int tile = blockIdx.y;; tile += gridDim.y) {
-            int grp, m0, mend;
-            if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
+    for (unsigned it = 0;;) {
+        ring.wait_full(it);
+        const int code = stage_unit[it % ST];
+        if (code == WgUnit::END) return;
+        const WgUnit u = WgUnit::of(code);
+        const int nch = chunks_of(u.layer), G0 = u.set * GPC;
+        if (G0 + cw * MB / 2 >= groups_of(u.layer)) {
+            // Every block of this consumer lies past the last group (the last group set of a count
+            // that is not a multiple of GPC: a V4-Pro L2's 56 groups in sets of 3): it only passes
+            // the stages on, so the tensor pipe serves the other consumers alone.
             for (int c = 0; c < nch; ++c, ++it) {
-                ring.wait_full(it);
+                if (c > 0) ring.wait_full(it);
                 ring.release(it);
             }
+            sched.unit_stored(u);
+            continue;
         }
-    }
-    for (int tile = blockIdx.y;; tile += gridDim.y) {
         int grp, m0, mend;
-        if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
+        gemm_tile<NT>(sched.ops(u.layer), u.tile, grp, m0, mend);
         const int mc = min(mend - m0, NT);
         float acc[MB][NT / 8][4];
         #pragma unroll
@@ -602,11 +715,10 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
                 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[b][i][v] = 0.f;
         unsigned a[2][4][4];
-        ring.wait_full(it);
         decltype(ring)::decode(ring.load(it, 0), a[0]);
         #pragma unroll
         for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
-        wg_tile_k_loop<NT, NS>(ring, acc, a, it, U, mc);
+        wg_tile_k_loop<NT, NS>(ring, acc, a, it, nch * MB, mc);
         wgmma_fence_a(a[0]);
         wgmma_fence_a(a[1]);
         #pragma unroll
@@ -615,7 +727,8 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
         if (MB == 1 && nch > 1) ring.release(it - 2);   // the last unit's predecessor's chunk
         ring.release(it - 1);
         #pragma unroll
-        for (int b = 0; b < MB; ++b) store(acc[b], grp, m0, mc, G0 * 8 + 4 * (cw * MB + b) + warp);
+        for (int b = 0; b < MB; ++b) store(u.layer, acc[b], grp, m0, mc, G0 * 8 + 4 * (cw * MB + b) + warp);
+        sched.unit_stored(u);
     }
 }
 #endif  // TC_WGMMA
@@ -652,15 +765,28 @@ __device__ __forceinline__ void wg_gemm(const GemmOperands& g, const TmaDesc& am
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l1_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                                  \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS, true>(p.l1.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT>{p.l1.g, p.amap, 0},                                        \
+                                  [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
         });                                                                                               \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l2_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                                  \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS, false>(p.l2.g, p.amap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT>{p.l2.g, p.amap, 1},                                        \
+                                  [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
+        });                                                                                               \
+    }
+// The pair kernel of a configuration (gpu_layout::tc::wg_pair_configs): a routed L1 and its L2.
+#define WG_PAIR_KERNEL(NT, G, C, ST, NS)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
+    moe_wg_pair_n##NT##_g##G##_c##C(const __grid_constant__ WgPairParams p)                              \
+    {                                                                                                     \
+        wg_gemm<NT, G, C, ST, NS>(WgPairSched<G, C>{p},                                                  \
+                                  [&](int layer, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+            if (layer == 0) tc_store_l1<NT, false>(p.l1.l1, acc, grp, m0, mc, gs, nullptr, nullptr);      \
+            else tc_store_l2<NT>(p.l2.l2, acc, grp, m0, mc, gs);                                          \
         });                                                                                               \
     }
 #endif

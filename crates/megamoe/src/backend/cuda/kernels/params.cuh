@@ -272,6 +272,13 @@ struct WgL2Params {
 };
 static_assert(sizeof(WgL2Params) == 256, "WgL2Params mirrors params.rs");
 
+struct WgPairParams {
+    WgL1Params l1;
+    WgL2Params l2;
+    unsigned* sched;
+};
+static_assert(sizeof(WgPairParams) == 576, "WgPairParams mirrors params.rs");
+
 struct W8L1Params {
     GemmL1Params l1;
     TmaDesc amap;
