@@ -65,10 +65,11 @@ act="$data/activations"
 [ "${SKIP_TESTS:-0}" != 1 ] && step trace_fault env MEGAMOE_FAULT=scale_layout "$bin" trace --backend cuda \
   --checkpoint "$data/nvfp4-tiny" --layer 1 --input "$act/nvfp4-L1-in.safetensors"
 if [ "${SANITIZE:-1}" != 0 ]; then
-  # SANITIZE_TESTS / RACECHECK_TESTS: narrower lists for a short call.
-  step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
+  # SANITIZE_TESTS / RACECHECK_TESTS: narrower lists for a short call; SANITIZE_TIMEOUT bounds each.
+  st="${SANITIZE_TIMEOUT:-900}"
+  step memcheck timeout "$st" compute-sanitizer --tool memcheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
     ${SANITIZE_TESTS:-trace_records nan_and_inf repeat_runs external_routing large_batch w4a8_fp8 prefill_fitted decode_split tiny_plan concurrent_streams fused_decode}
-  step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
+  step racecheck timeout "$st" compute-sanitizer --tool racecheck --error-exitcode 9 "$here/bin/cuda_engine" --test-threads 1 \
     ${RACECHECK_TESTS:-trace_records external_routing w4a8_fp8 decode_split tiny_plan fused_decode}
   # The EP exchange's kernels (pack, rows, reduce) and the NCCL rounds; NCCL's own probing of its
   # kernel images fails API calls it tolerates, so API errors are not reported there.
@@ -76,7 +77,7 @@ if [ "${SANITIZE:-1}" != 0 ]; then
     step "${tool}_ep" env NCCL_NVLS_ENABLE=0 MEGAMOE_NCCL_LIB="$nccl_lib" timeout 300 compute-sanitizer --tool "$tool" \
       --report-api-errors no --error-exitcode 9 "$here/bin/cuda_ep" --test-threads 1 ${SANITIZE_EP_TESTS:-refuses nccl cuda_rank fp8}
   done
-  [ "${INITCHECK:-1}" != 0 ] && step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
+  [ "${INITCHECK:-1}" != 0 ] && step initcheck timeout "$st" compute-sanitizer --tool initcheck --error-exitcode 9 "$here/bin/cuda_engine" \
     --test-threads 1 ${INITCHECK_TESTS:-w4a8_fp8 prefill_tiles decode_path decode_split tiny_plan fused_decode}
   # compute-sanitizer over the verify sweep (every family, format and mode): SANITIZE_VERIFY="memcheck
   # racecheck initcheck" (any of them; INITCHECK_VERIFY=1 adds initcheck); SANITIZE_VERIFY_ARGS: the

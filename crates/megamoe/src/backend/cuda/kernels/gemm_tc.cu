@@ -589,7 +589,9 @@ struct WgPairSched {
         }
         return true;
     }
-    // Every consumer thread, after its epilogue of unit u.
+    // Every consumer thread, after its epilogue of unit u. (With this add in the unit loop ptxas keeps
+    // the pair kernel's chunk counter in vector registers: its K loop has an R2UR per wgmma that the
+    // single-GEMM kernels do not — SASS, sixteenth session; the cost is measured in PERFORMANCE.md.)
     __device__ __forceinline__ void unit_stored(const WgUnit& u) const {
         if (u.layer != 0) return;
         asm volatile("fence.proxy.async.global;" ::: "memory");   // this thread's act stores, for TMA readers
@@ -679,7 +681,11 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
         return;
     }
     setmaxnreg_inc<wg_consumer_regs(NC)>();
-    const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    // The consumer index and each unit's code pass through a lane-0 shuffle: ptxas then knows them
+    // warp-uniform, so the chunk counter, stage addresses and wgmma descriptors that follow stay in
+    // uniform registers (read from threadIdx / shared memory directly, the K loop gained an R2UR per
+    // wgmma and 15 instructions per two units: 3-7% slower on the H200).
+    const int cw = __shfl_sync(0xffffffffu, wg - 1, 0), warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     WgRing<ST, S::STAGE> ring{base, gbase, full0, empty0, {0, 0}, {0, 0}};
     #pragma unroll
     for (int b = 0; b < MB; ++b) {
@@ -689,7 +695,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     }
     for (unsigned it = 0;;) {
         ring.wait_full(it);
-        const int code = stage_unit[it % ST];
+        const int code = __shfl_sync(0xffffffffu, stage_unit[it % ST], 0);
         if (code == WgUnit::END) return;
         const WgUnit u = WgUnit::of(code);
         const int nch = chunks_of(u.layer), G0 = u.set * GPC;
