@@ -659,7 +659,7 @@ impl LayerWeights {
             out: ws.l2.ptr(),
         };
         // W4A16's L2 reads the L1's activations as they are: one launch for both where the family
-        // has one (the wgmma pair kernel).
+        // has one and the plan carries scheduler counters (the wgmma pair kernel, MEGAMOE_WG_PAIR=1).
         if mode == Mode::W4A16 && tr.is_none() && ex.kernels.l1_l2(s, &plan.launch, &l1, &l2(ws.act.ptr()))? {
             return Ok(());
         }

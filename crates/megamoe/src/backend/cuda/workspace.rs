@@ -221,7 +221,8 @@ pub struct Workspace {
     pub(crate) split_shared: DevBuf,
     /// Scheduler counters of the routed experts' L1 + L2 pair launch `[2 + max_tiles]` u32
     /// ([`super::gemm::GemmLaunch::sched`]; zero between forwards: the kernel leaves them so);
-    /// `None` with `MEGAMOE_WG_PAIR=0` (the two GEMMs then launch apart: A/B runs, tests).
+    /// opt-in with `MEGAMOE_WG_PAIR=1` (measured slower than the two launches on the H200 so far:
+    /// docs/PERFORMANCE.md, sixteenth session), else `None` and the two GEMMs launch apart.
     pub(crate) pair_sched: Option<DevBuf>,
     /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
     /// batches; [`Self::prepare`]).
@@ -295,8 +296,8 @@ impl Workspace {
             split_routed: z(&[Workspace::split_bytes(device.sm_count())], "routed split scratch")?,
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
             pair_sched: match std::env::var("MEGAMOE_WG_PAIR") {
-                Ok(v) if v.trim() == "0" => None,
-                _ => Some(z(&[2 + tiles, 4], "pair scheduler counters")?),
+                Ok(v) if v.trim() == "1" => Some(z(&[2 + tiles, 4], "pair scheduler counters")?),
+                _ => None,
             },
             xin: None,
             actq: None,

@@ -40,7 +40,8 @@ struct TcKernels {
     wg_l1: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     wg_l2: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
     /// Hopper wgmma pair kernels (a routed L1 and its L2 in one persistent launch), by
-    /// configuration ([`layout::wg_pair_configs`]; used for launches given scheduler counters).
+    /// configuration ([`layout::wg_pair_configs`]; used for launches given scheduler counters:
+    /// `MEGAMOE_WG_PAIR=1`).
     wg_pair: HashMap<layout::WgConfig, Kernel<WgPairParams>>,
     /// Consumer warpgroups of every wgmma launch whose tile is built with them
     /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
