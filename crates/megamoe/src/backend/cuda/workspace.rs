@@ -295,9 +295,10 @@ impl Workspace {
             status: z(&[4], "status")?,
             split_routed: z(&[Workspace::split_bytes(device.sm_count())], "routed split scratch")?,
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
-            pair_sched: match std::env::var("MEGAMOE_WG_PAIR") {
-                Ok(v) if v.trim() == "1" => Some(z(&[2 + tiles, 4], "pair scheduler counters")?),
-                _ => None,
+            pair_sched: if super::gemm::tc::wg_pair_enabled() {
+                Some(z(&[2 + tiles, 4], "pair scheduler counters")?)
+            } else {
+                None
             },
             xin: None,
             actq: None,

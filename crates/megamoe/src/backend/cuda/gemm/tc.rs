@@ -124,16 +124,6 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
                 layout::wg_narrow_steps(f, c)
             ));
         }
-        for c in layout::wg_pair_configs() {
-            inst.push_str(&format!(
-                "WG_PAIR_KERNEL({}, {}, {}, {}, {})\n",
-                c.nt,
-                c.groups,
-                c.consumers,
-                layout::wg_stages(f, c.nt, c.groups),
-                layout::wg_narrow_steps(f, c)
-            ));
-        }
         for nt in layout::STREAM_TOKEN_TILES {
             let (s, st) = (layout::stream_chunks_per_stage(f, nt), layout::stream_stages(f, nt));
             inst.push_str(&format!("DS_KERNELS({nt}, {s}, {st})\nDF_KERNEL({nt}, {s}, {st})\n"));
@@ -155,9 +145,45 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     }
 }
 
-/// Every module of the family for `arch` with its entry points (for the compile test).
+/// The opt-in pair kernels of format `f` (sm_90a; [`layout::wg_pair_configs`]) in a module of
+/// their own, compiled only where `MEGAMOE_WG_PAIR=1` asks for them: they more than double the
+/// main module's NVRTC time and are not yet faster than the two launches.
+pub fn pair_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
+    let mut spec = module_spec(f, arch);
+    spec.name = format!("gemm_tc_pair-{}", f.name());
+    let mut inst = String::from("\n// The pair kernels (gemm/tc.rs pair_module_spec).\n");
+    for c in layout::wg_pair_configs() {
+        inst.push_str(&format!(
+            "WG_PAIR_KERNEL({}, {}, {}, {}, {})\n",
+            c.nt,
+            c.groups,
+            c.consumers,
+            layout::wg_stages(f, c.nt, c.groups),
+            layout::wg_narrow_steps(f, c)
+        ));
+    }
+    // The main module's instantiations are left out: only the pair entry points are built.
+    *spec.sources.last_mut().expect("module_spec ends with its instantiations") = inst.into();
+    spec
+}
+
+/// Every module of the family for `arch` with its entry points (for the compile test): one per
+/// format, and on sm_90a the NVFP4 pair module (the other formats' pair modules instantiate the same
+/// template and compile on first use).
 pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
-    WeightFormat::ALL.into_iter().map(|f| (module_spec(f, arch), kernel_names(arch))).collect()
+    let mut v: Vec<_> =
+        WeightFormat::ALL.into_iter().map(|f| (module_spec(f, arch), kernel_names(arch))).collect();
+    if has_wgmma(arch) {
+        let names = layout::wg_pair_configs().map(wg_pair_name).collect();
+        v.push((pair_module_spec(WeightFormat::Nvfp4, arch), names));
+    }
+    v
+}
+
+/// Whether this process asked for the pair kernels (`MEGAMOE_WG_PAIR=1`: the workspace's scheduler
+/// counters and the family's pair module).
+pub(crate) fn wg_pair_enabled() -> bool {
+    std::env::var("MEGAMOE_WG_PAIR").is_ok_and(|v| v.trim() == "1")
 }
 
 /// Every kernel name of the family on `arch`.
@@ -167,7 +193,6 @@ pub fn kernel_names(arch: &str) -> Vec<String> {
     v.extend(layout::TOKEN_TILES.iter().map(|&nt| trace_name(nt)));
     if has_wgmma(arch) {
         v.extend(layout::wg_configs().flat_map(|c| [wg_name(1, c), wg_name(2, c)]));
-        v.extend(layout::wg_pair_configs().map(wg_pair_name));
         v.extend(
             layout::STREAM_TOKEN_TILES.iter().flat_map(|&nt| [ds_name(1, nt), ds_name(2, nt), df_name(nt)]),
         );
@@ -197,7 +222,8 @@ fn df_name(nt: usize) -> String {
 }
 
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
-    dev.cached(&format!("gemm_tc-{}", f.name()), || {
+    let pair = wg_pair_enabled() && has_wgmma(dev.arch());
+    dev.cached(&format!("gemm_tc-{}{}", f.name(), if pair { "+pair" } else { "" }), || {
         let m = dev.module(&module_spec(f, dev.arch()))?;
         let mut k = TcKernels {
             format: f,
@@ -243,9 +269,12 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 k.wg_l1.insert(c, Kernel::load(&m, &wg_name(1, c), c.threads(), smem)?);
                 k.wg_l2.insert(c, Kernel::load(&m, &wg_name(2, c), c.threads(), smem)?);
             }
-            for c in layout::wg_pair_configs() {
-                let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
-                k.wg_pair.insert(c, Kernel::load(&m, &wg_pair_name(c), c.threads(), smem)?);
+            if pair {
+                let pm = dev.module(&pair_module_spec(f, dev.arch()))?;
+                for c in layout::wg_pair_configs() {
+                    let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
+                    k.wg_pair.insert(c, Kernel::load(&pm, &wg_pair_name(c), c.threads(), smem)?);
+                }
             }
         }
         for (nt, s) in layout::configs() {
