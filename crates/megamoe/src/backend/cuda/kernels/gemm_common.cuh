@@ -69,3 +69,23 @@ __device__ __forceinline__ void l1_epilogue_tokens(const GemmL1Params& p, int m0
         }
     }
 }
+
+// Cross-CTA count halves (the fused decode kernel's grid barriers, as cooperative groups' grid
+// sync; the wgmma pair kernel's per-tile counts): the arrival, by one thread per CTA after
+// a CTA barrier that follows every thread's writes (each thread first fences its own generic
+// stores against the async proxy: another CTA reads them with bulk copies), is a GPU-scope fence
+// and a release add; the wait an acquire spin, then a proxy fence before this thread's bulk copies.
+__device__ __forceinline__ void df_fence_for_bulk_readers() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+__device__ __forceinline__ void df_arrive(unsigned* bar) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(bar) : "memory");
+}
+__device__ __forceinline__ void df_wait(const unsigned* bar, unsigned target) {
+    unsigned v;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
+        if (v >= target) break;
+        __nanosleep(64);
+    }
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}

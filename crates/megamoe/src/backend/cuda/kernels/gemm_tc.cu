@@ -555,11 +555,6 @@ struct WgGridSched {
     __device__ __forceinline__ void producer_done() const {}
 };
 
-__device__ __forceinline__ void wg_release_add_gpu(unsigned* p) {
-    __threadfence();
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
-}
-
 template <int GPC, int NC>
 struct WgPairSched {
     const WgPairParams& p;
@@ -578,15 +573,7 @@ struct WgPairSched {
         const int w = layer ? v - n1 : v, s = layer ? sets(1) : s1;
         u = WgUnit{layer, w / s, w % s};
         if (u.tile >= tiles) return false;
-        if (layer) {
-            const unsigned* done = p.sched + 2 + u.tile;
-            for (unsigned d;;) {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(d) : "l"(done) : "memory");
-                if (d >= (unsigned)s1) break;
-                __nanosleep(128);
-            }
-            asm volatile("fence.proxy.async.global;" ::: "memory");   // before the copies read the rows
-        }
+        if (layer) df_wait(p.sched + 2 + u.tile, (unsigned)s1);   // then fenced for the copies
         return true;
     }
     // Every consumer thread, after its epilogue of unit u. (With this add in the unit loop ptxas keeps
@@ -594,9 +581,9 @@ struct WgPairSched {
     // single-GEMM kernels do not — SASS, sixteenth session; the cost is measured in PERFORMANCE.md.)
     __device__ __forceinline__ void unit_stored(const WgUnit& u) const {
         if (u.layer != 0) return;
-        asm volatile("fence.proxy.async.global;" ::: "memory");   // this thread's act stores, for TMA readers
+        df_fence_for_bulk_readers();                              // this thread's act stores, for TMA readers
         named_bar(1, 128 * NC);
-        if (threadIdx.x == 128) wg_release_add_gpu(p.sched + 2 + u.tile);
+        if (threadIdx.x == 128) df_arrive(p.sched + 2 + u.tile);
     }
     // The producer thread, having taken its last unit: the last CTA out resets the counters (every
     // unit was taken and every wait passed, so nothing reads or adds to them any more).

@@ -92,24 +92,7 @@ struct DfTiles {
     __device__ __forceinline__ unsigned a_row(int m) const { return gather ? sp.perm[m] / a_div : (unsigned)m; }
 };
 
-// Grid barrier halves (as cooperative groups' grid sync): the arrival, by one thread per CTA after
-// a CTA barrier that follows every thread's writes (each thread first fences its own generic
-// stores against the async proxy: another CTA reads them with bulk copies), is a GPU-scope fence
-// and a release add; the wait an acquire spin, then a proxy fence before this thread's bulk copies.
-__device__ __forceinline__ void df_fence_for_bulk_readers() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-__device__ __forceinline__ void df_arrive(unsigned* bar) {
-    __threadfence();
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(bar) : "memory");
-}
-__device__ __forceinline__ void df_wait(const unsigned* bar, unsigned target) {
-    unsigned v;
-    for (;;) {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
-        if (v >= target) break;
-        __nanosleep(64);
-    }
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-}
+// Grid barrier halves: gemm_common.cuh df_arrive / df_wait.
 
 // This CTA's share of one quantization pass (W4A8 / W4A4; QUANT_COPY: none) over `rows` rows: the
 // (row, block)s in order over every CTA's consumer warps (FP8: a warp per 128-block) or threads
