@@ -37,14 +37,6 @@ const ROUTER_EXPERTS_PER_CTA: u32 = 2;
 const PLAN_SMALL_SLOTS: usize = 32 * PLAN_SMALL_CHUNK as usize;
 /// Up to this many slots (a decode step) the one launch is `moe_plan_tiny`, one warp.
 const PLAN_TINY_SLOTS: usize = 32 * PLAN_TINY_GROUPS as usize;
-const _: () = assert!(PLAN_TINY_SLOTS == crate::backend::gpu_layout::tc::STREAM_QUEUE_MAX_TILES);
-
-/// Whether a `mode` decode step's fused launch runs in queue mode (`DfParams::queue`: W4A16;
-/// `MEGAMOE_DECODE_QUEUE=0` keeps the static mode, for A/B runs; read once per process).
-fn decode_queue(mode: Mode) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    mode == Mode::W4A16 && *ON.get_or_init(|| std::env::var("MEGAMOE_DECODE_QUEUE").map_or(true, |v| v.trim() != "0"))
-}
 // Its u16 rows hold every plan row.
 const _: () = assert!(32 * PLAN_SMALL_CHUNK as usize <= 1 << 16);
 // The chunk kernels run one warp per chunk, PLAN_WARPS warps per CTA.
@@ -375,13 +367,6 @@ impl LayerWeights {
             split: Some(ws.split_routed.ptr()),
             next_wq: self.experts.l2.wq.ptr(),
             sched: ws.pair_sched.as_ref().map_or(0, |b| b.ptr()),
-            // A W4A16 decode step the fused kernel may run in queue mode: smaller items (the same
-            // split for the separate launches of the plan, so both give the same bits).
-            items_per_cta: if decode_queue(mode) && !trace && slots <= PLAN_TINY_SLOTS {
-                crate::backend::gpu_layout::tc::STREAM_QUEUE_ITEMS_PER_CTA as u32
-            } else {
-                1
-            },
         };
         Plan { tokens: t, topk_ids, launch }
     }
@@ -532,8 +517,6 @@ impl LayerWeights {
             counters2: split.counters2,
             sync: split.sync,
             prefetch_bytes: split.prefetch_bytes,
-            items_per_cta: plan.launch.items_per_cta as i32,
-            queue: decode_queue(mode) as i32,
         };
         ex.kernels.launch_fused(s, &plan.launch, &p)
     }
@@ -741,7 +724,6 @@ impl LayerWeights {
             split: Some(ws.split_shared.ptr()),
             next_wq: sh.l2.wq.ptr(),
             sched: 0,
-            items_per_cta: 1,
         };
         let dense = |a: u64, side: &super::gemm::PackedSide| GemmOperands {
             a,

@@ -149,13 +149,8 @@ kernel_abi! {
         DF_SYNC_INPUTS = 3;
         /// Counter: CTAs whose share of the quantized L1 outputs is written (W4A8 / W4A4).
         DF_SYNC_ACT = 4;
-        /// Counter: the next entry of the work queue (W4A16 queue mode, `DfParams::queue`).
-        DF_SYNC_QUEUE = 5;
-        /// Counters in `DfParams::sync` before the per-tile counts (= `gpu_layout::tc::FUSED_SYNC_COUNTERS`).
-        DF_SYNC_COUNTERS = 6;
-        /// Offset in `DfParams::sync` of the per-tile counts of stored L1 units (queue mode; one
-        /// per tile of the plan, at most `PLAN_TINY_SLOTS`).
-        DF_SYNC_TILES = 8;
+        /// Counters in `DfParams::sync` (= `gpu_layout::tc::FUSED_SYNC_COUNTERS`).
+        DF_SYNC_COUNTERS = 5;
     }
 
     /// `moe_router_logits`: gate logits of every (token, expert) into `scores`.
@@ -468,31 +463,26 @@ kernel_abi! {
     struct DsL1Params {
         /// The L1 parameters.
         l1: GemmL1Params => "GemmL1Params",
-        /// `[items][2][8][32]` float4 K-part sums.
+        /// `[gridDim.x][2][8][32]` float4 K-part sums.
         partials: DevPtr => "float*",
-        /// `[items]` u32 arrival counters (0 between launches).
+        /// `[gridDim.x]` u32 arrival counters (0 between launches).
         counters: DevPtr => "unsigned*",
-        /// Nullable: the packed L2 weights of the same plan; each CTA's producer, once an item's
+        /// Nullable: the packed L2 weights of the same plan; each CTA's producer, once its own
         /// copies are out, prefetches into the L2 cache the first `prefetch_bytes` of the weights
-        /// of the same item index in the L2 launch (same grid, same split).
+        /// its CTA index streams in the L2 launch (same grid, same ranges).
         next_wq: DevPtr => "const unsigned char*",
-        /// Bytes per item of that prefetch (multiple of 16).
+        /// Bytes per CTA of that prefetch (multiple of 16).
         prefetch_bytes: i32 => "int",
-        /// Work items per CTA (`gemm_tc_stream.cu` `ds_work`: 1 = one flat Stream-K range per
-        /// CTA; more: tile-aligned items, CTA b taking items b, b + gridDim.x, ...).
-        items_per_cta: i32 => "int",
     }
 
     /// The Hopper weight-streaming decode L2 kernel.
     struct DsL2Params {
         /// The L2 parameters.
         l2: GemmL2Params => "GemmL2Params",
-        /// `[items][2][8][32]` float4 K-part sums.
+        /// `[gridDim.x][2][8][32]` float4 K-part sums.
         partials: DevPtr => "float*",
-        /// `[items]` u32 arrival counters (0 between launches).
+        /// `[gridDim.x]` u32 arrival counters (0 between launches).
         counters: DevPtr => "unsigned*",
-        /// Work items per CTA (as `DsL1Params::items_per_cta`).
-        items_per_cta: i32 => "int",
     }
 
     /// The Hopper fused decode kernel (`gemm_tc_fused.cu`): a decode step's plan, L1, L2 and
@@ -521,18 +511,10 @@ kernel_abi! {
         partials2: DevPtr => "float*",
         /// The L2's arrival counters.
         counters2: DevPtr => "unsigned*",
-        /// `[DF_SYNC_TILES + PLAN_TINY_SLOTS]` u32 counters (`DF_SYNC_*`, then per tile; 0
-        /// between launches).
+        /// `[DF_SYNC_COUNTERS]` u32 grid-barrier counters (`DF_SYNC_*`; 0 between launches).
         sync: DevPtr => "unsigned*",
-        /// Bytes per item of the L2's weights prefetched into the L2 cache (static mode: once the
-        /// CTA's L1 copies are out; queue mode: when an L2 item is taken).
+        /// Bytes per CTA of the L2's weights prefetched into the L2 cache once the L1's copies are out.
         prefetch_bytes: i32 => "int",
-        /// Work items per CTA of both GEMMs (`DsL1Params::items_per_cta`; the static mode takes 1).
-        items_per_cta: i32 => "int",
-        /// 1: queue mode (W4A16 only): CTAs take L1 and L2 items from a queue, each tile's L2
-        /// waiting only for that tile's L1 units (no grid barrier between the GEMMs); 0: the
-        /// static mode, one item of each GEMM per CTA, joined by grid barriers.
-        queue: i32 => "int",
     }
 
     /// The Hopper wgmma L1 kernel: the L1 parameters and the tensor map of A (`[rows, H]` bf16,

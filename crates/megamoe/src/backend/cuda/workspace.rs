@@ -316,7 +316,7 @@ impl Workspace {
     /// `(buffer, offset, bytes)` of every counter range of the split scratch (routed L1, L2,
     /// fused-kernel barriers, then the same for the shared expert), then the pair scheduler's.
     fn split_counter_ranges(&self) -> Vec<(&DevBuf, usize, usize)> {
-        use crate::backend::gpu_layout::tc::FUSED_SYNC_WORDS;
+        use crate::backend::gpu_layout::tc::FUSED_SYNC_COUNTERS;
         let l = split_layout(self.device.sm_count());
         [&self.split_routed, &self.split_shared]
             .into_iter()
@@ -325,7 +325,7 @@ impl Workspace {
                 [
                     (buf, c1, l.counter_bytes),
                     (buf, c2, l.counter_bytes),
-                    (buf, l.sync, 4 * FUSED_SYNC_WORDS),
+                    (buf, l.sync, 4 * FUSED_SYNC_COUNTERS),
                 ]
             })
             .chain(self.pair_sched.iter().map(|b| (b, 0, b.bytes())))

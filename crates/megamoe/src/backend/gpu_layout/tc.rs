@@ -834,52 +834,33 @@ pub fn stream_ctas(sm_count: usize) -> usize {
     STREAM_CTAS_PER_SM * sm_count.max(1)
 }
 
-/// Work items per CTA of a decode step's streaming GEMMs when its plan has several tiles (the
-/// fused kernel's queue mode: smaller, tile-aligned items, so a tile's L1 completes early and its
-/// L2 streams while later tiles' L1 still runs).
-pub const STREAM_QUEUE_ITEMS_PER_CTA: usize = 4;
-
-/// Most tiles of a plan the queue mode runs (the fused kernel's one-warp plan: 32 x 8 slots).
-pub const STREAM_QUEUE_MAX_TILES: usize = 256;
-
-/// Most work items of one streaming GEMM launched on `ctas` CTAs with at most
-/// [`STREAM_QUEUE_ITEMS_PER_CTA`] items per CTA (tile-aligned items: at most
-/// `max(m * ctas, tiles)`, see [`stream_items`]).
-pub fn stream_max_items(ctas: usize) -> usize {
-    STREAM_QUEUE_ITEMS_PER_CTA * ctas + STREAM_QUEUE_MAX_TILES
+/// Bytes of the K-part sums of one streaming GEMM launched on `ctas` CTAs: two float4 per lane of
+/// each of 8 warps per CTA (its first and last K part).
+pub fn stream_partials_bytes(ctas: usize) -> usize {
+    ctas * 2 * GROUP_SLABS * 32 * 16
 }
 
-/// Bytes of the K-part sums of one streaming GEMM of at most `items` work items: two float4 per
-/// lane of each of 8 warps per item (its first and last K part).
-pub fn stream_partials_bytes(items: usize) -> usize {
-    items * 2 * GROUP_SLABS * 32 * 16
+/// Bytes of the split scratch of one streaming GEMM launched on `ctas` CTAs: the K-part sums, then
+/// one u32 arrival counter per CTA.
+pub fn stream_scratch_bytes(ctas: usize) -> usize {
+    stream_partials_bytes(ctas) + (ctas * 4).div_ceil(256) * 256
 }
 
-/// Bytes of the split scratch of one streaming GEMM of at most `items` work items: the K-part
-/// sums, then one u32 arrival counter per item.
-pub fn stream_scratch_bytes(items: usize) -> usize {
-    stream_partials_bytes(items) + (items * 4).div_ceil(256) * 256
-}
-
-/// Counters of the fused decode kernel (`moe_df_*`, `DfParams::sync`; their roles are the kernel
-/// ABI's `DF_SYNC_*`): L1 done, L2 done, CTAs finished, inputs quantized, L1 outputs quantized,
-/// the queue's next entry.
-pub const FUSED_SYNC_COUNTERS: usize = 6;
-
-/// u32 words of the fused kernel's counters: the [`FUSED_SYNC_COUNTERS`], then (from word
-/// `DF_SYNC_TILES` = 8) one count of stored L1 units per tile.
-pub const FUSED_SYNC_WORDS: usize = 8 + STREAM_QUEUE_MAX_TILES;
+/// Grid-barrier counters of the fused decode kernel (`moe_df_*`, `DfParams::sync`; their roles are
+/// the kernel ABI's `DF_SYNC_*`): L1 done, L2 done, CTAs finished, inputs quantized, L1 outputs
+/// quantized.
+pub const FUSED_SYNC_COUNTERS: usize = 5;
 
 /// Where things lie in the split scratch of one GEMM pair (the L1's, then the L2's) on `ctas`
-/// CTAs: each side's `(partials, counters)` byte offsets, the fused decode kernel's counters and,
-/// for the workspace, the counters' bytes per side and the pair's total.
+/// CTAs: each side's `(partials, counters)` byte offsets, the fused decode kernel's grid-barrier
+/// counters and, for the workspace, the counters' bytes per side and the pair's total.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamPairScratch {
     /// `(partials, counters)` offsets of the L1 and of the L2.
     pub sides: [(usize, usize); 2],
     /// Bytes of one side's counters (zero between launches).
     pub counter_bytes: usize,
-    /// Offset of the [`FUSED_SYNC_WORDS`] u32 counters (zero between launches).
+    /// Offset of the [`FUSED_SYNC_COUNTERS`] u32 grid-barrier counters (zero between launches).
     pub sync: usize,
     /// Bytes of the pair's scratch.
     pub bytes: usize,
@@ -887,96 +868,13 @@ pub struct StreamPairScratch {
 
 /// The split scratch layout of one GEMM pair on `ctas` CTAs.
 pub fn stream_pair_scratch(ctas: usize) -> StreamPairScratch {
-    let items = stream_max_items(ctas);
-    let (one, partials) = (stream_scratch_bytes(items), stream_partials_bytes(items));
+    let (one, partials) = (stream_scratch_bytes(ctas), stream_partials_bytes(ctas));
     StreamPairScratch {
         sides: [(0, partials), (one, one + partials)],
         counter_bytes: one - partials,
         sync: 2 * one,
-        bytes: 2 * one + (4 * FUSED_SYNC_WORDS).div_ceil(256) * 256,
+        bytes: 2 * one + 256,
     }
-}
-
-/// The work items of one streaming GEMM over `tiles` tiles of `c` chunks each, `m` items per CTA
-/// on `ctas` CTAs, as the kernels compute them on the device (`gemm_tc_stream.cu` `ds_work`; the
-/// host uses it for tests only): `per` chunks per item, `q` items per tile (0: flat items over the
-/// flattened work, the Stream-K split of one item per CTA), `n` items.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StreamItems {
-    /// Chunks per item.
-    pub per: usize,
-    /// Items per tile (tile-aligned items), or 0 (flat items).
-    pub q: usize,
-    /// Chunks per tile.
-    pub c: usize,
-    /// Items.
-    pub n: usize,
-    /// Chunks of the launch.
-    pub total: usize,
-}
-
-impl StreamItems {
-    /// The split of `tiles` tiles of `c` chunks, `m` items per CTA on `ctas` CTAs.
-    pub fn new(tiles: usize, c: usize, m: usize, ctas: usize) -> Self {
-        let total = tiles * c;
-        if m <= 1 || tiles <= 1 {
-            let per = total.div_ceil(ctas.max(1)).max(STREAM_MIN_CHUNKS);
-            Self { per, q: 0, c, n: total.div_ceil(per), total }
-        } else {
-            let qt = (m * ctas / tiles).max(1);
-            let per = c.div_ceil(qt).max(STREAM_MIN_CHUNKS);
-            let q = c.div_ceil(per);
-            Self { per, q, c, n: tiles * q, total }
-        }
-    }
-    /// The first chunk of item `i`.
-    pub fn item_begin(&self, i: usize) -> usize {
-        if self.q > 0 {
-            (i / self.q) * self.c + (i % self.q) * self.per
-        } else {
-            i * self.per
-        }
-    }
-    /// The item holding chunk `x`.
-    pub fn item_of(&self, x: usize) -> usize {
-        if self.q > 0 {
-            (x / self.c) * self.q + (x % self.c) / self.per
-        } else {
-            x / self.per
-        }
-    }
-    /// Item `i`'s chunks `[b, e)`.
-    pub fn range(&self, i: usize) -> (usize, usize) {
-        let b = self.item_begin(i);
-        let end = if self.q > 0 { (b / self.c + 1) * self.c } else { self.total };
-        (b, end.min(b + self.per))
-    }
-}
-
-/// The fused decode kernel's queue (`gemm_tc_fused.cu` `DfQueue`): entry `v` of a launch whose L1
-/// and L2 have `l1` and `l2` items over `tiles` tiles, as `(layer, item)` (`None`: past the end).
-/// Tile-aligned items: tile 0's L1, then for each later tile t its L1 and tile t - 1's L2, then the
-/// last tile's L2 (an L2 item follows every L1 item of its tile); flat items: every L1 item, then
-/// every L2 item.
-pub fn fused_queue_entry(v: usize, l1: &StreamItems, l2: &StreamItems, tiles: usize) -> Option<(usize, usize)> {
-    if l1.q == 0 {
-        return if v < l1.n {
-            Some((0, v))
-        } else {
-            (v - l1.n < l2.n).then_some((1, v - l1.n))
-        };
-    }
-    let (q1, q2) = (l1.q, l2.q);
-    if v < q1 {
-        return Some((0, v));
-    }
-    let v = v - q1;
-    let (r, o) = (v / (q1 + q2), v % (q1 + q2));
-    if r + 1 < tiles {
-        return Some(if o < q1 { (0, (r + 1) * q1 + o) } else { (1, r * q2 + o - q1) });
-    }
-    let v = v - (tiles - 1) * (q1 + q2);
-    (v < q2).then_some((1, (tiles - 1) * q2 + v))
 }
 
 /// Whether a streaming launch of at most `tiles` tiles over `rows` x `k` weights keeps its flattened
@@ -984,6 +882,16 @@ pub fn fused_queue_entry(v: usize, l1: &StreamItems, l2: &StreamItems, tiles: us
 pub fn stream_fits(tiles: usize, rows: usize, k: usize) -> bool {
     let chunks = (tiles as u128) * (padded_rows(rows) / GROUP_ROWS) as u128 * (k / CHUNK_K) as u128;
     chunks < (1u128 << 31)
+}
+
+/// The split of one streaming launch, as the kernel computes it on the device from the plan's
+/// tile count: chunks per CTA and, for each CTA, its range `[b, e)` of the flattened
+/// `(tile, group, chunk)` work. (The host uses it for tests and the bench's expectations only.)
+pub fn stream_ranges(total_chunks: usize, ctas: usize) -> (usize, Vec<(usize, usize)>) {
+    let per = total_chunks.div_ceil(ctas.max(1)).max(STREAM_MIN_CHUNKS);
+    let ranges =
+        (0..ctas).map(|c| ((c * per).min(total_chunks), ((c + 1) * per).min(total_chunks))).collect();
+    (per, ranges)
 }
 
 /// Stages of one CTA's streaming range `[b, e)` over units of `nch` chunks, `s` chunks per stage:
@@ -1069,13 +977,12 @@ mod tests {
             let l = stream_pair_scratch(ctas);
             let (_, c2) = l.sides[1];
             assert!(c2 + l.counter_bytes <= l.sync, "the sync counters follow the L2's counters");
-            assert!(l.sync + 4 * FUSED_SYNC_WORDS <= l.bytes);
+            assert!(l.sync + 4 * FUSED_SYNC_COUNTERS <= l.bytes);
             let [(p1, c1), (p2, c2)] = l.sides;
             assert_eq!(p1, 0);
-            let items = stream_max_items(ctas);
-            assert_eq!(c1 - p1, stream_partials_bytes(items));
+            assert_eq!(c1 - p1, stream_partials_bytes(ctas));
             assert!(c1 + l.counter_bytes <= p2 && c2 - p2 == c1 - p1, "{l:?}");
-            assert!(c2 + l.counter_bytes <= l.sync && l.counter_bytes >= 4 * items, "{l:?}");
+            assert!(c2 + l.counter_bytes <= l.bytes && l.counter_bytes >= 4 * ctas, "{l:?}");
         }
     }
 
@@ -1099,7 +1006,7 @@ mod tests {
     fn a_one_expert_v4_pro_l1_range_fits_the_decode_ring_at_once() {
         // V4-Pro L1 of one expert: 6144 rows = 48 groups x 112 chunks over an H200's streaming
         // CTAs; at one or two tokens per tile every CTA's range lies in its ring at once.
-        let per = StreamItems::new(1, 48 * 112, STREAM_QUEUE_ITEMS_PER_CTA, stream_ctas(132)).per;
+        let (per, _) = stream_ranges(48 * 112, stream_ctas(132));
         for f in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
             for nt in [1, 2] {
                 let held = stream_stages(f, nt) * stream_chunks_per_stage(f, nt);
@@ -1117,7 +1024,7 @@ mod tests {
         // H200's streaming CTAs: every CTA's range fits the prefetch, so the whole L2 is prefetched.
         let ctas = stream_ctas(132);
         for f in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
-            let per = StreamItems::new(1, 56 * 48, STREAM_QUEUE_ITEMS_PER_CTA, ctas).per;
+            let (per, _) = stream_ranges(56 * 48, ctas);
             let range_bytes = per * GROUP_SLABS * block_bytes(f);
             assert!(range_bytes <= STREAM_PREFETCH_BYTES, "{f}: {range_bytes} B per CTA");
         }
@@ -1128,86 +1035,43 @@ mod tests {
     }
 
     #[test]
-    fn stream_items_cover_the_work_once_and_their_parts_meet_in_distinct_slots() {
-        // (tiles, groups) units of nch chunks over an H200's CTAs (and another count), flat (m = 1)
-        // and tile-aligned (m = 4) items, as the kernels walk them.
-        let cases = [(1usize, 48usize, 112usize), (1, 56, 48), (6, 48, 112), (5, 56, 48), (1, 1, 8), (3, 1, 4)];
-        let more = [(40, 56, 48), (7, 1, 5), (42, 3, 2), (256, 3, 2)];
-        for ((tiles, groups, nch), ctas, m) in cases
-            .into_iter()
-            .chain(more)
-            .flat_map(|c| [(c, stream_ctas(132), 1), (c, 264, 1), (c, stream_ctas(132), 4), (c, 3, 4)])
-        {
-            let c = groups * nch;
-            let it = StreamItems::new(tiles, c, m, ctas);
-            let what = format!("tiles {tiles} groups {groups} nch {nch} ctas {ctas} m {m}: {it:?}");
-            assert!(it.n <= stream_max_items(ctas).max(tiles), "{what}");
-            assert!(it.per >= STREAM_MIN_CHUNKS, "{what}");
+    fn stream_ranges_cover_the_work_once_and_their_parts_meet_in_distinct_slots() {
+        // (tiles * groups) units of nch chunks over an H200's CTAs (and another count), as the
+        // kernel walks them.
+        let cases = [(48usize, 112usize), (56, 48), (6 * 48, 112), (1, 8), (3, 4), (40 * 56, 48), (7, 5)];
+        for ((units, nch), ctas) in cases.into_iter().flat_map(|c| [(c, stream_ctas(132)), (c, 264)]) {
+            let total = units * nch;
+            let (per, ranges) = stream_ranges(total, ctas);
             let mut next = 0;
-            // (unit) -> the (item, slot) its K parts were written to, in item order.
+            // (unit) -> the (cta, slot) its K parts were written to, in the order the CTAs hold them.
             let mut written: std::collections::HashMap<usize, Vec<(usize, usize)>> = Default::default();
-            for i in 0..it.n {
-                let (b, e) = it.range(i);
-                assert!(b < e, "item {i} is empty ({what})");
-                assert_eq!(b, next, "items are consecutive ({what})");
-                if it.q > 0 {
-                    assert_eq!(b / c, (e - 1) / c, "item {i} crosses a tile ({what})");
+            for (c, &(b, e)) in ranges.iter().enumerate() {
+                if b >= e {
+                    continue;
                 }
+                assert_eq!(b, next, "ranges are consecutive");
                 next = e;
                 let mut x = b;
                 while x < e {
                     let (u, k0) = (x / nch, x % nch);
                     let k1 = nch.min(k0 + (e - x));
-                    assert_eq!(it.item_of(x), i, "{what}");
                     if !(k0 == 0 && k1 == nch) {
-                        // The kernel's writer rule: slot 0 for the item's first segment.
-                        written.entry(u).or_default().push((i, usize::from(x != b)));
+                        // The kernel's writer rule: slot 0 for the range's first segment.
+                        written.entry(u).or_default().push((c, usize::from(x != b)));
                     }
                     x += k1 - k0;
                 }
             }
-            assert_eq!(next, tiles * c, "{what}");
+            assert_eq!(next, total, "units {units} nch {nch}");
             let mut counters = std::collections::HashSet::new();
             for (u, parts) in written {
-                // The reducer's rule: items cf..=cl, slot 1 where the item began before u.
+                // The reducer's rule: CTAs cf..=cl, slot 1 where the CTA's range began before u.
                 let ustart = u * nch;
-                let (cf, cl) = (it.item_of(ustart), it.item_of(ustart + nch - 1));
+                let (cf, cl) = (ustart / per, (ustart + nch - 1) / per);
                 let want: Vec<(usize, usize)> =
-                    (cf..=cl).map(|i| (i, usize::from(it.item_begin(i) < ustart))).collect();
-                assert_eq!(parts, want, "unit {u} ({what})");
-                assert!(counters.insert(cf), "two cut units share counter {cf} ({what})");
-            }
-        }
-    }
-
-    #[test]
-    fn the_fused_queue_takes_every_item_once_and_each_l2_item_after_its_tiles_l1() {
-        // V4-Pro's L1 (48 groups x 112 chunks) and L2 (56 x 48) and small shapes, 1..42 tiles.
-        for (c1, c2) in [(48 * 112, 56 * 48), (2 * 8, 1 * 4), (6, 10)] {
-            for tiles in [1usize, 2, 3, 5, 8, 42] {
-                for (m, ctas) in [(1, stream_ctas(132)), (4, stream_ctas(132)), (4, 3)] {
-                    let (l1, l2) = (StreamItems::new(tiles, c1, m, ctas), StreamItems::new(tiles, c2, m, ctas));
-                    assert_eq!(l1.q == 0, l2.q == 0, "both GEMMs flat or both tile-aligned");
-                    let mut seen = [vec![false; l1.n], vec![false; l2.n]];
-                    // L1 items of each tile taken so far.
-                    let mut l1_taken = vec![0usize; tiles];
-                    let mut v = 0;
-                    while let Some((layer, item)) = fused_queue_entry(v, &l1, &l2, tiles) {
-                        assert!(!seen[layer][item], "entry {v}: ({layer}, {item}) twice");
-                        seen[layer][item] = true;
-                        let (b, e) = if layer == 0 { l1.range(item) } else { l2.range(item) };
-                        if layer == 0 {
-                            l1_taken[b / c1] += 1;
-                        } else {
-                            for t in b / c2..=(e - 1) / c2 {
-                                let want = (0..l1.n).filter(|&i| l1.range(i).0 / c1 == t).count();
-                                assert_eq!(l1_taken[t], want, "L2 item {item} before tile {t}'s L1");
-                            }
-                        }
-                        v += 1;
-                    }
-                    assert!(seen.iter().flatten().all(|&s| s), "every item taken (tiles {tiles} m {m})");
-                }
+                    (cf..=cl).map(|c| (c, usize::from(c * per < ustart))).collect();
+                assert_eq!(parts, want, "unit {u} (units {units}, nch {nch})");
+                assert!(counters.insert(cf), "two cut units share counter {cf}");
             }
         }
     }

@@ -121,9 +121,6 @@ pub(crate) struct GemmLaunch {
     ///
     /// [`Workspace::pair_sched`]: super::workspace::Workspace::pair_sched
     pub sched: u64,
-    /// Work items per CTA of the family's streaming decode kernels (`DsL1Params::items_per_cta`; 1:
-    /// one Stream-K range per CTA). A plan's fused launch and its separate launches take the same.
-    pub items_per_cta: u32,
 }
 
 impl GemmLaunch {

@@ -21,7 +21,6 @@ use std::sync::Arc;
 
 // The fused kernel's counters (kernel ABI) fill the scratch the layout reserves for them.
 const _: () = assert!(DF_SYNC_COUNTERS as usize == layout::FUSED_SYNC_COUNTERS);
-const _: () = assert!(DF_SYNC_TILES as usize + layout::STREAM_QUEUE_MAX_TILES == layout::FUSED_SYNC_WORDS);
 
 const THREADS: u32 = 256;
 
@@ -419,7 +418,6 @@ impl GemmKernels for TcKernels {
                         counters,
                         next_wq: if self.prefetch_bytes > 0 { l.next_wq } else { 0 },
                         prefetch_bytes: self.prefetch_bytes,
-                        items_per_cta: l.items_per_cta as i32,
                     },
                 )
             };
@@ -454,7 +452,7 @@ impl GemmKernels for TcKernels {
                 self.ds_l2[&l.block_m].launch(
                     s,
                     &self.stream_cfg(l),
-                    &DsL2Params { l2: *p, partials, counters, items_per_cta: l.items_per_cta as i32 },
+                    &DsL2Params { l2: *p, partials, counters },
                 )
             };
         }

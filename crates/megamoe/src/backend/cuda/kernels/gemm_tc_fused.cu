@@ -36,8 +36,6 @@
 //      (read through the async proxy after a proxy fence; none when the consumers write them);
 //   3. (combine.y set) barrier 2, then every consumer thread combines 4 columns of a token
 //      (combine_cols4: the slot order of moe_combine).
-// Queue mode (W4A16; DfParams::queue, df_queue_walks below) replaces phases 1-2: CTAs take L1 and
-// L2 items from a queue that interleaves the tiles, a tile's L2 waiting only for that tile's L1.
 // A CTA with no L2 range never waits at barrier 1 (nothing to issue), so the counter the last CTA
 // resets is never read again in the launch (every wait of a CTA comes before its count of
 // finished CTAs: the producer's waits gate its own consumers' work).
@@ -172,147 +170,12 @@ __device__ __forceinline__ void df_fill_tokens(const QuantRowsParams& q, const D
     }
 }
 
-// The step's end, by the consumer warps of every CTA once their L2 work is stored: (combine.y set)
-// barrier 2, then every consumer thread combines 4 columns of a token (combine_cols4: the slot
-// order of moe_combine); then the CTA counts itself finished, and the last one resets every counter
-// (queue mode: the queue and the plan's tile counts too).
-__device__ __forceinline__ void df_finish(const DfParams& p, const DfPlan& sp)
-{
-    if (p.combine.y) {
-        named_bar(1, 32 * DS_CONSUMERS);
-        if (threadIdx.x == 0) {
-            df_arrive(p.sync + DF_SYNC_L2);
-            df_wait(p.sync + DF_SYNC_L2, gridDim.x); // every CTA's L2 rows are written
-            __threadfence();
-            DS_STAMP(PROBE_BAR2);
-        }
-        named_bar(1, 32 * DS_CONSUMERS);
-        const int K = p.combine.k, cols = p.combine.h / 4;
-        const int items = p.combine.t * cols, step = gridDim.x * 32 * DS_CONSUMERS;
-        for (int it = blockIdx.x * 32 * DS_CONSUMERS + threadIdx.x; it < items; it += step) {
-            const int t = it / cols, h = (it - t * cols) * 4;
-            combine_cols4(p.combine, [&](int j) {
-                const unsigned r = sp.row[t * K + j];
-                return r == 0xFFFFu ? PLAN_ROW_NONE : r;
-            }, t, h);
-        }
-    }
-    if (threadIdx.x == 0) { DS_STAMP(PROBE_END); DS_STAMP_TIME(PROBE_TIME_END); }
-    // Every CTA is past both barriers (and its producer past its last queue entry and tile wait:
-    // its consumers saw the queue's end first) once all have counted themselves here: the last
-    // resets them.
-    if (threadIdx.x == 0 && atomicAdd(p.sync + DF_SYNC_DONE, 1u) == gridDim.x - 1) {
-        #pragma unroll
-        for (int i = 0; i < DF_SYNC_COUNTERS; ++i) p.sync[i] = 0u;
-        if (p.queue)
-            for (unsigned t = 0; t < sp.ntiles; ++t) p.sync[DF_SYNC_TILES + t] = 0u;
-    }
-}
-
-// Queue mode (W4A16, DfParams::queue): the L1 and L2 work items (ds_work with p.items_per_cta: the
-// separate launches' split, so the same bits) in the order of DfQueue, taken by the CTAs' producers
-// from a counter (DF_SYNC_QUEUE). A producer publishes each item to its consumers with the item's
-// first stage (stage_code[slot], written after the slot's empty wait, before the full barrier's
-// arrival), and the queue's end the same way (code -1, a plain arrival). An L2 item's weights go out
-// at once (the item's first bytes into the L2 cache, then the ring's first stages); its token rows
-// (the L1's act rows of its tiles) wait for the per-tile count of stored L1 units (DF_SYNC_TILES + t,
-// `groups` of the L1 per tile: each L1 unit's storing CTA fences its stores for the async proxy, a
-// named barrier, then one release add). No grid barrier between the GEMMs: a tile's L2 streams while
-// later tiles' L1 runs, and CTAs the memory system serves faster take more items. No deadlock: an
-// L2 item follows every L1 item of its tiles in the queue, L1 items wait on nothing, and a producer
-// waiting on an L2 item has issued its earlier items, which its consumers finish.
-struct DfQueue {
-    unsigned n1, n2, q1, q2, ntiles;
-    // Entry v: layer (0: L1, 1: L2) and item (false: past the end). Host twin: gpu_layout::tc::fused_queue_entry.
-    __device__ __forceinline__ bool at(unsigned v, int& layer, unsigned& item) const {
-        if (q1 == 0) {                               // flat items: every L1 item, then every L2 item
-            layer = v >= n1;
-            item = layer ? v - n1 : v;
-            return v < n1 + n2;
-        }
-        if (v < q1) { layer = 0; item = v; return true; }
-        v -= q1;
-        const unsigned blk = q1 + q2, r = v / blk, o = v - r * blk;
-        if (r + 1 < ntiles) {                        // tile r + 1's L1, then tile r's L2
-            layer = o >= q1;
-            item = layer ? r * q2 + (o - q1) : (r + 1) * q1 + o;
-            return true;
-        }
-        v -= (ntiles - 1) * blk;                     // the last tile's L2
-        layer = 1;
-        item = (ntiles - 1) * q2 + v;
-        return v < q2;
-    }
-};
-
-template <int NT, int S, int ST>
-__device__ __forceinline__ void df_queue_walks(const DfParams& p, const DsRing& ring, const DfPlan& sp,
-                                               int (&stage_code)[ST], int& last_flag)
-{
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const unsigned ntiles = sp.ntiles, m = (unsigned)p.items_per_cta;
-    const DfTiles t1{sp, p.l1.g.a_rows != nullptr, (unsigned)p.l1.g.a_div}, t2{sp, false, 1u};
-    const DsWork w1 = ds_work<true>(p.l1.g, ntiles, 0u, m), w2 = ds_work<false>(p.l2.g, ntiles, 0u, m);
-    const DfQueue queue{w1.n, w2.n, w1.q, w2.q, ntiles};
-    if (warp == DS_CONSUMERS) {
-        if (lane != 0) return;
-        const unsigned long long wpol = l2_policy_evict_first();
-        for (unsigned j = 0;;) {
-            int layer;
-            unsigned item;
-            const bool more = queue.at(atomicAdd(p.sync + DF_SYNC_QUEUE, 1u), layer, item);
-            const unsigned s = j % ST;
-            if (j >= ST) mbar_wait(ring.empty0 + 8 * s, (j / ST - 1) & 1);
-            stage_code[s] = more ? (int)(item << 1 | (unsigned)layer) : -1;
-            if (!more) {
-                mbar_arrive(ring.full0 + 8 * s);     // the end: a stage with no bytes
-                return;
-            }
-            if (layer == 0) {
-                j += ds_issue<NT, S, ST>(ring, p.l1.g, ds_work<true>(p.l1.g, ntiles, item, m), t1, j, true, true, 0, ~0u, wpol);
-                continue;
-            }
-            const DsWork w = ds_work<false>(p.l2.g, ntiles, item, m);
-            if (p.prefetch_bytes > 0) ds_prefetch(p.l2.g.wq, w, t2, p.prefetch_bytes);
-            ds_issue<NT, S, ST>(ring, p.l2.g, w, t2, j, true, false, 0, ST, wpol);
-            for (unsigned t = w.tile_of(w.b); t <= w.tile_of(w.e - 1); ++t)
-                df_wait(p.sync + DF_SYNC_TILES + t, (unsigned)w1.groups);   // then fenced for the copies
-            ds_issue<NT, S, ST>(ring, p.l2.g, w, t2, j, false, true, 0, ST, wpol);
-            j += ds_issue<NT, S, ST>(ring, p.l2.g, w, t2, j, true, true, ST, ~0u, wpol);
-        }
-    }
-    // Consumers: each item from its first stage's code, until the end.
-    const auto l1_stored = [&](int tile) {
-        df_fence_for_bulk_readers();                 // this thread's act stores, for the L2's bulk copies
-        named_bar(1, 32 * DS_CONSUMERS);
-        if (threadIdx.x == 0) df_arrive(p.sync + DF_SYNC_TILES + tile);
-    };
-    for (unsigned j = 0;;) {
-        const unsigned s = j % ST;
-        mbar_wait(ring.full0 + 8 * s, (j / ST) & 1);
-        const int code = stage_code[s];
-        if (code < 0) break;
-        const unsigned item = (unsigned)code >> 1;
-        if ((code & 1) == 0) {
-            j += ds_consume<NT, S, ST>(ring, ds_work<true>(p.l1.g, ntiles, item, m), t1, p.partials1, p.counters1, last_flag,
-                [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {
-                    tc_store_l1<8, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr, [&](int r) { return (unsigned)sp.perm[r]; });
-                }, j, l1_stored);
-        } else {
-            j += ds_consume<NT, S, ST>(ring, ds_work<false>(p.l2.g, ntiles, item, m), t2, p.partials2, p.counters2, last_flag,
-                [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) { tc_store_l2<8>(p.l2, acc, grp, m0, mc, gs); }, j);
-        }
-    }
-    df_finish(p, sp);
-}
-
 template <int NT, int S, int ST>
 __device__ __forceinline__ void df_kernel(const DfParams& p)
 {
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
     __shared__ DfPlan sp;
     __shared__ int last_flag;
-    __shared__ int stage_code[ST];                   // queue mode: the item whose first stage a slot holds
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) { DS_STAMP_RESET(); DS_STAMP_TIME(PROBE_TIME_START); DS_STAMP(PROBE_START); }
@@ -337,11 +200,7 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     }
     const unsigned ntiles = sp.ntiles;
     const DfTiles t1{sp, p.l1.g.a_rows != nullptr, (unsigned)p.l1.g.a_div}, t2{sp, false, 1u};
-    if (p.queue) {
-        df_queue_walks<NT, S, ST>(p, ring, sp, stage_code, last_flag);
-        return;
-    }
-    const DsWork w1 = ds_work<true>(p.l1.g, ntiles, blockIdx.x, 1u), w2 = ds_work<false>(p.l2.g, ntiles, blockIdx.x, 1u);
+    const DsWork w1 = ds_work<true>(p.l1.g, ntiles, blockIdx.x), w2 = ds_work<false>(p.l2.g, ntiles, blockIdx.x);
     // W4A8 with small L2 ranges: the consumers write the L2's token rows into the ring themselves
     // (df_fill_tokens); else (W4A4, larger ranges) every CTA quantizes a share into l2.g.a first.
     const bool fill2 = p.quant_act.mode == QUANT_FP8_ACT && df_range_fits_ring<S, ST>(w2);
@@ -405,7 +264,31 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
     ds_consume<NT, S, ST>(ring, w2, t2, p.partials2, p.counters2, last_flag,
         [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) { tc_store_l2<8>(p.l2, acc, grp, m0, mc, gs); }, n1);
     if (threadIdx.x == 0) DS_STAMP(PROBE_L2_DONE);
-    df_finish(p, sp);
+    if (p.combine.y) {
+        named_bar(1, 32 * DS_CONSUMERS);
+        if (threadIdx.x == 0) {
+            df_arrive(p.sync + DF_SYNC_L2);
+            df_wait(p.sync + DF_SYNC_L2, gridDim.x); // every CTA's L2 rows are written
+            __threadfence();
+            DS_STAMP(PROBE_BAR2);
+        }
+        named_bar(1, 32 * DS_CONSUMERS);
+        const int K = p.combine.k, cols = p.combine.h / 4;
+        const int items = p.combine.t * cols, step = gridDim.x * 32 * DS_CONSUMERS;
+        for (int it = blockIdx.x * 32 * DS_CONSUMERS + threadIdx.x; it < items; it += step) {
+            const int t = it / cols, h = (it - t * cols) * 4;
+            combine_cols4(p.combine, [&](int j) {
+                const unsigned r = sp.row[t * K + j];
+                return r == 0xFFFFu ? PLAN_ROW_NONE : r;
+            }, t, h);
+        }
+    }
+    if (threadIdx.x == 0) { DS_STAMP(PROBE_END); DS_STAMP_TIME(PROBE_TIME_END); }
+    // Every CTA is past both barriers once all have counted themselves here: the last resets them.
+    if (threadIdx.x == 0 && atomicAdd(p.sync + DF_SYNC_DONE, 1u) == gridDim.x - 1) {
+        #pragma unroll
+        for (int i = 0; i < DF_SYNC_COUNTERS; ++i) p.sync[i] = 0u;
+    }
 }
 
 // Entry point of token tile NT (appended by the host, gemm/tc.rs, one line per

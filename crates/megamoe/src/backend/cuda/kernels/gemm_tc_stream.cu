@@ -8,19 +8,17 @@
 // contiguous run of (c1 - c0) * 8 * BLK bytes, and consecutive groups of an expert follow each
 // other. A: bf16 rows [rows, K], row m of a tile from A[a_rows[m] / a_div] (or A[m]).
 // Split scratch (gpu_layout::tc::stream_scratch_bytes, zeroed once; every launch leaves it zeroed):
-// partials [items][2][8 warps][32 lanes] float4 (an item's first and last partial segment), then
-// counters [items] u32.
+// partials [gridDim.x][2][8 warps][32 lanes] float4 (a CTA's first and last partial segment), then
+// counters [gridDim.x] u32.
 //
 // Work (Stream-K): a launch's work is every (tile, group, chunk) of the plan, flattened as
-// ((tile * groups + G) * nch + c), cut into items of consecutive chunks (ds_work). With one item per
-// CTA (items_per_cta 1: per = max(ceil(total / gridDim.x), DS_MIN_CHUNKS), item b = CTA b), every
-// SM streams the same number of weight bytes however few experts are active (one expert's L1 over
-// 396 CTAs, 3 per SM: ~14 chunks, ~63 KB each), and an item is one or two contiguous weight runs.
-// With more (a decode step of several tiles whose fused launch takes items from a queue,
-// gemm_tc_fused.cu), items are tile-aligned and ~m per CTA; CTA b of a separate launch takes items
-// b, b + gridDim.x, ... An item cuts at most its first and last (tile, group) unit: such a unit's K
-// parts are summed by the last of its items to arrive (an integer counter), in item order, i.e. in
-// k order: the result depends only on the launch's shape, split and routing, bitwise.
+// ((tile * groups + G) * nch + c); CTA b takes the `per = max(ceil(total / gridDim.x), DS_MIN_CHUNKS)`
+// consecutive chunks from b * per on, so every SM streams the same number of weight bytes however
+// few experts are active (one expert's L1 over 396 CTAs, 3 per SM: ~14 chunks, ~63 KB each), and a CTA's range
+// is one or two contiguous weight runs. A range cuts at most its first and last (tile, group) unit:
+// such a unit's K parts are summed by the last of its CTAs to arrive (an integer counter), in CTA
+// order, i.e. in k order: the result depends only on the launch's shape and routing, bitwise.
+//
 // CTA = 8 consumer warps (warp w = slab w of the group: 16 rows, all of its chunks) + 1 producer
 // warp, one lane of which streams the range through an ST-deep ring: stage = S chunks of the 8 slabs
 // (one bulk copy, S * 8 * BLK bytes) + the tile's token rows (one bulk copy per row, S * 128 bytes,
@@ -35,7 +33,7 @@
 // L2 cache: the weight copies carry an evict-first policy (read once); the L1 producer, once its
 // last copy is out, prefetches the first `prefetch_bytes` of the weights its CTA index will stream
 // in the L2 launch (evict-last; the ranges are a function of the plan and the grid only), so the L2
-// opens from the cache while the L1 finishes (one expert's whole L2 at T=1; per item).
+// opens from the cache while the L1 finishes (one expert's whole L2 at T=1).
 
 #ifdef TC_WGMMA
 
@@ -125,54 +123,36 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes
     asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" :: "l"(src), "r"(bytes), "l"(policy) : "memory");
 }
 
-// The launch's work split (see the top): `total` chunks of `nch` per (tile, group) unit, C = groups *
-// nch per tile, cut into ITEMS of `per` consecutive chunks (the index that orders a unit's K parts).
-// m = items per CTA (DsL1Params::items_per_cta; the host's choice, the same for the fused kernel and
-// the separate launches of one plan, so both give the same bits):
-// - m <= 1 or one tile: FLAT items, per = max(ceil(total / gridDim.x), DS_MIN_CHUNKS), item i =
-//   [i * per, (i + 1) * per) of the flattened work (the Stream-K split: one item per CTA);
-// - else TILE-ALIGNED items: q = ceil(C / per) per tile, per = max(ceil(C / max(1, m * gridDim.x /
-//   ntiles)), DS_MIN_CHUNKS), item i = chunks [(i % q) * per, ..) of tile i / q (none crosses a tile:
-//   the fused kernel's queue interleaves tiles' L1 and L2 items, gemm_tc_fused.cu).
-// (Host twin for tests: gpu_layout::tc::stream_items.)
+// The launch's work split (see the top): `total` chunks of `nch` per (tile, group) unit over
+// gridDim.x CTAs; CTA `cta` takes [b, e).
+struct DsRange {
+    unsigned per, b, e;
+};
+__device__ __forceinline__ DsRange ds_range(unsigned total, unsigned cta) {
+    DsRange r;
+    r.per = max((total + gridDim.x - 1) / gridDim.x, (unsigned)DS_MIN_CHUNKS);
+    r.b = cta * r.per;
+    r.e = min(total, r.b + r.per);
+    return r;
+}
+
+// One GEMM of a streaming launch over `ntiles` tiles: its weights' shape (L1: 2I rows over K = H;
+// L2: H rows over K = I) and CTA `cta`'s range [b, e) of its flattened chunks.
 struct DsWork {
     int K, groups, nch;
     size_t expert_bytes;
-    unsigned per, q, C, n;                           // chunks per item, items per tile (0: flat), per tile, items
-    unsigned item, b, e;                             // this item and its chunks [b, e) (b >= e: none)
-    __device__ __forceinline__ unsigned item_begin(unsigned i) const { return q ? (i / q) * C + (i % q) * per : i * per; }
-    __device__ __forceinline__ unsigned item_of(unsigned x) const { return q ? (x / C) * q + (x % C) / per : x / per; }
-    __device__ __forceinline__ unsigned tile_of(unsigned x) const { return x / C; }
+    unsigned per, b, e;
 };
-
-// One GEMM of a streaming launch over `ntiles` tiles (L1: 2I rows over K = H; L2: H rows over K = I),
-// split into items with `m` items per CTA: item `item`'s range.
 template <bool L1>
-__device__ __forceinline__ DsWork ds_work(const GemmOperands& g, unsigned ntiles, unsigned item, unsigned m) {
+__device__ __forceinline__ DsWork ds_work(const GemmOperands& g, unsigned ntiles, unsigned cta) {
     DsWork w;
     const int R = L1 ? 2 * g.inter : g.h;
     w.K = L1 ? g.h : g.inter;
     w.groups = (R + 127) / 128;
     w.nch = w.K / 64;
     w.expert_bytes = (size_t)w.groups * 8 * w.nch * TcFmt<MM_WF>::BLK;
-    w.C = (unsigned)(w.groups * w.nch);
-    const unsigned total = ntiles * w.C;
-    if (m <= 1u || ntiles <= 1u) {
-        w.per = max((total + gridDim.x - 1) / gridDim.x, (unsigned)DS_MIN_CHUNKS);
-        w.q = 0;
-        w.n = (total + w.per - 1) / w.per;
-        w.b = item * w.per;
-        w.e = min(total, w.b + w.per);
-    } else {
-        const unsigned qt = max(1u, m * gridDim.x / ntiles);
-        w.per = max((w.C + qt - 1) / qt, (unsigned)DS_MIN_CHUNKS);
-        w.q = (w.C + w.per - 1) / w.per;
-        w.n = ntiles * w.q;
-        const unsigned t = item / w.q;
-        w.b = item < w.n ? w.item_begin(item) : total;
-        w.e = item < w.n ? min((t + 1) * w.C, w.b + w.per) : total;
-    }
-    w.item = item;
+    const DsRange r = ds_range(ntiles * w.groups * w.nch, cta);
+    w.per = r.per; w.b = r.b; w.e = r.e;
     return w;
 }
 
@@ -277,21 +257,13 @@ __device__ __forceinline__ void ds_prefetch(const unsigned char* wq, const DsWor
     }
 }
 
-// What a GEMM walk does once a (tile, group) unit's result is stored: nothing (the fused kernel's
-// queue counts its tiles' L1 units, gemm_tc_fused.cu).
-struct DsNoDone {
-    __device__ __forceinline__ void operator()(int) const {}
-};
-
-// The consumers' walk over item `w` of GEMM `w` (ring stages base + i, as ds_issue):
+// The consumers' walk over this CTA's range of GEMM `w` (ring stages base + i, as ds_issue):
 // decode + MMA per chunk, each unit's epilogue `store(acc, grp, m0, mc, gslab)` (a cut unit's K
-// parts meet in `partials` / `counters`, indexed by item, summed in item order by the last CTA to
-// arrive; `last_flag`: one int of shared memory), then `done(tile)` by every consumer thread of
-// the CTA that stored it. Returns the stages walked.
-template <int NT, int S, int ST, class Tiles, typename Store, typename Done = DsNoDone>
+// parts meet in `partials` / `counters`, summed in CTA order by the last CTA to arrive;
+// `last_flag`: one int of shared memory). Returns the stages walked.
+template <int NT, int S, int ST, class Tiles, typename Store>
 __device__ __forceinline__ unsigned ds_consume(const DsRing& ring, const DsWork& w, const Tiles& tl, float* partials,
-                                               unsigned* counters, int& last_flag, Store store, unsigned base,
-                                               Done done = Done{})
+                                               unsigned* counters, int& last_flag, Store store, unsigned base)
 {
     using D = DsShape<NT, S>;
     constexpr int BLK = D::BLK;
@@ -354,14 +326,13 @@ __device__ __forceinline__ unsigned ds_consume(const DsRing& ring, const DsWork&
         const int gslab = sg.G * 8 + warp;
         if (sg.k0 == 0 && sg.k1 == nch) {
             store(acc, grp, m0, mc, gslab);          // the whole unit is this CTA's
-            done(sg.tile);
         } else {
             // A K part: leave it in the scratch; the unit's last CTA sums all parts in CTA order.
             const unsigned ustart = sg.u * nch;
-            const int cf = (int)w.item_of(ustart), cl = (int)w.item_of(ustart + nch - 1);
+            const int cf = (int)(ustart / w.per), cl = (int)((ustart + nch - 1) / w.per);
             const int mine = (x == w.b) ? 0 : 1;     // slot 0: the segment holding the range's first chunk
             float4* part = (float4*)partials;
-            __stcg(part + (((size_t)w.item * 2 + mine) * DS_CONSUMERS + warp) * 32 + lane,
+            __stcg(part + (((size_t)blockIdx.x * 2 + mine) * DS_CONSUMERS + warp) * 32 + lane,
                    make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]));
             // The CTA's stores, then one acq_rel arrival at GPU scope (a release of everything the
             // barrier ordered before it, and for the last CTA an acquire of every other part): no
@@ -377,13 +348,12 @@ __device__ __forceinline__ unsigned ds_consume(const DsRing& ring, const DsWork&
             if (last_flag) {
                 float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
                 for (int c = cf; c <= cl; ++c) {
-                    const int sl = (w.item_begin((unsigned)c) < ustart) ? 1 : 0;
+                    const int sl = ((unsigned)c * w.per < ustart) ? 1 : 0;
                     const float4 v = __ldcg(part + (((size_t)c * 2 + sl) * DS_CONSUMERS + warp) * 32 + lane);
                     sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
                 }
                 float out[1][4] = {{sum.x, sum.y, sum.z, sum.w}};
                 store(out, grp, m0, mc, gslab);
-                done(sg.tile);
             }
         }
         x += sg.k1 - sg.k0;
@@ -391,12 +361,11 @@ __device__ __forceinline__ unsigned ds_consume(const DsRing& ring, const DsWork&
     return i;
 }
 
-// Runs the CTA's items of one streaming GEMM launch (items blockIdx.x + r * gridDim.x, `m` per CTA:
-// see ds_work); `store(acc, grp, m0, mc, gslab)` is one slab's epilogue. PDL_WAIT: the kernel may be
-// a programmatic dependent of the one producing A (see above). next_wq / prefetch_bytes (the L1):
-// see ds_prefetch.
+// Runs the CTA's range of one streaming GEMM launch; `store(acc, grp, m0, mc, gslab)` is one slab's
+// epilogue. PDL_WAIT: the kernel may be a programmatic dependent of the one producing A (see above).
+// next_wq / prefetch_bytes (the L1): see ds_prefetch.
 template <int NT, int S, int ST, bool L1, bool PDL_WAIT, typename Store>
-__device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, unsigned* counters, int m, Store store,
+__device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, unsigned* counters, Store store,
                                         const unsigned char* next_wq = nullptr, int prefetch_bytes = 0)
 {
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
@@ -406,36 +375,31 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
     if constexpr (!PDL_WAIT) griddep_wait();
     const DsPlanTiles<NT> tl{g};
     const unsigned ntiles = tl.count();
-    const DsWork w0 = ds_work<L1>(g, ntiles, blockIdx.x, (unsigned)m);
-    if (w0.b >= w0.e) return;                        // uniform over the CTA
+    const DsWork w = ds_work<L1>(g, ntiles, blockIdx.x);
+    if (w.b >= w.e) return;                          // uniform over the CTA
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const DsRing ring = ds_ring<ST>(full, empty);
     __syncthreads();
 
     if (warp == DS_CONSUMERS) {
         if (lane != 0) return;
-        // Producer: stage i of the CTA's walk goes to slot i % ST; slot reuse waits for its consumers.
+        // Producer: stage i of the range goes to slot i % ST; slot reuse waits for its consumers.
         const unsigned long long wpol = l2_policy_evict_first();
-        unsigned j = 0;
-        for (DsWork w = w0; w.b < w.e; w = ds_work<L1>(g, ntiles, w.item + gridDim.x, (unsigned)m)) {
-            if (PDL_WAIT && j == 0) {
-                // The ring's first stages of weights before the predecessor (which writes A) is done.
-                ds_issue<NT, S, ST>(ring, g, w, tl, 0, true, false, 0, ST, wpol);
-                griddep_wait();
-                ds_issue<NT, S, ST>(ring, g, w, tl, 0, false, true, 0, ST, wpol);
-                j = ds_issue<NT, S, ST>(ring, g, w, tl, 0, true, true, ST, ~0u, wpol);
-            } else {
-                j += ds_issue<NT, S, ST>(ring, g, w, tl, j, true, true, 0, ~0u, wpol);
-            }
-            // The weights this item index streams in the L2 launch of the same plan.
-            if (L1 && next_wq) ds_prefetch(next_wq, ds_work<false>(g, ntiles, w.item, (unsigned)m), tl, prefetch_bytes);
+        if constexpr (PDL_WAIT) {
+            // The ring's first stages of weights before the predecessor (which writes A) is done.
+            ds_issue<NT, S, ST>(ring, g, w, tl, 0, true, false, 0, ST, wpol);
+            griddep_wait();
+            ds_issue<NT, S, ST>(ring, g, w, tl, 0, false, true, 0, ST, wpol);
+            ds_issue<NT, S, ST>(ring, g, w, tl, 0, true, true, ST, ~0u, wpol);
+        } else {
+            ds_issue<NT, S, ST>(ring, g, w, tl, 0, true, true, 0, ~0u, wpol);
         }
+        // The weights this CTA index streams in the L2 launch of the same plan.
+        if (L1 && next_wq) ds_prefetch(next_wq, ds_work<false>(g, ntiles, blockIdx.x), tl, prefetch_bytes);
         return;
     }
     if constexpr (L1) griddep_launch_dependents();
-    unsigned j = 0;
-    for (DsWork w = w0; w.b < w.e; w = ds_work<L1>(g, ntiles, w.item + gridDim.x, (unsigned)m))
-        j += ds_consume<NT, S, ST>(ring, w, tl, partials, counters, last_flag, store, j);
+    ds_consume<NT, S, ST>(ring, w, tl, partials, counters, last_flag, store, 0);
 }
 
 // Entry points of token tile NT with S chunks per stage and ST stages (appended by the host,
@@ -443,14 +407,14 @@ __device__ __forceinline__ void ds_gemm(const GemmOperands& g, float* partials, 
 #define DS_KERNELS(NT, S, ST)                                                                                    \
     extern "C" __global__ void __launch_bounds__(DS_THREADS, DS_MIN_CTAS) moe_ds_l1_n##NT(const __grid_constant__ DsL1Params p) \
     {                                                                                                            \
-        ds_gemm<NT, S, ST, true, false>(p.l1.g, p.partials, p.counters, p.items_per_cta,                         \
+        ds_gemm<NT, S, ST, true, false>(p.l1.g, p.partials, p.counters,                                          \
             [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {                                     \
                 tc_store_l1<8, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                            \
             }, p.next_wq, p.prefetch_bytes);                                                                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(DS_THREADS, DS_MIN_CTAS) moe_ds_l2_n##NT(const __grid_constant__ DsL2Params p) \
     {                                                                                                            \
-        ds_gemm<NT, S, ST, false, true>(p.l2.g, p.partials, p.counters, p.items_per_cta,                         \
+        ds_gemm<NT, S, ST, false, true>(p.l2.g, p.partials, p.counters,                                          \
             [&](const float (&acc)[1][4], int grp, int m0, int mc, int gs) {                                     \
                 tc_store_l2<8>(p.l2, acc, grp, m0, mc, gs);                                                     \
             });                                                                                                  \

@@ -49,9 +49,7 @@ constexpr int DF_SYNC_L2 = 1;
 constexpr int DF_SYNC_DONE = 2;
 constexpr int DF_SYNC_INPUTS = 3;
 constexpr int DF_SYNC_ACT = 4;
-constexpr int DF_SYNC_QUEUE = 5;
-constexpr int DF_SYNC_COUNTERS = 6;
-constexpr int DF_SYNC_TILES = 8;
+constexpr int DF_SYNC_COUNTERS = 5;
 
 struct RouterLogitsParams {
     const bf16_t* x;
@@ -236,7 +234,6 @@ struct DsL1Params {
     unsigned* counters;
     const unsigned char* next_wq;
     int prefetch_bytes;
-    int items_per_cta;
 };
 static_assert(sizeof(DsL1Params) == 152, "DsL1Params mirrors params.rs");
 
@@ -244,9 +241,8 @@ struct DsL2Params {
     GemmL2Params l2;
     float* partials;
     unsigned* counters;
-    int items_per_cta;
 };
-static_assert(sizeof(DsL2Params) == 120, "DsL2Params mirrors params.rs");
+static_assert(sizeof(DsL2Params) == 112, "DsL2Params mirrors params.rs");
 
 struct DfParams {
     PlanParams plan;
@@ -261,10 +257,8 @@ struct DfParams {
     unsigned* counters2;
     unsigned* sync;
     int prefetch_bytes;
-    int items_per_cta;
-    int queue;
 };
-static_assert(sizeof(DfParams) == 624, "DfParams mirrors params.rs");
+static_assert(sizeof(DfParams) == 616, "DfParams mirrors params.rs");
 
 struct WgL1Params {
     GemmL1Params l1;
