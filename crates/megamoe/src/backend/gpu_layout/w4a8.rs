@@ -314,10 +314,17 @@ pub const SCALE_BYTES: usize = 2048;
 /// W4A16 launches: the bf16 wgmma kernels have these heights too).
 pub const TOKEN_TILES: [usize; 2] = [64, 128];
 
-/// Pipeline depth (one CTA per SM: up to ~200 KB).
+/// Pipeline depth (one CTA per SM: up to [`RING_BUDGET`]), rounded down to a power of two: the
+/// consumers' ring position is then a shift and a mask (7 stages cost the consumer loop ~20 uniform
+/// instructions of division per chunk, SASS of `moe_w8_l1_n128`).
 pub fn stages(nt: usize) -> usize {
-    (200 * 1024 / stage_bytes(nt)).clamp(2, super::tc::MAX_STAGES)
+    let fit = (RING_BUDGET / stage_bytes(nt)).clamp(2, super::tc::MAX_STAGES);
+    1 << fit.ilog2()
 }
+
+/// Shared memory the ring may take: the 227 KB an sm_90 CTA can have, less the 1 KB alignment
+/// slack of [`smem_bytes`] and room for the static barriers.
+pub const RING_BUDGET: usize = 225 * 1024;
 
 /// Dynamic shared memory of a W4A8 kernel (+1 KB to align the ring to 1024 bytes).
 pub fn smem_bytes(nt: usize) -> usize {
