@@ -547,6 +547,40 @@ fn prefill_pair_launch_matches_separate_launches_bitwise() {
     }
 }
 
+/// By default a routed wgmma L1 and its L2 run chained: the L2 a programmatic dependent whose
+/// units wait on per-tile counts the L1 leaves in the workspace (no grid boundary between them).
+/// The same units compute the same sums either way, so the output must be bitwise the launches
+/// apart (`MEGAMOE_WG_CHAIN=0`), forward after forward (the L2's last CTA resets the counts).
+#[test]
+fn prefill_chained_launches_match_separate_launches_bitwise() {
+    let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
+    for (cfg, t, seed) in [(three, 1400, 71), (two_group_config(), 1024, 73), (two_group_config(), 3000, 75)]
+    {
+        let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
+        // The knob is read when an engine's kernels are made (the device script runs these tests
+        // on one thread).
+        std::env::set_var("MEGAMOE_WG_CHAIN", "0");
+        let apart = engine_with(&layer, t, Some("tc"));
+        std::env::remove_var("MEGAMOE_WG_CHAIN");
+        let chained = engine_with(&layer, t, Some("tc"));
+        let (Some(mut chained), Some(mut apart)) = (chained, apart) else { return };
+        let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
+        let input = ForwardInput { x: &x, input_ids: None };
+        chained.poison(0xFF).unwrap();
+        apart.poison(0xFF).unwrap();
+        let want = apart.forward(&input, Mode::W4A16, None).unwrap();
+        let host = host_forward(&layer, &x, &want.topk_ids, &want.topk_weights, Mode::W4A16);
+        for round in 0..3 {
+            let got = chained.forward(&input, Mode::W4A16, None).unwrap();
+            eprintln!("chained T={t} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
+            assert_eq!(
+                got.y, want.y,
+                "T={t} round {round}: the chained launches differ from the separate ones"
+            );
+        }
+    }
+}
+
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
 /// evenly (Stream-K): with K = 1152 (18 chunks) and 640 (10) a (tile, group)'s K parts land in
 /// several CTAs and are summed by the last to arrive, and a CTA's range crosses units (T=8: ~23

@@ -524,6 +524,9 @@ kernel_abi! {
         l1: GemmL1Params => "GemmL1Params",
         /// Tensor map of A.
         amap: TmaDesc => "TmaDesc",
+        /// Nullable: `[2 + tiles]` u32 (`gemm_tc.cu` `WgGridSched`): each CTA adds 1 to word
+        /// 2 + tile once a unit's activations are stored, for a chained L2 (`WgL2Params::tile_done`).
+        tile_done: DevPtr => "unsigned*",
     }
 
     /// The Hopper wgmma L2 kernel.
@@ -532,6 +535,12 @@ kernel_abi! {
         l2: GemmL2Params => "GemmL2Params",
         /// Tensor map of A (`[rows, I]` bf16).
         amap: TmaDesc => "TmaDesc",
+        /// Nullable: the chained L1's counters (a programmatic dependent of that L1: a unit's
+        /// copies wait until word 2 + tile reaches `wait_units`; word 0 counts the finished CTAs,
+        /// the last resets every word).
+        tile_done: DevPtr => "unsigned*",
+        /// The L1's units per tile (its group sets).
+        wait_units: i32 => "int",
     }
 
     /// The Hopper wgmma pair kernel: a routed L1 and its L2 in one persistent launch whose CTAs

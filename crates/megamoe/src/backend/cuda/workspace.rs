@@ -219,10 +219,10 @@ pub struct Workspace {
     pub(crate) split_routed: DevBuf,
     /// The same for the shared expert (which may run concurrently, on the side stream).
     pub(crate) split_shared: DevBuf,
-    /// Scheduler counters of the routed experts' L1 + L2 pair launch `[2 + max_tiles]` u32
-    /// ([`super::gemm::GemmLaunch::sched`]; zero between forwards: the kernel leaves them so);
-    /// opt-in with `MEGAMOE_WG_PAIR=1` (measured slower than the two launches on the H200 so far:
-    /// docs/PERFORMANCE.md, sixteenth session), else `None` and the two GEMMs launch apart.
+    /// Counters of the routed experts' L1 + L2 pair `[2 + max_tiles]` u32
+    /// ([`super::gemm::GemmLaunch::sched`]; zero between forwards: the kernels leave them so):
+    /// the chained wgmma launches' per-tile counts, or the pair kernel's queue (opt-in with
+    /// `MEGAMOE_WG_PAIR=1`: measured slower on the H200, docs/PERFORMANCE.md, sixteenth session).
     pub(crate) pair_sched: Option<DevBuf>,
     /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
     /// batches; [`Self::prepare`]).
@@ -295,11 +295,9 @@ impl Workspace {
             status: z(&[4], "status")?,
             split_routed: z(&[Workspace::split_bytes(device.sm_count())], "routed split scratch")?,
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
-            pair_sched: if super::gemm::tc::wg_pair_enabled() {
-                Some(z(&[2 + tiles, 4], "pair scheduler counters")?)
-            } else {
-                None
-            },
+            // The routed L1 + L2 pair's counters: the pair kernel's queue or the chained launches'
+            // per-tile counts (a few hundred bytes: always there).
+            pair_sched: Some(z(&[2 + tiles, 4], "pair scheduler counters")?),
             xin: None,
             actq: None,
             gate_tr: None,

@@ -56,6 +56,9 @@ struct TcKernels {
     df: HashMap<usize, (Kernel<DfParams>, usize)>,
     /// Whether the streaming L2 is a programmatic dependent of the L1 (`MEGAMOE_PDL=0`: no).
     pdl: bool,
+    /// Whether a routed wgmma L1 and its L2 run chained (the L2 a programmatic dependent waiting
+    /// per tile on the L1's counts; `MEGAMOE_WG_CHAIN=0` or `MEGAMOE_PDL=0`: apart).
+    wg_chain: bool,
     /// Bytes per CTA of the L2's weights the streaming L1 prefetches into the L2 cache
     /// ([`layout::STREAM_PREFETCH_BYTES`]; `MEGAMOE_PREFETCH=<bytes>`, 0: none).
     prefetch_bytes: i32,
@@ -223,7 +226,17 @@ fn df_name(nt: usize) -> String {
 
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
     let pair = wg_pair_enabled() && has_wgmma(dev.arch());
-    dev.cached(&format!("gemm_tc-{}{}", f.name(), if pair { "+pair" } else { "" }), || {
+    let chain =
+        dev.programmatic_launches() && std::env::var("MEGAMOE_WG_CHAIN").map_or(true, |v| v.trim() != "0");
+    // Keyed by the knobs read here, so engines made under different settings (tests, A/B) each
+    // get theirs; the compiled module is shared.
+    let key = format!(
+        "gemm_tc-{}{}{}",
+        f.name(),
+        if pair { "+pair" } else { "" },
+        if chain { "" } else { "+apart" }
+    );
+    dev.cached(&key, || {
         let m = dev.module(&module_spec(f, dev.arch()))?;
         let mut k = TcKernels {
             format: f,
@@ -238,6 +251,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             ds_l2: HashMap::new(),
             df: HashMap::new(),
             pdl: dev.programmatic_launches(),
+            wg_chain: chain,
             prefetch_bytes: std::env::var("MEGAMOE_PREFETCH")
                 .ok()
                 .and_then(|v| v.trim().parse::<usize>().ok())
@@ -380,19 +394,44 @@ impl GemmKernels for TcKernels {
             return Ok(false);
         }
         let (h, inter) = (l1.g.h as usize, l1.g.inter as usize);
-        let (c, _) = self.wg_cfg(l, 2 * inter);
-        let Some(k) = self.wg_pair.get(&c).filter(|_| self.wg_cfg(l, h).0 == c) else { return Ok(false) };
-        let p = WgPairParams {
-            l1: WgL1Params { l1: *l1, amap: tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)? },
-            l2: WgL2Params { l2: *l2, amap: tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)? },
-            sched: l.sched,
-        };
-        // Persistent: one CTA per SM (the kernels' shared memory allows no more) takes units.
-        let cfg =
-            LaunchCfg::grid((self.sm_count as u32, 1, 1), layout::wg_smem_bytes(self.format, c.nt, c.groups));
-        // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters
-        // (the workspace's: max_tiles at the smallest tile, >= grid_tiles >= the plan's count).
-        unsafe { k.launch(s, &cfg, &p)? };
+        let (c, cfg1) = self.wg_cfg(l, 2 * inter);
+        let amap1 = tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)?;
+        let amap2 = tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)?;
+        if let Some(k) = self.wg_pair.get(&c).filter(|_| self.wg_cfg(l, h).0 == c) {
+            let p = WgPairParams {
+                l1: WgL1Params { l1: *l1, amap: amap1, tile_done: 0 },
+                l2: WgL2Params { l2: *l2, amap: amap2, tile_done: 0, wait_units: 0 },
+                sched: l.sched,
+            };
+            // Persistent: one CTA per SM (the kernels' shared memory allows no more) takes units.
+            let cfg = LaunchCfg::grid(
+                (self.sm_count as u32, 1, 1),
+                layout::wg_smem_bytes(self.format, c.nt, c.groups),
+            );
+            // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters
+            // (the workspace's: max_tiles at the smallest tile, >= grid_tiles >= the plan's count).
+            unsafe { k.launch(s, &cfg, &p)? };
+            return Ok(true);
+        }
+        if !self.wg_chain {
+            return Ok(false);
+        }
+        // Chained: the L1 counts each tile's stored units in `l.sched`, the L2 (a programmatic
+        // dependent) waits per tile on them (`gemm_tc.cu` WgGridSched).
+        let (key2, cfg2) = self.wg_cfg(l, h);
+        let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
+        // Units per tile of the L1: its grid's group sets (x); tiles run along y.
+        let wait_units = cfg1.grid.0 as i32;
+        // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters,
+        // which the L2's last CTA leaves zeroed.
+        unsafe {
+            self.wg_l1[&c].launch(s, &cfg1, &WgL1Params { l1: *l1, amap: amap1, tile_done: l.sched })?;
+            self.wg_l2[&key2].launch(
+                s,
+                &cfg2,
+                &WgL2Params { l2: *l2, amap: amap2, tile_done: l.sched, wait_units },
+            )?;
+        }
         Ok(true)
     }
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
@@ -404,7 +443,7 @@ impl GemmKernels for TcKernels {
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.h as usize, l.block_m)?;
             let (key, cfg) = self.wg_cfg(l, rows);
             // SAFETY: as below; the tensor map covers A's `a_rows` rows.
-            return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap }) };
+            return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap, tile_done: 0 }) };
         }
         if let (None, Some([(partials, counters), _])) = (trace, self.stream(l, &p.g)) {
             // SAFETY: as below; the scratch holds `stream_scratch_bytes` for this grid, zeroed.
@@ -443,7 +482,9 @@ impl GemmKernels for TcKernels {
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.inter as usize, l.block_m)?;
             let (key, cfg) = self.wg_cfg(l, p.g.h as usize);
             // SAFETY: the tensor map covers A's `a_rows` rows; the operands the packed weights.
-            return unsafe { self.wg_l2[&key].launch(s, &cfg, &WgL2Params { l2: *p, amap }) };
+            return unsafe {
+                self.wg_l2[&key].launch(s, &cfg, &WgL2Params { l2: *p, amap, tile_done: 0, wait_units: 0 })
+            };
         }
         if let Some([_, (partials, counters)]) = self.stream(l, &p.g) {
             // SAFETY: as in `l1`; programmatic launch: the kernel waits (griddepcontrol) before it

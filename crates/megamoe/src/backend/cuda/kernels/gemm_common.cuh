@@ -70,6 +70,13 @@ __device__ __forceinline__ void l1_epilogue_tokens(const GemmL1Params& p, int m0
     }
 }
 
+// Programmatic dependent launch: wait for the predecessor grid's memory; let this grid's dependent
+// launch (once every CTA of this grid has said so or exited).
+#ifdef TC_WGMMA
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+#endif
+
 // Cross-CTA count halves (the fused decode kernel's grid barriers, as cooperative groups' grid
 // sync; the wgmma pair kernel's per-tile counts): the arrival, by one thread per CTA after
 // a CTA barrier that follows every thread's writes (each thread first fences its own generic

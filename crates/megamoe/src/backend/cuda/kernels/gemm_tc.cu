@@ -531,6 +531,21 @@ __device__ __forceinline__ void wg_tile_k_loop(const Ring& ring, float (&acc)[MB
 // an acquire load and fences before its tensor-map copies). No deadlock: units are taken in order,
 // an L1 unit waits on nothing, and a producer waiting on an L2 unit has already issued its earlier
 // units, which its consumers finish. The last CTA out resets the counters for the next launch.
+// Every consumer thread, after its epilogue of a unit whose act rows an L2 reads with TMA: its
+// stores fenced against the async proxy, a named barrier, then one GPU-scope release add to `count`
+// (df_arrive's), issued by the first consumer's warp 0 under warp-uniform control, lane 0 adding 1
+// and the others 0. (A branch on one thread made ptxas move the K loop's chunk counter and wgmma
+// descriptors out of the uniform registers: an R2UR per wgmma, sixteenth session.)
+__device__ __forceinline__ void wg_count_stored(unsigned* count, int nc)
+{
+    df_fence_for_bulk_readers();
+    named_bar(1, 128 * nc);
+    if (__shfl_sync(0xffffffffu, threadIdx.x >> 5, 0) == 4) {
+        __threadfence();
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(count), "r"((threadIdx.x & 31) == 0 ? 1u : 0u) : "memory");
+    }
+}
+
 struct WgUnit {
     int layer, tile, set;
     static constexpr int END = -1;
@@ -538,21 +553,40 @@ struct WgUnit {
     static __device__ __forceinline__ WgUnit of(int code) { return WgUnit{code & 1, code >> 11, (code >> 1) & 1023}; }
 };
 
+// Chained launches (WgL1Params / WgL2Params::tile_done set, gpu_layout::tc::wg_chain): the L2 is a
+// programmatic dependent of its L1, which lets it launch as soon as every L1 CTA has started; an L2
+// unit's copies then wait for its tile's L1 units (tile_done[2 + tile], the pair kernel's count)
+// instead of the whole L1 grid, so L2 CTAs fill the SMs the L1's last wave leaves idle. No
+// deadlock: the L2 launches only once every L1 CTA is resident or done. The L2's last CTA out
+// resets the counters.
 template <int NT>
 struct WgGridSched {
     const GemmOperands& g;
     const TmaDesc& amap;
     int layer;
+    unsigned* tile_done;                 // null: not chained
+    unsigned wait_units;                 // L2: the L1's units per tile
     __device__ __forceinline__ const GemmOperands& ops(int) const { return g; }
     __device__ __forceinline__ const TmaDesc& map(int) const { return amap; }
-    // The producer's n-th unit (false: none left).
+    // The producer's n-th unit (false: none left); a chained L2 unit first waits for its tile.
     __device__ __forceinline__ bool take(unsigned n, WgUnit& u) const {
         u = WgUnit{layer, (int)(blockIdx.y + n * gridDim.y), (int)blockIdx.x};
         int grp, m0, mend;
-        return gemm_tile<NT>(g, u.tile, grp, m0, mend);
+        if (!gemm_tile<NT>(g, u.tile, grp, m0, mend)) return false;
+        if (layer && tile_done) df_wait(tile_done + 2 + u.tile, wait_units);   // then fenced for the copies
+        return true;
     }
-    __device__ __forceinline__ void unit_stored(const WgUnit&) const {}
-    __device__ __forceinline__ void producer_done() const {}
+    // Every consumer thread, after its epilogue of unit u: a chained L1 counts it (as WgPairSched).
+    __device__ __forceinline__ void unit_stored(const WgUnit& u, int nc) const {
+        if (!layer && tile_done) wg_count_stored(tile_done + 2 + u.tile, nc);
+    }
+    __device__ __forceinline__ void producer_done() const {
+        if (!layer || !tile_done) return;
+        if (atomicAdd(tile_done, 1u) != gridDim.x * gridDim.y - 1) return;
+        const int tiles = *g.num_tiles;
+        for (int t = 0; t < tiles; ++t) tile_done[2 + t] = 0u;
+        tile_done[0] = 0u;
+    }
 };
 
 template <int GPC, int NC>
@@ -576,14 +610,9 @@ struct WgPairSched {
         if (layer) df_wait(p.sched + 2 + u.tile, (unsigned)s1);   // then fenced for the copies
         return true;
     }
-    // Every consumer thread, after its epilogue of unit u. (With this add in the unit loop ptxas keeps
-    // the pair kernel's chunk counter in vector registers: its K loop has an R2UR per wgmma that the
-    // single-GEMM kernels do not — SASS, sixteenth session; the cost is measured in PERFORMANCE.md.)
-    __device__ __forceinline__ void unit_stored(const WgUnit& u) const {
-        if (u.layer != 0) return;
-        df_fence_for_bulk_readers();                              // this thread's act stores, for TMA readers
-        named_bar(1, 128 * NC);
-        if (threadIdx.x == 128) df_arrive(p.sched + 2 + u.tile);
+    // Every consumer thread, after its epilogue of unit u: an L1 unit counts for its tile.
+    __device__ __forceinline__ void unit_stored(const WgUnit& u, int) const {
+        if (u.layer == 0) wg_count_stored(p.sched + 2 + u.tile, NC);
     }
     // The producer thread, having taken its last unit: the last CTA out resets the counters (every
     // unit was taken and every wait passed, so nothing reads or adds to them any more).
@@ -694,7 +723,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
                 if (c > 0) ring.wait_full(it);
                 ring.release(it);
             }
-            sched.unit_stored(u);
+            sched.unit_stored(u, NC);
             continue;
         }
         int grp, m0, mend;
@@ -721,7 +750,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
         ring.release(it - 1);
         #pragma unroll
         for (int b = 0; b < MB; ++b) store(u.layer, acc[b], grp, m0, mc, G0 * 8 + 4 * (cw * MB + b) + warp);
-        sched.unit_stored(u);
+        sched.unit_stored(u, NC);
     }
 }
 #endif  // TC_WGMMA
@@ -758,7 +787,8 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l1_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                                  \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT>{p.l1.g, p.amap, 0},                                        \
+        if (threadIdx.x == 0) griddep_launch_dependents();   /* a chained L2 may launch */               \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT>{p.l1.g, p.amap, 0, p.tile_done, 0u},                        \
                                   [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
         });                                                                                               \
@@ -766,7 +796,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l2_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                                  \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT>{p.l2.g, p.amap, 1},                                        \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT>{p.l2.g, p.amap, 1, p.tile_done, (unsigned)p.wait_units},    \
                                   [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
         });                                                                                               \

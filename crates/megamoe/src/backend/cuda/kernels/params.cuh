@@ -263,21 +263,24 @@ static_assert(sizeof(DfParams) == 616, "DfParams mirrors params.rs");
 struct WgL1Params {
     GemmL1Params l1;
     TmaDesc amap;
+    unsigned* tile_done;
 };
-static_assert(sizeof(WgL1Params) == 256, "WgL1Params mirrors params.rs");
+static_assert(sizeof(WgL1Params) == 320, "WgL1Params mirrors params.rs");
 
 struct WgL2Params {
     GemmL2Params l2;
     TmaDesc amap;
+    unsigned* tile_done;
+    int wait_units;
 };
-static_assert(sizeof(WgL2Params) == 256, "WgL2Params mirrors params.rs");
+static_assert(sizeof(WgL2Params) == 320, "WgL2Params mirrors params.rs");
 
 struct WgPairParams {
     WgL1Params l1;
     WgL2Params l2;
     unsigned* sched;
 };
-static_assert(sizeof(WgPairParams) == 576, "WgPairParams mirrors params.rs");
+static_assert(sizeof(WgPairParams) == 704, "WgPairParams mirrors params.rs");
 
 struct W8L1Params {
     GemmL1Params l1;
