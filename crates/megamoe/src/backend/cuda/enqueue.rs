@@ -688,12 +688,12 @@ impl LayerWeights {
     ) -> Result<()> {
         let c = &self.config;
         let slots = plan.tokens * c.num_experts_per_tok;
-        // e4m3 rows [slots, K] then their scales [slots][pitch] f32 (pitch * 4 <= K bytes): both fit
-        // the bf16 buffer of [max slots, K].
+        // e4m3 rows [slots, K] then their block-major scales [K / 128][pitch] f32 (pitch: slots
+        // padded to 4; K / 32 * pitch <= slots * K bytes): both fit the bf16 buffer of [max slots, K].
         let rows_in = |buf: u64, k: usize| Fp8Rows {
             codes: buf,
             scales: buf + (slots * k) as u64,
-            pitch: w4a8_layout::scale_pitch(k),
+            pitch: w4a8_layout::scale_pitch(slots),
         };
         let xin = rows_in(lazy(&ws.xin, "quantized expert inputs")?.ptr(), c.hidden_size);
         self.quant_rows(plan, &self.quant_params(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin)), s)?;

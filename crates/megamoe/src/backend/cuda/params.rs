@@ -265,10 +265,10 @@ kernel_abi! {
         mode: i32 => "int",
         /// `[E_local]` f32 activation global scales (QUANT_NVFP4_ACT), nullable otherwise.
         in_scale: DevPtr => "const float*",
-        /// QUANT_FP8_E4M3: the block scales `[rows][scale_pitch]` f32 (row r's block b at
-        /// `r * scale_pitch + b`); nullable otherwise.
+        /// QUANT_FP8_E4M3: the block scales `[cols / 128][scale_pitch]` f32, block-major (row r's
+        /// block b at `b * scale_pitch + r`); nullable otherwise.
         scales: DevPtr => "float*",
-        /// Row pitch of `scales` (elements, a multiple of 4).
+        /// Pitch of `scales` (elements: the rows padded to 4).
         scale_pitch: i32 => "int",
     }
 

@@ -299,15 +299,15 @@ pub fn groups_per_cta(nt: usize) -> usize {
 }
 
 /// Bytes of one stage of the W4A8 kernels for token tile `nt`: the e4m3 token tile (`nt` rows x
-/// 128 bytes, 128B-swizzled), the tile's activation scales (`nt` rows x the 4 blocks of the
-/// 16-byte column group holding the chunk's block) and the CTA's groups of 8 weight blocks, rounded
-/// to the swizzle's 1024-byte alignment.
+/// 128 bytes, 128B-swizzled), the tile's activation scales of the chunk's block (`nt` f32, one
+/// row of the block-major scales) and the CTA's groups of 8 weight blocks, rounded to the
+/// swizzle's 1024-byte alignment.
 pub fn stage_bytes(nt: usize) -> usize {
     (nt * CHUNK_K + SCALE_BYTES + groups_per_cta(nt) * GROUP_SLABS * BLOCK_BYTES).div_ceil(1024) * 1024
 }
 
-/// Bytes a stage reserves for the token tile's activation scales (up to 128 rows x 4 f32).
-pub const SCALE_BYTES: usize = 2048;
+/// Bytes a stage reserves for the token tile's activation scales of one block (up to 128 f32).
+pub const SCALE_BYTES: usize = 512;
 
 /// Token tiles the W4A8 kernels are built for: whole 64-token consumer halves. A layer holding
 /// this layout plans its prefill tiles among these (so that a plan serves both its W4A8 and its
@@ -331,11 +331,13 @@ pub fn smem_bytes(nt: usize) -> usize {
     stages(nt) * stage_bytes(nt) + 1024
 }
 
-/// Row pitch (f32 elements) of the activation scales `[rows][pitch]` of a `K`-column input: its
-/// `K / 128` blocks padded to 4, so that rows are 16-byte aligned and a kernel fetches the 16-byte
-/// column group of any chunk with one TMA box (a box's inner extent must be a 16-byte multiple).
-pub fn scale_pitch(k: usize) -> usize {
-    (k / CHUNK_K).div_ceil(4) * 4
+/// Pitch (f32 elements) of the block-major activation scales `[K / 128][pitch]` of an input of
+/// `rows` rows: the rows padded to 4, so that every block's row is 16-byte aligned (TMA's global
+/// stride) and a kernel fetches a token tile's scales of one chunk with one box — `nt` contiguous
+/// floats, which its consumers read two tokens at a time (row-major `[rows][blocks]` scales took
+/// a box of 4 blocks per chunk, 4x the bytes, and one load per token).
+pub fn scale_pitch(rows: usize) -> usize {
+    rows.next_multiple_of(4)
 }
 
 #[cfg(test)]

@@ -120,9 +120,9 @@ pub(crate) fn upload(
 pub(crate) struct Fp8Rows {
     /// `[rows, K]` e4m3.
     pub codes: u64,
-    /// `[rows][pitch]` f32.
+    /// `[K / 128][pitch]` f32, block-major.
     pub scales: u64,
-    /// Row pitch of `scales` ([`layout::scale_pitch`] of K).
+    /// Pitch of `scales` ([`layout::scale_pitch`] of the rows).
     pub pitch: usize,
 }
 
@@ -146,7 +146,9 @@ impl W4a8Experts {
 
     fn maps(l: &GemmLaunch, a: &Fp8Rows, k: usize) -> Result<(TmaDesc, TmaDesc)> {
         let amap = tma_2d(a.codes, TmaElem::U8, l.a_rows, k, k, (layout::CHUNK_K, l.block_m), true)?;
-        let smap = tma_2d(a.scales, TmaElem::F32, l.a_rows, a.pitch, a.pitch, (4, l.block_m), false)?;
+        // One box per chunk: the tile's `block_m` scales of its block (rows past `a_rows` read 0).
+        let smap =
+            tma_2d(a.scales, TmaElem::F32, k / layout::CHUNK_K, l.a_rows, a.pitch, (l.block_m, 1), false)?;
         Ok((amap, smap))
     }
 

@@ -12,8 +12,8 @@
 //   multiply-adds, two byte-permutes per word, the signs OR-ed in: 16 e4m3 values in ~20 integer
 //   instructions, exact. alpha_w [G][R_pad] = 2^(row base - 133) per packed row.
 // - A: e4m3 bytes [rows, K] through a TMA map (boxes of 128 k x NT rows, 128B-swizzled), its
-//   act_quant scales [rows][pitch] f32 (K / 128 blocks, pitch padded to 4) through a second map,
-//   boxes of 4 blocks x NT rows (16 bytes: the smallest inner extent TMA takes) holding the chunk's.
+//   act_quant scales block-major [K / 128][pitch] f32 (pitch: the rows padded to 4) through a
+//   second map, one box of NT floats per chunk: the tile's scales of the chunk's block.
 // - Outputs as gemm_tc.cu: L1 act [rows, I] bf16 (clamped SwiGLU x routing weight), L2 [rows, H] f32.
 //
 // Tiling: warpgroup 0 is the producer (one thread issues every copy; setmaxnreg gives its registers
@@ -27,7 +27,7 @@
 //   thread (two 64-register accumulators, two A register sets): a consumer decodes chunk c + 1
 //   while chunk c's QGMMAs run, and the two consumers' QGMMAs and promotions interleave. (A 128-token
 //   tile over four m64n64 consumers decoded every block twice: half the integer work per MAC.)
-// Pipeline: ring of ST stages [token tile NT x 128 B | NT x 4 f32 scales (<= 2 KB) | the CTA's 16 or
+// Pipeline: ring of ST stages [token tile NT x 128 B | NT f32 scales (<= 512 B) | the CTA's 16 or
 // 8 weight blocks], full / empty mbarriers (empty: one arrival per consumer warp). Per chunk a
 // consumer waits for its stage, issues its QGMMAs into its unit accumulator (the first with scale-d
 // 0), waits, and promotes: acc += unit_acc * (token's block scale) — the activation scale is per
@@ -35,7 +35,7 @@
 // bounds the FP8 MMA's reduced-precision accumulation to 128 products — then releases the stage.
 // Fixed k order: bitwise reproducible.
 
-constexpr int W8_BLK = 1088, W8_CODE_BYTES = 1024, W8_SCALE_BYTES = 2048;
+constexpr int W8_BLK = 1088, W8_CODE_BYTES = 1024, W8_SCALE_BYTES = 512;   // = w4a8::SCALE_BYTES
 
 // Token tile NT over NC consumer warpgroups (gpu_layout::w4a8::consumers, passed by the host's
 // instantiation); registers as the wgmma kernels split them (wg_consumer_regs: 112 for four, 232 for two).
@@ -108,9 +108,9 @@ struct W8Ring {
         const unsigned char* st = gbase + (c % stages) * stage_bytes;
         return w8_load(st + code_off, st + x_off);
     }
-    // Stage c's scales of 128-block kc (its chunk within the tile): token n's at [4 n].
-    __device__ __forceinline__ const float* scales(unsigned c, int kc) const {
-        return (const float*)(gbase + (c % stages) * stage_bytes + t_bytes) + (kc & 3);
+    // Stage c's activation scales (its chunk's block): token n's at [n].
+    __device__ __forceinline__ const float* scales(unsigned c) const {
+        return (const float*)(gbase + (c % stages) * stage_bytes + t_bytes);
     }
 };
 
@@ -132,11 +132,12 @@ __device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[NT / 8][
 template <int NJ>
 __device__ __forceinline__ void w8_promote(float (&acc)[NJ][4], const float (&uacc)[NJ][4], const float* sc)
 {
-    // One base per lane, constant offsets per column (LDS [r + imm], no per-load address math).
-    const float* st = sc + 8 * (threadIdx.x & 3);
+    // One base per lane, constant offsets per column (LDS.64 [r + imm] of tokens 8 jn + 2 t, + 1).
+    const float2* st = (const float2*)sc + (threadIdx.x & 3);
     #pragma unroll
     for (int jn = 0; jn < NJ; ++jn) {
-        const float s0 = st[32 * jn], s1 = st[32 * jn + 4];
+        const float2 s = st[4 * jn];
+        const float s0 = s.x, s1 = s.y;
         acc[jn][0] = fmaf(uacc[jn][0], s0, acc[jn][0]);
         acc[jn][1] = fmaf(uacc[jn][1], s1, acc[jn][1]);
         acc[jn][2] = fmaf(uacc[jn][2], s0, acc[jn][2]);
@@ -186,9 +187,9 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
                 if (u > 0) mbar_wait(smem_u32(&empty[s]), (u - 1) & 1);
                 const unsigned fb = smem_u32(&full[s]);
                 const unsigned dst = base + s * S::STAGE;
-                mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 16 + ng * S::W_GROUP);
+                mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 4 + ng * S::W_GROUP);
                 tma_load_2d(dst, &amap, c * 128, m0, fb);
-                tma_load_2d(dst + S::T_BYTES, &smap, c & ~3, m0, fb);
+                tma_load_2d(dst + S::T_BYTES, &smap, m0, c, fb);
                 for (int gi = 0; gi < ng; ++gi)
                     bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + gi * S::W_GROUP,
                              wsrc + ((size_t)gi * nch + c) * S::W_GROUP, S::W_GROUP, fb);
@@ -230,7 +231,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             wgmma_wait<0>();
             wgmma_fence_acc(uacc);
             wgmma_fence_a(a);
-            w8_promote(acc, uacc, ring.scales(c, kc));
+            w8_promote(acc, uacc, ring.scales(c));
             ring.release(c);
             if constexpr (S::DECODE_AHEAD) {
                 if (kc + 1 < nch) {

@@ -102,7 +102,7 @@ __device__ __forceinline__ void quant_fp8_store(const QuantRowsParams& p, uint2 
     const uint2 o = quant_fp8_values<CODES>(raw, codes, scale);
     if constexpr (CODES) {
         *(unsigned*)((u8*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = codes;
-        if (lane == 0) p.scales[(size_t)r * p.scale_pitch + b] = scale;
+        if (lane == 0) p.scales[(size_t)b * p.scale_pitch + r] = scale;   // block-major
     } else {
         *(uint2*)((bf16_t*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = o;
     }
