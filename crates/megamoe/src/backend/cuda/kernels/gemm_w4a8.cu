@@ -90,19 +90,19 @@ __device__ __forceinline__ void w8_decode(const W8Raw& r, unsigned (&a)[4][4])
 struct W8Ring {
     unsigned base;                       // shared address of stage 0 (1024-aligned)
     const unsigned char* gbase;          // the same, generic
-    unsigned long long* full;
-    unsigned long long* empty;
+    unsigned full0, empty0;              // shared addresses of the stage barriers (8 bytes apart;
+                                         // converted once: per chunk it cost S2URs of the window)
     int stages, stage_bytes, t_bytes;
     int code_off, x_off;                 // this lane's codes and exponent bytes inside a stage
 
     __device__ __forceinline__ void wait_full(unsigned c) const {
-        mbar_wait(smem_u32(&full[c % stages]), (c / stages) & 1);
+        mbar_wait(full0 + 8 * (c % stages), (c / stages) & 1);
     }
     // This warp is done with chunk c's stage (its QGMMAs retired, its loads in registers): each
     // consumer warp arrives once, then the producer may refill it.
     __device__ __forceinline__ void release(unsigned c) const {
         __syncwarp();
-        if ((threadIdx.x & 31) == 0) mbar_arrive(smem_u32(&empty[c % stages]));
+        if ((threadIdx.x & 31) == 0) mbar_arrive(empty0 + 8 * (c % stages));
     }
     __device__ __forceinline__ W8Raw load(unsigned c) const {
         const unsigned char* st = gbase + (c % stages) * stage_bytes;
@@ -202,7 +202,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     // A consumer of the missing group of an odd count idles (still releasing its stages).
     const bool live = G0 * 8 + slab < groups * 8;
     const int blk = S::T_BYTES + W8_SCALE_BYTES + (live ? slab : 0) * W8_BLK;
-    const W8Ring ring{base, gbase, full, empty, ST, S::STAGE, S::T_BYTES,
+    const W8Ring ring{base, gbase, smem_u32(&full[0]), smem_u32(&empty[0]), ST, S::STAGE, S::T_BYTES,
                       blk + lane * 32, blk + W8_CODE_BYTES + (lane >> 2) * 8};
     unsigned it = 0;
     for (int tile = blockIdx.y;; tile += gridDim.y) {
@@ -215,32 +215,39 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             #pragma unroll
             for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
         ring.wait_full(it);
-        unsigned a[4][4];
         W8Raw raw = ring.load(it);
-        if constexpr (S::DECODE_AHEAD) w8_decode(raw, a);
-        for (int kc = 0; kc < nch; ++kc) {
+        // Chunk kc: its QGMMAs on `cur` (decoded here without DECODE_AHEAD), the next chunk's raw
+        // slice loaded (and with DECODE_AHEAD decoded into `nxt`) while they run, then the wait,
+        // the promotion and the stage's release.
+        auto chunk = [&](unsigned (&cur)[4][4], unsigned (&nxt)[4][4], int kc) {
             const unsigned c = it + kc;
-            if constexpr (!S::DECODE_AHEAD) w8_decode(raw, a);
-            w8_issue<NT>(ring, uacc, a, c);
-            unsigned an[4][4];                         // DECODE_AHEAD: chunk c + 1's A registers
-            if (kc + 1 < nch) {                        // the next chunk, while the QGMMAs run
+            if constexpr (!S::DECODE_AHEAD) w8_decode(raw, cur);
+            w8_issue<NT>(ring, uacc, cur, c);
+            if (kc + 1 < nch) {
                 ring.wait_full(c + 1);
                 raw = ring.load(c + 1);
-                if constexpr (S::DECODE_AHEAD) w8_decode(raw, an);
+                if constexpr (S::DECODE_AHEAD) w8_decode(raw, nxt);
             }
             wgmma_wait<0>();
             wgmma_fence_acc(uacc);
-            wgmma_fence_a(a);
+            wgmma_fence_a(cur);
             w8_promote(acc, uacc, ring.scales(c));
             ring.release(c);
-            if constexpr (S::DECODE_AHEAD) {
-                if (kc + 1 < nch) {
-                    #pragma unroll
-                    for (int p = 0; p < 4; ++p)
-                        #pragma unroll
-                        for (int r = 0; r < 4; ++r) a[p][r] = an[p][r];
-                }
+        };
+        unsigned a[4][4];
+        if constexpr (S::DECODE_AHEAD) {
+            // Two register sets that swap roles chunk by chunk (copying the next set into the
+            // current one cost 16 predicated SELs per chunk). `nch` comes from the parameters: the
+            // early exit is uniform, so the QGMMAs after it are not serialised.
+            unsigned b[4][4];
+            w8_decode(raw, a);
+            for (int kc = 0; kc < nch; kc += 2) {
+                chunk(a, b, kc);
+                if (kc + 1 == nch) break;
+                chunk(b, a, kc + 1);
             }
+        } else {
+            for (int kc = 0; kc < nch; ++kc) chunk(a, a, kc);
         }
         it += nch;
         if (live && mc > 0) store(acc, grp, m0, mc, G0 * 8 + slab);
