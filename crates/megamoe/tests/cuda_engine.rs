@@ -547,10 +547,10 @@ fn prefill_pair_launch_matches_separate_launches_bitwise() {
     }
 }
 
-/// By default a routed wgmma L1 and its L2 run chained: the L2 a programmatic dependent whose
-/// units wait on per-tile counts the L1 leaves in the workspace (no grid boundary between them).
-/// The same units compute the same sums either way, so the output must be bitwise the launches
-/// apart (`MEGAMOE_WG_CHAIN=0`), forward after forward (the L2's last CTA resets the counts).
+/// Chained (`MEGAMOE_WG_CHAIN=1`), a routed wgmma L1 and its L2 run as a programmatic dependent
+/// pair whose L2 units wait on per-tile counts the L1 leaves in the workspace (no grid boundary
+/// between them). The same units compute the same sums either way, so the output must be bitwise
+/// the launches apart (the default), forward after forward (the L2's last CTA resets the counts).
 #[test]
 fn prefill_chained_launches_match_separate_launches_bitwise() {
     let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
@@ -559,10 +559,10 @@ fn prefill_chained_launches_match_separate_launches_bitwise() {
         let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
         // The knob is read when an engine's kernels are made (the device script runs these tests
         // on one thread).
-        std::env::set_var("MEGAMOE_WG_CHAIN", "0");
-        let apart = engine_with(&layer, t, Some("tc"));
-        std::env::remove_var("MEGAMOE_WG_CHAIN");
+        std::env::set_var("MEGAMOE_WG_CHAIN", "1");
         let chained = engine_with(&layer, t, Some("tc"));
+        std::env::remove_var("MEGAMOE_WG_CHAIN");
+        let apart = engine_with(&layer, t, Some("tc"));
         let (Some(mut chained), Some(mut apart)) = (chained, apart) else { return };
         let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
         let input = ForwardInput { x: &x, input_ids: None };

@@ -57,7 +57,9 @@ struct TcKernels {
     /// Whether the streaming L2 is a programmatic dependent of the L1 (`MEGAMOE_PDL=0`: no).
     pdl: bool,
     /// Whether a routed wgmma L1 and its L2 run chained (the L2 a programmatic dependent waiting
-    /// per tile on the L1's counts; `MEGAMOE_WG_CHAIN=0` or `MEGAMOE_PDL=0`: apart).
+    /// per tile on the L1's counts). Opt-in, `MEGAMOE_WG_CHAIN=1` (and not `MEGAMOE_PDL=0`), until
+    /// it has been measured on a GPU: written and compiled in the eighteenth session, which had no
+    /// device (docs/PERFORMANCE.md).
     wg_chain: bool,
     /// Bytes per CTA of the L2's weights the streaming L1 prefetches into the L2 cache
     /// ([`layout::STREAM_PREFETCH_BYTES`]; `MEGAMOE_PREFETCH=<bytes>`, 0: none).
@@ -227,7 +229,7 @@ fn df_name(nt: usize) -> String {
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
     let pair = wg_pair_enabled() && has_wgmma(dev.arch());
     let chain =
-        dev.programmatic_launches() && std::env::var("MEGAMOE_WG_CHAIN").map_or(true, |v| v.trim() != "0");
+        dev.programmatic_launches() && std::env::var("MEGAMOE_WG_CHAIN").is_ok_and(|v| v.trim() == "1");
     // Keyed by the knobs read here, so engines made under different settings (tests, A/B) each
     // get theirs; the compiled module is shared.
     let key = format!(

@@ -553,7 +553,7 @@ struct WgUnit {
     static __device__ __forceinline__ WgUnit of(int code) { return WgUnit{code & 1, code >> 11, (code >> 1) & 1023}; }
 };
 
-// Chained launches (WgL1Params / WgL2Params::tile_done set, gpu_layout::tc::wg_chain): the L2 is a
+// Chained launches (WgL1Params / WgL2Params::tile_done set; gemm/tc.rs, MEGAMOE_WG_CHAIN=1): the L2 is a
 // programmatic dependent of its L1, which lets it launch as soon as every L1 CTA has started; an L2
 // unit's copies then wait for its tile's L1 units (tile_done[2 + tile], the pair kernel's count)
 // instead of the whole L1 grid, so L2 CTAs fill the SMs the L1's last wave leaves idle. No
