@@ -506,24 +506,31 @@ fn prefill_three_consumer_ctas_match_host_model() {
 /// after forward (the queue's counters back at zero each time), with L1 and L2 group sets that leave
 /// idle consumers (10 and 9 groups in sets of 3), two- and three-consumer configurations, and
 /// experts of several tiles each (T=3000: ~280 rows per expert).
+/// The wgmma configuration a routed W4A16 prefill of `t` tokens runs its L1 and L2 in (as the
+/// host chooses it on a 132-SM H200), checked to be one with pair and chained kernels.
+fn pair_config_of(cfg: &megamoe::config::MoeConfig, t: usize) -> megamoe::backend::gpu_layout::tc::WgConfig {
+    use megamoe::backend::gpu_layout::tc as layout;
+    let rows = (t * cfg.num_experts_per_tok) as f64 / cfg.n_routed_experts as f64;
+    let nt = layout::choose_wg_tile(&layout::WG_TOKEN_TILES, rows, rows.sqrt(), layout::WG_NARROW_STEPS);
+    let tiles = cfg.n_routed_experts * (rows / nt as f64).ceil() as usize;
+    let configs: Vec<_> = [2 * cfg.moe_intermediate_size, cfg.hidden_size]
+        .map(|r| layout::choose_wg_config(nt, layout::padded_rows(r) / layout::GROUP_ROWS, tiles, 132, 3))
+        .into();
+    assert_eq!(configs[0], configs[1], "T={t}: one configuration for both GEMMs");
+    assert!(
+        layout::wg_pair_configs().any(|c| c == configs[0]),
+        "T={t}: {:?} has L1 + L2 kernels",
+        configs[0]
+    );
+    configs[0]
+}
+
 #[test]
 fn prefill_pair_launch_matches_separate_launches_bitwise() {
-    use megamoe::backend::gpu_layout::tc as layout;
     let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
     for (cfg, t, seed) in [(three, 1400, 61), (two_group_config(), 1024, 63), (two_group_config(), 3000, 65)]
     {
-        let rows = (t * cfg.num_experts_per_tok) as f64 / cfg.n_routed_experts as f64;
-        let nt = layout::choose_wg_tile(&layout::WG_TOKEN_TILES, rows, rows.sqrt(), layout::WG_NARROW_STEPS);
-        let tiles = cfg.n_routed_experts * (rows / nt as f64).ceil() as usize;
-        let configs: Vec<_> = [2 * cfg.moe_intermediate_size, cfg.hidden_size]
-            .map(|r| layout::choose_wg_config(nt, layout::padded_rows(r) / layout::GROUP_ROWS, tiles, 132, 3))
-            .into();
-        assert_eq!(configs[0], configs[1], "T={t}: one configuration for both GEMMs");
-        assert!(
-            layout::wg_pair_configs().any(|c| c == configs[0]),
-            "T={t}: {:?} has a pair kernel",
-            configs[0]
-        );
+        let config = pair_config_of(&cfg, t);
         let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
         // The knob is read when an engine's workspace is made (the device script runs these tests
         // on one thread).
@@ -541,7 +548,7 @@ fn prefill_pair_launch_matches_separate_launches_bitwise() {
         let host = host_forward(&layer, &x, &want.topk_ids, &want.topk_weights, Mode::W4A16);
         for round in 0..3 {
             let got = pair.forward(&input, Mode::W4A16, None).unwrap();
-            eprintln!("pair T={t} {:?} round {round}: rel L2 {:.2e}", configs[0], rel_l2(&got.y, &host));
+            eprintln!("pair T={t} {config:?} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
             assert_eq!(got.y, want.y, "T={t} round {round}: the pair launch differs from the separate ones");
         }
     }
@@ -556,6 +563,7 @@ fn prefill_chained_launches_match_separate_launches_bitwise() {
     let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
     for (cfg, t, seed) in [(three, 1400, 71), (two_group_config(), 1024, 73), (two_group_config(), 3000, 75)]
     {
+        let config = pair_config_of(&cfg, t);
         let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
         // The knob is read when an engine's kernels are made (the device script runs these tests
         // on one thread).
@@ -572,7 +580,7 @@ fn prefill_chained_launches_match_separate_launches_bitwise() {
         let host = host_forward(&layer, &x, &want.topk_ids, &want.topk_weights, Mode::W4A16);
         for round in 0..3 {
             let got = chained.forward(&input, Mode::W4A16, None).unwrap();
-            eprintln!("chained T={t} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
+            eprintln!("chained T={t} {config:?} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
             assert_eq!(
                 got.y, want.y,
                 "T={t} round {round}: the chained launches differ from the separate ones"

@@ -43,6 +43,12 @@ struct TcKernels {
     /// configuration ([`layout::wg_pair_configs`]; used for launches given scheduler counters:
     /// `MEGAMOE_WG_PAIR=1`).
     wg_pair: HashMap<layout::WgConfig, Kernel<WgPairParams>>,
+    /// Hopper wgmma L1 / L2 kernels for chained launches (the L2 a programmatic dependent whose
+    /// units wait per tile on the L1's counts), by configuration ([`layout::wg_pair_configs`]).
+    /// Opt-in, `MEGAMOE_WG_CHAIN=1` (and not `MEGAMOE_PDL=0`), until measured on a GPU: written
+    /// and compiled in the eighteenth session, which had no device (docs/PERFORMANCE.md).
+    wg_l1c: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
+    wg_l2c: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
     /// Consumer warpgroups of every wgmma launch whose tile is built with them
     /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
     /// launch still gives every SM two CTAs.
@@ -56,11 +62,6 @@ struct TcKernels {
     df: HashMap<usize, (Kernel<DfParams>, usize)>,
     /// Whether the streaming L2 is a programmatic dependent of the L1 (`MEGAMOE_PDL=0`: no).
     pdl: bool,
-    /// Whether a routed wgmma L1 and its L2 run chained (the L2 a programmatic dependent waiting
-    /// per tile on the L1's counts). Opt-in, `MEGAMOE_WG_CHAIN=1` (and not `MEGAMOE_PDL=0`), until
-    /// it has been measured on a GPU: written and compiled in the eighteenth session, which had no
-    /// device (docs/PERFORMANCE.md).
-    wg_chain: bool,
     /// Bytes per CTA of the L2's weights the streaming L1 prefetches into the L2 cache
     /// ([`layout::STREAM_PREFETCH_BYTES`]; `MEGAMOE_PREFETCH=<bytes>`, 0: none).
     prefetch_bytes: i32,
@@ -150,22 +151,24 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     }
 }
 
-/// The opt-in pair kernels of format `f` (sm_90a; [`layout::wg_pair_configs`]) in a module of
-/// their own, compiled only where `MEGAMOE_WG_PAIR=1` asks for them: they more than double the
-/// main module's NVRTC time and are not yet faster than the two launches.
-pub fn pair_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
+/// The opt-in routed L1 + L2 kernels of format `f` (sm_90a; [`layout::wg_pair_configs`]) in a
+/// module of their own, compiled only where `MEGAMOE_WG_PAIR=1` or `MEGAMOE_WG_CHAIN=1` asks for
+/// them: the pair kernels and the chained L1 / L2 (inside the main module they would more than
+/// double its NVRTC time, and neither is measured faster than the separate launches yet).
+pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     let mut spec = module_spec(f, arch);
-    spec.name = format!("gemm_tc_pair-{}", f.name());
-    let mut inst = String::from("\n// The pair kernels (gemm/tc.rs pair_module_spec).\n");
+    spec.name = format!("gemm_tc_l1l2-{}", f.name());
+    let mut inst = String::from("\n// The pair and chained kernels (gemm/tc.rs l1l2_module_spec).\n");
     for c in layout::wg_pair_configs() {
-        inst.push_str(&format!(
-            "WG_PAIR_KERNEL({}, {}, {}, {}, {})\n",
+        let args = format!(
+            "{}, {}, {}, {}, {}",
             c.nt,
             c.groups,
             c.consumers,
             layout::wg_stages(f, c.nt, c.groups),
             layout::wg_narrow_steps(f, c)
-        ));
+        );
+        inst.push_str(&format!("WG_PAIR_KERNEL({args})\nWG_CHAIN_KERNELS({args})\n"));
     }
     // The main module's instantiations are left out: only the pair entry points are built.
     *spec.sources.last_mut().expect("module_spec ends with its instantiations") = inst.into();
@@ -173,14 +176,16 @@ pub fn pair_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
 }
 
 /// Every module of the family for `arch` with its entry points (for the compile test): one per
-/// format, and on sm_90a the NVFP4 pair module (the other formats' pair modules instantiate the same
-/// template and compile on first use).
+/// format, and on sm_90a the NVFP4 L1 + L2 module (the other formats' instantiate the same
+/// templates and compile on first use).
 pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
     let mut v: Vec<_> =
         WeightFormat::ALL.into_iter().map(|f| (module_spec(f, arch), kernel_names(arch))).collect();
     if has_wgmma(arch) {
-        let names = layout::wg_pair_configs().map(wg_pair_name).collect();
-        v.push((pair_module_spec(WeightFormat::Nvfp4, arch), names));
+        let names = layout::wg_pair_configs()
+            .flat_map(|c| [wg_pair_name(c), wg_chain_name(1, c), wg_chain_name(2, c)])
+            .collect();
+        v.push((l1l2_module_spec(WeightFormat::Nvfp4, arch), names));
     }
     v
 }
@@ -219,6 +224,9 @@ fn wg_name(layer: u8, c: layout::WgConfig) -> String {
 fn wg_pair_name(c: layout::WgConfig) -> String {
     format!("moe_wg_pair_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
 }
+fn wg_chain_name(layer: u8, c: layout::WgConfig) -> String {
+    format!("moe_wg_l{layer}c_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
+}
 fn ds_name(layer: u8, nt: usize) -> String {
     format!("moe_ds_l{layer}_n{nt}")
 }
@@ -228,15 +236,16 @@ fn df_name(nt: usize) -> String {
 
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
     let pair = wg_pair_enabled() && has_wgmma(dev.arch());
-    let chain =
-        dev.programmatic_launches() && std::env::var("MEGAMOE_WG_CHAIN").is_ok_and(|v| v.trim() == "1");
+    let chain = has_wgmma(dev.arch())
+        && dev.programmatic_launches()
+        && std::env::var("MEGAMOE_WG_CHAIN").is_ok_and(|v| v.trim() == "1");
     // Keyed by the knobs read here, so engines made under different settings (tests, A/B) each
     // get theirs; the compiled module is shared.
     let key = format!(
         "gemm_tc-{}{}{}",
         f.name(),
         if pair { "+pair" } else { "" },
-        if chain { "" } else { "+apart" }
+        if chain { "+chain" } else { "" }
     );
     dev.cached(&key, || {
         let m = dev.module(&module_spec(f, dev.arch()))?;
@@ -249,11 +258,12 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             wg_l1: HashMap::new(),
             wg_l2: HashMap::new(),
             wg_pair: HashMap::new(),
+            wg_l1c: HashMap::new(),
+            wg_l2c: HashMap::new(),
             ds_l1: HashMap::new(),
             ds_l2: HashMap::new(),
             df: HashMap::new(),
             pdl: dev.programmatic_launches(),
-            wg_chain: chain,
             prefetch_bytes: std::env::var("MEGAMOE_PREFETCH")
                 .ok()
                 .and_then(|v| v.trim().parse::<usize>().ok())
@@ -285,11 +295,17 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 k.wg_l1.insert(c, Kernel::load(&m, &wg_name(1, c), c.threads(), smem)?);
                 k.wg_l2.insert(c, Kernel::load(&m, &wg_name(2, c), c.threads(), smem)?);
             }
-            if pair {
-                let pm = dev.module(&pair_module_spec(f, dev.arch()))?;
+            if pair || chain {
+                let pm = dev.module(&l1l2_module_spec(f, dev.arch()))?;
                 for c in layout::wg_pair_configs() {
                     let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
-                    k.wg_pair.insert(c, Kernel::load(&pm, &wg_pair_name(c), c.threads(), smem)?);
+                    if pair {
+                        k.wg_pair.insert(c, Kernel::load(&pm, &wg_pair_name(c), c.threads(), smem)?);
+                    }
+                    if chain {
+                        k.wg_l1c.insert(c, Kernel::load(&pm, &wg_chain_name(1, c), c.threads(), smem)?);
+                        k.wg_l2c.insert(c, Kernel::load(&pm, &wg_chain_name(2, c), c.threads(), smem)?);
+                    }
                 }
             }
         }
@@ -415,24 +431,18 @@ impl GemmKernels for TcKernels {
             unsafe { k.launch(s, &cfg, &p)? };
             return Ok(true);
         }
-        if !self.wg_chain {
-            return Ok(false);
-        }
         // Chained: the L1 counts each tile's stored units in `l.sched`, the L2 (a programmatic
         // dependent) waits per tile on them (`gemm_tc.cu` WgGridSched).
         let (key2, cfg2) = self.wg_cfg(l, h);
+        let (Some(k1), Some(k2)) = (self.wg_l1c.get(&c), self.wg_l2c.get(&key2)) else { return Ok(false) };
         let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
         // Units per tile of the L1: its grid's group sets (x); tiles run along y.
         let wait_units = cfg1.grid.0 as i32;
         // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters,
         // which the L2's last CTA leaves zeroed.
         unsafe {
-            self.wg_l1[&c].launch(s, &cfg1, &WgL1Params { l1: *l1, amap: amap1, tile_done: l.sched })?;
-            self.wg_l2[&key2].launch(
-                s,
-                &cfg2,
-                &WgL2Params { l2: *l2, amap: amap2, tile_done: l.sched, wait_units },
-            )?;
+            k1.launch(s, &cfg1, &WgL1Params { l1: *l1, amap: amap1, tile_done: l.sched })?;
+            k2.launch(s, &cfg2, &WgL2Params { l2: *l2, amap: amap2, tile_done: l.sched, wait_units })?;
         }
         Ok(true)
     }

@@ -553,19 +553,21 @@ struct WgUnit {
     static __device__ __forceinline__ WgUnit of(int code) { return WgUnit{code & 1, code >> 11, (code >> 1) & 1023}; }
 };
 
-// Chained launches (WgL1Params / WgL2Params::tile_done set; gemm/tc.rs, MEGAMOE_WG_CHAIN=1): the L2 is a
-// programmatic dependent of its L1, which lets it launch as soon as every L1 CTA has started; an L2
-// unit's copies then wait for its tile's L1 units (tile_done[2 + tile], the pair kernel's count)
-// instead of the whole L1 grid, so L2 CTAs fill the SMs the L1's last wave leaves idle. No
-// deadlock: the L2 launches only once every L1 CTA is resident or done. The L2's last CTA out
-// resets the counters.
-template <int NT>
+// One GEMM per launch. CHAIN (the opt-in chained launches, moe_wg_l{1,2}c_*; gemm/tc.rs,
+// MEGAMOE_WG_CHAIN=1): the L2 is a programmatic dependent of its L1, which lets it launch as soon as
+// every L1 CTA has started; an L2 unit's copies then wait for its tile's L1 units (tile_done[2 +
+// tile], the pair kernel's count) instead of the whole L1 grid, so L2 CTAs fill the SMs the L1's
+// last wave leaves idle. No deadlock: the L2 launches only once every L1 CTA is resident or done.
+// The L2's last CTA out resets the counters. A template parameter, not a run-time test: the count
+// in the L1's unit loop cost its K loop 3-9 instructions per 8 wgmmas (SASS), so the default
+// kernels are built without it.
+template <int NT, bool CHAIN>
 struct WgGridSched {
     const GemmOperands& g;
     const TmaDesc& amap;
     int layer;
-    unsigned* tile_done;                 // null: not chained
-    unsigned wait_units;                 // L2: the L1's units per tile
+    unsigned* tile_done;                 // CHAIN: the per-tile counts (WgL1Params / WgL2Params)
+    unsigned wait_units;                 // CHAIN, L2: the L1's units per tile
     __device__ __forceinline__ const GemmOperands& ops(int) const { return g; }
     __device__ __forceinline__ const TmaDesc& map(int) const { return amap; }
     // The producer's n-th unit (false: none left); a chained L2 unit first waits for its tile.
@@ -573,19 +575,24 @@ struct WgGridSched {
         u = WgUnit{layer, (int)(blockIdx.y + n * gridDim.y), (int)blockIdx.x};
         int grp, m0, mend;
         if (!gemm_tile<NT>(g, u.tile, grp, m0, mend)) return false;
-        if (layer && tile_done) df_wait(tile_done + 2 + u.tile, wait_units);   // then fenced for the copies
+        if constexpr (CHAIN) {
+            if (layer) df_wait(tile_done + 2 + u.tile, wait_units);   // then fenced for the copies
+        }
         return true;
     }
     // Every consumer thread, after its epilogue of unit u: a chained L1 counts it (as WgPairSched).
     __device__ __forceinline__ void unit_stored(const WgUnit& u, int nc) const {
-        if (!layer && tile_done) wg_count_stored(tile_done + 2 + u.tile, nc);
+        if constexpr (CHAIN) {
+            if (!layer) wg_count_stored(tile_done + 2 + u.tile, nc);
+        }
     }
     __device__ __forceinline__ void producer_done() const {
-        if (!layer || !tile_done) return;
-        if (atomicAdd(tile_done, 1u) != gridDim.x * gridDim.y - 1) return;
-        const int tiles = *g.num_tiles;
-        for (int t = 0; t < tiles; ++t) tile_done[2 + t] = 0u;
-        tile_done[0] = 0u;
+        if constexpr (CHAIN) {
+            if (!layer || atomicAdd(tile_done, 1u) != gridDim.x * gridDim.y - 1) return;
+            const int tiles = *g.num_tiles;
+            for (int t = 0; t < tiles; ++t) tile_done[2 + t] = 0u;
+            tile_done[0] = 0u;
+        }
     }
 };
 
@@ -783,24 +790,27 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
 // stages, NS narrower MMA widths (gpu_layout::tc::wg_narrow_steps; appended by the host like
 // TC_KERNELS, one line per gpu_layout::tc::wg_configs entry).
 // Min 1 CTA per SM: setmaxnreg needs the entry register count known.
-#define WG_KERNELS(NT, G, C, ST, NS)                                                                      \
+#define WG_GEMM_KERNELS(SUFFIX, CHAIN, NT, G, C, ST, NS)                                                   \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
-    moe_wg_l1_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                                  \
+    moe_wg_l1##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                        \
     {                                                                                                     \
-        if (threadIdx.x == 0) griddep_launch_dependents();   /* a chained L2 may launch */               \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT>{p.l1.g, p.amap, 0, p.tile_done, 0u},                        \
+        if (CHAIN && threadIdx.x == 0) griddep_launch_dependents();   /* its L2 may launch */             \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, 0, p.tile_done, 0u},                 \
                                   [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
         });                                                                                               \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
-    moe_wg_l2_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                                  \
+    moe_wg_l2##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                        \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT>{p.l2.g, p.amap, 1, p.tile_done, (unsigned)p.wait_units},    \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, 1, p.tile_done, (unsigned)p.wait_units}, \
                                   [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             tc_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
         });                                                                                               \
     }
+#define WG_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(, false, NT, G, C, ST, NS)
+// The chained L1 / L2 of a configuration (opt-in module, gpu_layout::tc::wg_pair_configs).
+#define WG_CHAIN_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(c, true, NT, G, C, ST, NS)
 // The pair kernel of a configuration (gpu_layout::tc::wg_pair_configs): a routed L1 and its L2.
 #define WG_PAIR_KERNEL(NT, G, C, ST, NS)                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
