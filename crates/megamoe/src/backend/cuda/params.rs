@@ -563,7 +563,8 @@ kernel_abi! {
         l1: GemmL1Params => "GemmL1Params",
         /// Tensor map of A (`[rows, H]` e4m3).
         amap: TmaDesc => "TmaDesc",
-        /// Tensor map of A's block scales (`[rows][pitch]` f32, boxes of 4 blocks x the token tile).
+        /// Tensor map of A's block scales (block-major `[K / 128][pitch]` f32, boxes of the token
+        /// tile x 1 block).
         smap: TmaDesc => "TmaDesc",
     }
 
@@ -573,7 +574,7 @@ kernel_abi! {
         l2: GemmL2Params => "GemmL2Params",
         /// Tensor map of A (`[rows, I]` e4m3).
         amap: TmaDesc => "TmaDesc",
-        /// Tensor map of A's block scales (`[rows][pitch]` f32).
+        /// Tensor map of A's block scales (block-major `[K / 128][pitch]` f32).
         smap: TmaDesc => "TmaDesc",
     }
 }
