@@ -500,12 +500,6 @@ fn prefill_three_consumer_ctas_match_host_model() {
     w4a16_matches_host_model(&cfg, t, 27, "prefill three-consumer");
 }
 
-/// With `MEGAMOE_WG_PAIR=1` the routed L1 and L2 of large W4A16 batches run as one persistent wgmma
-/// launch on sm_90a (the pair kernel: CTAs take (layer, tile, group set) units from a queue, an L2
-/// unit waits for its tile's L1 units): bitwise equal to the two separate launches, forward
-/// after forward (the queue's counters back at zero each time), with L1 and L2 group sets that leave
-/// idle consumers (10 and 9 groups in sets of 3), two- and three-consumer configurations, and
-/// experts of several tiles each (T=3000: ~280 rows per expert).
 /// The wgmma configuration a routed W4A16 prefill of `t` tokens runs its L1 and L2 in (as the
 /// host chooses it on a 132-SM H200), checked to be one with pair and chained kernels.
 fn pair_config_of(cfg: &megamoe::config::MoeConfig, t: usize) -> megamoe::backend::gpu_layout::tc::WgConfig {
@@ -525,68 +519,56 @@ fn pair_config_of(cfg: &megamoe::config::MoeConfig, t: usize) -> megamoe::backen
     configs[0]
 }
 
-#[test]
-fn prefill_pair_launch_matches_separate_launches_bitwise() {
+/// An engine made with the L1 + L2 knob `var=1` against one made without it (the separate
+/// launches), on large W4A16 batches whose configurations have the opt-in kernels: bitwise equal,
+/// forward after forward (the kernels' counters back at zero each time), with L1 and L2 group sets
+/// that leave idle consumers (10 and 9 groups in sets of 3), two- and three-consumer
+/// configurations, and experts of several tiles each (T=3000: ~280 rows per expert).
+fn assert_l1l2_knob_is_bitwise_neutral(var: &str, what: &str, seed0: u64) {
     let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
-    for (cfg, t, seed) in [(three, 1400, 61), (two_group_config(), 1024, 63), (two_group_config(), 3000, 65)]
+    for (cfg, t, seed) in
+        [(three, 1400, seed0), (two_group_config(), 1024, seed0 + 2), (two_group_config(), 3000, seed0 + 4)]
     {
         let config = pair_config_of(&cfg, t);
         let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
-        // The knob is read when an engine's workspace is made (the device script runs these tests
-        // on one thread).
-        std::env::set_var("MEGAMOE_WG_PAIR", "1");
-        let pair = engine_with(&layer, t, Some("tc"));
-        std::env::set_var("MEGAMOE_WG_PAIR", "0");
+        // The knob is read when an engine's kernels and workspace are made (the device script runs
+        // these tests on one thread).
+        std::env::set_var(var, "1");
+        let with = engine_with(&layer, t, Some("tc"));
+        std::env::remove_var(var);
         let apart = engine_with(&layer, t, Some("tc"));
-        std::env::remove_var("MEGAMOE_WG_PAIR");
-        let (Some(mut pair), Some(mut apart)) = (pair, apart) else { return };
+        let (Some(mut with), Some(mut apart)) = (with, apart) else { return };
         let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
         let input = ForwardInput { x: &x, input_ids: None };
-        pair.poison(0xFF).unwrap();
+        with.poison(0xFF).unwrap();
         apart.poison(0xFF).unwrap();
         let want = apart.forward(&input, Mode::W4A16, None).unwrap();
         let host = host_forward(&layer, &x, &want.topk_ids, &want.topk_weights, Mode::W4A16);
         for round in 0..3 {
-            let got = pair.forward(&input, Mode::W4A16, None).unwrap();
-            eprintln!("pair T={t} {config:?} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
-            assert_eq!(got.y, want.y, "T={t} round {round}: the pair launch differs from the separate ones");
+            let got = with.forward(&input, Mode::W4A16, None).unwrap();
+            eprintln!("{what} T={t} {config:?} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
+            assert_eq!(
+                got.y, want.y,
+                "T={t} round {round}: the {what} launches differ from the separate ones"
+            );
         }
     }
 }
 
-/// Chained (`MEGAMOE_WG_CHAIN=1`), a routed wgmma L1 and its L2 run as a programmatic dependent
-/// pair whose L2 units wait on per-tile counts the L1 leaves in the workspace (no grid boundary
-/// between them). The same units compute the same sums either way, so the output must be bitwise
-/// the launches apart (the default), forward after forward (the L2's last CTA resets the counts).
+/// With `MEGAMOE_WG_PAIR=1` the routed L1 and L2 of large W4A16 batches run as one persistent wgmma
+/// launch on sm_90a (the pair kernel: CTAs take (layer, tile, group set) units from a queue, an L2
+/// unit waits for its tile's L1 units).
+#[test]
+fn prefill_pair_launch_matches_separate_launches_bitwise() {
+    assert_l1l2_knob_is_bitwise_neutral("MEGAMOE_WG_PAIR", "pair", 61);
+}
+
+/// With `MEGAMOE_WG_CHAIN=1` a routed wgmma L1 and its L2 run as a programmatic dependent pair
+/// whose L2 units wait on per-tile counts the L1 leaves in the workspace (no grid boundary between
+/// them): the same units compute the same sums.
 #[test]
 fn prefill_chained_launches_match_separate_launches_bitwise() {
-    let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
-    for (cfg, t, seed) in [(three, 1400, 71), (two_group_config(), 1024, 73), (two_group_config(), 3000, 75)]
-    {
-        let config = pair_config_of(&cfg, t);
-        let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
-        // The knob is read when an engine's kernels are made (the device script runs these tests
-        // on one thread).
-        std::env::set_var("MEGAMOE_WG_CHAIN", "1");
-        let chained = engine_with(&layer, t, Some("tc"));
-        std::env::remove_var("MEGAMOE_WG_CHAIN");
-        let apart = engine_with(&layer, t, Some("tc"));
-        let (Some(mut chained), Some(mut apart)) = (chained, apart) else { return };
-        let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
-        let input = ForwardInput { x: &x, input_ids: None };
-        chained.poison(0xFF).unwrap();
-        apart.poison(0xFF).unwrap();
-        let want = apart.forward(&input, Mode::W4A16, None).unwrap();
-        let host = host_forward(&layer, &x, &want.topk_ids, &want.topk_weights, Mode::W4A16);
-        for round in 0..3 {
-            let got = chained.forward(&input, Mode::W4A16, None).unwrap();
-            eprintln!("chained T={t} {config:?} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
-            assert_eq!(
-                got.y, want.y,
-                "T={t} round {round}: the chained launches differ from the separate ones"
-            );
-        }
-    }
+    assert_l1l2_knob_is_bitwise_neutral("MEGAMOE_WG_CHAIN", "chained", 71);
 }
 
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
