@@ -366,7 +366,7 @@ impl LayerWeights {
             a_rows: slots,
             split: Some(ws.split_routed.ptr()),
             next_wq: self.experts.l2.wq.ptr(),
-            sched: ws.pair_sched.as_ref().map_or(0, |b| b.ptr()),
+            sched: ws.pair_sched.ptr(),
         };
         Plan { tokens: t, topk_ids, launch }
     }

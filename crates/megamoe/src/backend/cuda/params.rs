@@ -524,8 +524,8 @@ kernel_abi! {
         l1: GemmL1Params => "GemmL1Params",
         /// Tensor map of A.
         amap: TmaDesc => "TmaDesc",
-        /// Nullable: `[2 + tiles]` u32 (`gemm_tc.cu` `WgGridSched`): each CTA adds 1 to word
-        /// 2 + tile once a unit's activations are stored, for a chained L2 (`WgL2Params::tile_done`).
+        /// The chained L1 (`moe_wg_l1c_*`; the others ignore it): `[2 + tiles]` u32 (`gemm_tc.cu`
+        /// `WgGridSched`), word 2 + tile counting the tile's stored units for its chained L2.
         tile_done: DevPtr => "unsigned*",
     }
 
@@ -535,11 +535,11 @@ kernel_abi! {
         l2: GemmL2Params => "GemmL2Params",
         /// Tensor map of A (`[rows, I]` bf16).
         amap: TmaDesc => "TmaDesc",
-        /// Nullable: the chained L1's counters (a programmatic dependent of that L1: a unit's
-        /// copies wait until word 2 + tile reaches `wait_units`; word 0 counts the finished CTAs,
-        /// the last resets every word).
+        /// The chained L2 (`moe_wg_l2c_*`, a programmatic dependent of its L1; the others ignore
+        /// it): the L1's counters — a unit's copies wait until word 2 + tile reaches `wait_units`;
+        /// word 0 counts the finished CTAs, the last resets every word.
         tile_done: DevPtr => "unsigned*",
-        /// The L1's units per tile (its group sets).
+        /// The chained L2: the L1's units per tile (its group sets).
         wait_units: i32 => "int",
     }
 

@@ -223,7 +223,7 @@ pub struct Workspace {
     /// ([`super::gemm::GemmLaunch::sched`]; zero between forwards: the kernels leave them so):
     /// the chained wgmma launches' per-tile counts, or the pair kernel's queue (opt-in with
     /// `MEGAMOE_WG_PAIR=1`: measured slower on the H200, docs/PERFORMANCE.md, sixteenth session).
-    pub(crate) pair_sched: Option<DevBuf>,
+    pub(crate) pair_sched: DevBuf,
     /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
     /// batches; [`Self::prepare`]).
     pub(crate) xin: Option<DevBuf>,
@@ -297,7 +297,7 @@ impl Workspace {
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
             // The routed L1 + L2 pair's counters: the pair kernel's queue or the chained launches'
             // per-tile counts (a few hundred bytes: always there).
-            pair_sched: Some(z(&[2 + tiles, 4], "pair scheduler counters")?),
+            pair_sched: z(&[2 + tiles, 4], "pair scheduler counters")?,
             xin: None,
             actq: None,
             gate_tr: None,
@@ -326,7 +326,7 @@ impl Workspace {
                     (buf, l.sync, 4 * FUSED_SYNC_COUNTERS),
                 ]
             })
-            .chain(self.pair_sched.iter().map(|b| (b, 0, b.bytes())))
+            .chain([(&self.pair_sched, 0, self.pair_sched.bytes())])
             .collect()
     }
 
@@ -416,9 +416,9 @@ impl Workspace {
             &self.status,
             &self.split_routed,
             &self.split_shared,
+            &self.pair_sched,
         ]
         .into_iter()
-        .chain(self.pair_sched.iter())
         .chain(self.xin.iter())
         .chain(self.actq.iter())
         .chain(self.gate_tr.iter())

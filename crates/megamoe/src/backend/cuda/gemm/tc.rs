@@ -190,9 +190,9 @@ pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
     v
 }
 
-/// Whether this process asked for the pair kernels (`MEGAMOE_WG_PAIR=1`: the workspace's scheduler
-/// counters and the family's pair module).
-pub(crate) fn wg_pair_enabled() -> bool {
+/// Whether this process asked for the pair kernels (`MEGAMOE_WG_PAIR=1`: the family's L1 + L2
+/// module and its pair entry points).
+fn wg_pair_enabled() -> bool {
     std::env::var("MEGAMOE_WG_PAIR").is_ok_and(|v| v.trim() == "1")
 }
 
@@ -413,9 +413,15 @@ impl GemmKernels for TcKernels {
         }
         let (h, inter) = (l1.g.h as usize, l1.g.inter as usize);
         let (c, cfg1) = self.wg_cfg(l, 2 * inter);
+        let (key2, cfg2) = self.wg_cfg(l, h);
+        let pair = self.wg_pair.get(&c).filter(|_| key2 == c);
+        let chain = self.wg_l1c.get(&c).zip(self.wg_l2c.get(&key2));
+        if pair.is_none() && chain.is_none() {
+            return Ok(false); // the default: the two launches apart (`l1`, `l2`)
+        }
         let amap1 = tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)?;
         let amap2 = tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)?;
-        if let Some(k) = self.wg_pair.get(&c).filter(|_| self.wg_cfg(l, h).0 == c) {
+        if let Some(k) = pair {
             let p = WgPairParams {
                 l1: WgL1Params { l1: *l1, amap: amap1, tile_done: 0 },
                 l2: WgL2Params { l2: *l2, amap: amap2, tile_done: 0, wait_units: 0 },
@@ -433,8 +439,7 @@ impl GemmKernels for TcKernels {
         }
         // Chained: the L1 counts each tile's stored units in `l.sched`, the L2 (a programmatic
         // dependent) waits per tile on them (`gemm_tc.cu` WgGridSched).
-        let (key2, cfg2) = self.wg_cfg(l, h);
-        let (Some(k1), Some(k2)) = (self.wg_l1c.get(&c), self.wg_l2c.get(&key2)) else { return Ok(false) };
+        let Some((k1, k2)) = chain else { return Ok(false) };
         let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
         // Units per tile of the L1: its grid's group sets (x); tiles run along y.
         let wait_units = cfg1.grid.0 as i32;
