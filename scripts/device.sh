@@ -42,9 +42,9 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
     for b in "$carry/bin/megamoe" ${AB_OLD_BIN:+"$carry/old/megamoe"}; do
       MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
         "$b" kernels --arch sm_90a >/dev/null || echo "warning: precompiling the kernels of $b failed" >&2
-      # PRECOMPILE_PAIR=1: also the opt-in L1 + L2 module (MEGAMOE_WG_PAIR=1, MEGAMOE_WG_CHAIN=1).
-      if [ "${PRECOMPILE_PAIR:-0}" = 1 ]; then
-        MEGAMOE_WG_PAIR=1 MEGAMOE_WG_CHAIN=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
+      # PRECOMPILE_CHAIN=1: also the opt-in chained L1 + L2 module (MEGAMOE_WG_CHAIN=1).
+      if [ "${PRECOMPILE_CHAIN:-0}" = 1 ]; then
+        MEGAMOE_WG_CHAIN=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
           "$b" kernels --arch sm_90a --filter gemm_tc_l1l2-nvfp4 >/dev/null || echo "warning: precompiling the L1 + L2 module failed" >&2
       fi
       if [ "${PRECOMPILE_PROBE:-1}" != 0 ]; then

@@ -501,8 +501,8 @@ fn prefill_three_consumer_ctas_match_host_model() {
 }
 
 /// The wgmma configuration a routed W4A16 prefill of `t` tokens runs its L1 and L2 in (as the
-/// host chooses it on a 132-SM H200), checked to be one with pair and chained kernels.
-fn pair_config_of(cfg: &megamoe::config::MoeConfig, t: usize) -> megamoe::backend::gpu_layout::tc::WgConfig {
+/// host chooses it on a 132-SM H200), checked to be one with chained kernels.
+fn chain_config_of(cfg: &megamoe::config::MoeConfig, t: usize) -> megamoe::backend::gpu_layout::tc::WgConfig {
     use megamoe::backend::gpu_layout::tc as layout;
     let rows = (t * cfg.num_experts_per_tok) as f64 / cfg.n_routed_experts as f64;
     let nt = layout::choose_wg_tile(&layout::WG_TOKEN_TILES, rows, rows.sqrt(), layout::WG_NARROW_STEPS);
@@ -512,24 +512,28 @@ fn pair_config_of(cfg: &megamoe::config::MoeConfig, t: usize) -> megamoe::backen
         .into();
     assert_eq!(configs[0], configs[1], "T={t}: one configuration for both GEMMs");
     assert!(
-        layout::wg_pair_configs().any(|c| c == configs[0]),
-        "T={t}: {:?} has L1 + L2 kernels",
+        layout::wg_chain_configs().any(|c| c == configs[0]),
+        "T={t}: {:?} has chained kernels",
         configs[0]
     );
     configs[0]
 }
 
-/// An engine made with the L1 + L2 knob `var=1` against one made without it (the separate
-/// launches), on large W4A16 batches whose configurations have the opt-in kernels: bitwise equal,
-/// forward after forward (the kernels' counters back at zero each time), with L1 and L2 group sets
-/// that leave idle consumers (10 and 9 groups in sets of 3), two- and three-consumer
-/// configurations, and experts of several tiles each (T=3000: ~280 rows per expert).
-fn assert_l1l2_knob_is_bitwise_neutral(var: &str, what: &str, seed0: u64) {
+/// With `MEGAMOE_WG_CHAIN=1` a routed wgmma L1 and its L2 run as a programmatic dependent pair
+/// whose L2 units wait on per-tile counts the L1 leaves in the workspace (no grid boundary between
+/// them): against an engine made without it (the separate launches), on large W4A16 batches whose
+/// configurations have the chained kernels, bitwise equal forward after forward (the counters back
+/// at zero each time), with L1 and L2 group sets that leave idle consumers (10 and 9 groups in
+/// sets of 3), two- and three-consumer configurations, and experts of several tiles each (T=3000:
+/// ~280 rows per expert).
+#[test]
+fn prefill_chained_launches_match_separate_launches_bitwise() {
+    let (var, what, seed0) = ("MEGAMOE_WG_CHAIN", "chained", 71);
     let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
     for (cfg, t, seed) in
         [(three, 1400, seed0), (two_group_config(), 1024, seed0 + 2), (two_group_config(), 3000, seed0 + 4)]
     {
-        let config = pair_config_of(&cfg, t);
+        let config = chain_config_of(&cfg, t);
         let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
         // The knob is read when an engine's kernels and workspace are made (the device script runs
         // these tests on one thread).
@@ -553,22 +557,6 @@ fn assert_l1l2_knob_is_bitwise_neutral(var: &str, what: &str, seed0: u64) {
             );
         }
     }
-}
-
-/// With `MEGAMOE_WG_PAIR=1` the routed L1 and L2 of large W4A16 batches run as one persistent wgmma
-/// launch on sm_90a (the pair kernel: CTAs take (layer, tile, group set) units from a queue, an L2
-/// unit waits for its tile's L1 units).
-#[test]
-fn prefill_pair_launch_matches_separate_launches_bitwise() {
-    assert_l1l2_knob_is_bitwise_neutral("MEGAMOE_WG_PAIR", "pair", 61);
-}
-
-/// With `MEGAMOE_WG_CHAIN=1` a routed wgmma L1 and its L2 run as a programmatic dependent pair
-/// whose L2 units wait on per-tile counts the L1 leaves in the workspace (no grid boundary between
-/// them): the same units compute the same sums.
-#[test]
-fn prefill_chained_launches_match_separate_launches_bitwise() {
-    assert_l1l2_knob_is_bitwise_neutral("MEGAMOE_WG_CHAIN", "chained", 71);
 }
 
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks

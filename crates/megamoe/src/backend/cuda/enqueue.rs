@@ -14,7 +14,7 @@
 //! global ids of this rank's experts, others are -1) and after `experts`. Grids are sized for the
 //! worst case; the per-expert counts stay on the device and idle CTAs exit early.
 
-use super::buffer::{lazy, opt_ptr};
+use super::buffer::{err, lazy, opt_ptr, DevBuf};
 use super::device::CORE_THREADS;
 use super::gemm::w4a8::{Fp8Rows, W4a8Experts};
 use super::gemm::{GemmLaunch, PackedSide, TileDemand};
@@ -366,7 +366,7 @@ impl LayerWeights {
             a_rows: slots,
             split: Some(ws.split_routed.ptr()),
             next_wq: self.experts.l2.wq.ptr(),
-            sched: ws.pair_sched.ptr(),
+            sched: ws.chain_counts.ptr(),
         };
         Plan { tokens: t, topk_ids, launch }
     }
@@ -569,6 +569,8 @@ impl LayerWeights {
             in_scale: self.act_global_scales(mode, input),
             scales: fp8.map_or(0, |f| f.scales),
             scale_pitch: fp8.map_or(0, |f| f.pitch as i32),
+            tile_start: if fp8.is_some() { ws.tile_start.ptr() } else { 0 },
+            tile_rows: plan.launch.block_m as i32,
         }
     }
 
@@ -658,8 +660,8 @@ impl LayerWeights {
             g: self.routed_operands(ws, a, 0, &ex.l2, self.act_global_scales(mode, false)),
             out: ws.l2.ptr(),
         };
-        // W4A16's L2 reads the L1's activations as they are: one launch for both where the family
-        // has one and the plan carries scheduler counters (the wgmma pair kernel, MEGAMOE_WG_PAIR=1).
+        // W4A16's L2 reads the L1's activations as they are: the two launches chained where the
+        // family has chained kernels (wgmma, MEGAMOE_WG_CHAIN=1).
         if mode == Mode::W4A16 && tr.is_none() && ex.kernels.l1_l2(s, &plan.launch, &l1, &l2(ws.act.ptr()))? {
             return Ok(());
         }
@@ -688,18 +690,30 @@ impl LayerWeights {
     ) -> Result<()> {
         let c = &self.config;
         let slots = plan.tokens * c.num_experts_per_tok;
-        // e4m3 rows [slots, K] then their block-major scales [K / 128][pitch] f32 (pitch: slots
-        // padded to 4; K / 32 * pitch <= slots * K bytes): both fit the bf16 buffer of [max slots, K].
-        let rows_in = |buf: u64, k: usize| Fp8Rows {
-            codes: buf,
-            scales: buf + (slots * k) as u64,
-            pitch: w4a8_layout::scale_pitch(slots),
+        // e4m3 rows [slots, K] then their block-major, tile-major scales [K / 128][pitch] f32
+        // (pitch: the plan's most tiles x its tile height), both in the bf16 buffer of [max slots, K].
+        let pitch = w4a8_layout::scale_pitch(plan.launch.grid_tiles as usize, plan.launch.block_m);
+        let rows_in = |buf: &DevBuf, what: &str, k: usize| -> Result<Fp8Rows> {
+            let need = slots * k + k / w4a8_layout::CHUNK_K * pitch * 4;
+            if need > buf.bytes() {
+                return Err(err(format!(
+                    "internal: {what}: {slots} e4m3 rows of {k} and their scales need {need} bytes, the \
+                     buffer holds {}",
+                    buf.bytes()
+                )));
+            }
+            Ok(Fp8Rows { codes: buf.ptr(), scales: buf.ptr() + (slots * k) as u64, pitch })
         };
-        let xin = rows_in(lazy(&ws.xin, "quantized expert inputs")?.ptr(), c.hidden_size);
+        let xin =
+            rows_in(lazy(&ws.xin, "quantized expert inputs")?, "quantized expert inputs", c.hidden_size)?;
         self.quant_rows(plan, &self.quant_params(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin)), s)?;
         let l1 = self.routed_l1(ws, self.routed_operands(ws, xin.codes, 0, &w8.l1, 0), topk_w);
         w8.l1(s, &plan.launch, &l1, &xin)?;
-        let actq = rows_in(lazy(&ws.actq, "quantized activations")?.ptr(), c.moe_intermediate_size);
+        let actq = rows_in(
+            lazy(&ws.actq, "quantized activations")?,
+            "quantized activations",
+            c.moe_intermediate_size,
+        )?;
         self.quant_rows(
             plan,
             &self.quant_params(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq)),

@@ -265,11 +265,17 @@ kernel_abi! {
         mode: i32 => "int",
         /// `[E_local]` f32 activation global scales (QUANT_NVFP4_ACT), nullable otherwise.
         in_scale: DevPtr => "const float*",
-        /// QUANT_FP8_E4M3: the block scales `[cols / 128][scale_pitch]` f32, block-major (row r's
-        /// block b at `b * scale_pitch + r`); nullable otherwise.
+        /// QUANT_FP8_E4M3: the block scales `[cols / 128][scale_pitch]` f32, block-major and
+        /// tile-major (row r of local expert e, block b at `b * scale_pitch + tile_start[e] *
+        /// tile_rows + r - offsets[e]`: every token tile's scales start 16-byte aligned, as TMA
+        /// needs); nullable otherwise.
         scales: DevPtr => "float*",
-        /// Pitch of `scales` (elements: the rows padded to 4).
+        /// Pitch of `scales` (elements: the plan's most tiles x `tile_rows`).
         scale_pitch: i32 => "int",
+        /// QUANT_FP8_E4M3: `[E_local + 1]` the plan's first tile per expert; nullable otherwise.
+        tile_start: DevPtr => "const int*",
+        /// QUANT_FP8_E4M3: rows per token tile (the plan's tile height).
+        tile_rows: i32 => "int",
     }
 
     /// `moe_combine`: per token the sum of its planned slots in slot order, plus the shared expert.
@@ -541,18 +547,6 @@ kernel_abi! {
         tile_done: DevPtr => "unsigned*",
         /// The chained L2: the L1's units per tile (its group sets).
         wait_units: i32 => "int",
-    }
-
-    /// The Hopper wgmma pair kernel: a routed L1 and its L2 in one persistent launch whose CTAs
-    /// take (layer, tile, group set) units from a queue (`gemm_tc.cu` `WgPairSched`).
-    struct WgPairParams {
-        /// The L1 (its `l1.act` is the L2's A, read through `l2.amap`).
-        l1: WgL1Params => "WgL1Params",
-        /// The L2.
-        l2: WgL2Params => "WgL2Params",
-        /// `[2 + tiles]` u32, 0 between launches (the last CTA out resets them): the next unit,
-        /// the CTAs done taking units, and per token tile its L1 units done.
-        sched: DevPtr => "unsigned*",
     }
 
     /// The Hopper FP8 (W4A8) L1 kernel (`gemm_w4a8.cu`): `l1.g.wq` in the W4A8 layout,

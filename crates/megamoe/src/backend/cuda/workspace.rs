@@ -219,11 +219,10 @@ pub struct Workspace {
     pub(crate) split_routed: DevBuf,
     /// The same for the shared expert (which may run concurrently, on the side stream).
     pub(crate) split_shared: DevBuf,
-    /// Counters of the routed experts' L1 + L2 pair `[2 + max_tiles]` u32
+    /// Counters of the routed experts' chained L1 + L2 `[2 + max_tiles]` u32
     /// ([`super::gemm::GemmLaunch::sched`]; zero between forwards: the kernels leave them so):
-    /// the chained wgmma launches' per-tile counts, or the pair kernel's queue (opt-in with
-    /// `MEGAMOE_WG_PAIR=1`: measured slower on the H200, docs/PERFORMANCE.md, sixteenth session).
-    pub(crate) pair_sched: DevBuf,
+    /// the finished L2 CTAs, then per token tile its stored L1 units (`MEGAMOE_WG_CHAIN=1`).
+    pub(crate) chain_counts: DevBuf,
     /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
     /// batches; [`Self::prepare`]).
     pub(crate) xin: Option<DevBuf>,
@@ -295,9 +294,8 @@ impl Workspace {
             status: z(&[4], "status")?,
             split_routed: z(&[Workspace::split_bytes(device.sm_count())], "routed split scratch")?,
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
-            // The routed L1 + L2 pair's counters: the pair kernel's queue or the chained launches'
-            // per-tile counts (a few hundred bytes: always there).
-            pair_sched: z(&[2 + tiles, 4], "pair scheduler counters")?,
+            // The chained L1 + L2 launches' per-tile counts (a few hundred bytes: always there).
+            chain_counts: z(&[2 + tiles, 4], "chained L1 + L2 counters")?,
             xin: None,
             actq: None,
             gate_tr: None,
@@ -312,7 +310,7 @@ impl Workspace {
     }
 
     /// `(buffer, offset, bytes)` of every counter range of the split scratch (routed L1, L2,
-    /// fused-kernel barriers, then the same for the shared expert), then the pair scheduler's.
+    /// fused-kernel barriers, then the same for the shared expert), then the chained launches'.
     fn split_counter_ranges(&self) -> Vec<(&DevBuf, usize, usize)> {
         use crate::backend::gpu_layout::tc::FUSED_SYNC_COUNTERS;
         let l = split_layout(self.device.sm_count());
@@ -326,7 +324,7 @@ impl Workspace {
                     (buf, l.sync, 4 * FUSED_SYNC_COUNTERS),
                 ]
             })
-            .chain([(&self.pair_sched, 0, self.pair_sched.bytes())])
+            .chain([(&self.chain_counts, 0, self.chain_counts.bytes())])
             .collect()
     }
 
@@ -416,7 +414,7 @@ impl Workspace {
             &self.status,
             &self.split_routed,
             &self.split_shared,
-            &self.pair_sched,
+            &self.chain_counts,
         ]
         .into_iter()
         .chain(self.xin.iter())
@@ -447,7 +445,7 @@ impl Workspace {
     }
 
     /// The split scratch's counters (routed L1, L2 — each padded to 256 bytes — and the fused
-    /// kernel's barriers, then the same for the shared expert) and the pair scheduler's, read back after a
+    /// kernel's barriers, then the same for the shared expert) and the chained launches', read back after a
     /// synchronisation: every streaming launch must leave them all zero. Diagnostics and tests.
     pub fn split_counters(&self) -> Result<Vec<u32>> {
         self.device.synchronize()?;

@@ -670,9 +670,10 @@ pub fn wg_configs() -> impl Iterator<Item = WgConfig> {
     })
 }
 
-/// The configurations also built as a pair kernel (a routed L1 and its L2 in one persistent
-/// launch, `moe_wg_pair_*`): those of large launches, two or more groups per CTA.
-pub fn wg_pair_configs() -> impl Iterator<Item = WgConfig> {
+/// The configurations also built as chained L1 / L2 kernels (the L2 a programmatic dependent whose
+/// units wait per tile on the L1's, `moe_wg_l{1,2}c_*`): those of large launches, two or more
+/// groups per CTA.
+pub fn wg_chain_configs() -> impl Iterator<Item = WgConfig> {
     wg_configs().filter(|c| c.groups >= 2)
 }
 

@@ -331,13 +331,21 @@ pub fn smem_bytes(nt: usize) -> usize {
     stages(nt) * stage_bytes(nt) + 1024
 }
 
-/// Pitch (f32 elements) of the block-major activation scales `[K / 128][pitch]` of an input of
-/// `rows` rows: the rows padded to 4, so that every block's row is 16-byte aligned (TMA's global
-/// stride) and a kernel fetches a token tile's scales of one chunk with one box — `nt` contiguous
-/// floats, which its consumers read two tokens at a time (row-major `[rows][blocks]` scales took
-/// a box of 4 blocks per chunk, 4x the bytes, and one load per token).
-pub fn scale_pitch(rows: usize) -> usize {
-    rows.next_multiple_of(4)
+/// Pitch (f32 elements) of the block-major, tile-major activation scales `[K / 128][pitch]` of a
+/// plan of up to `tiles` token tiles of `nt` rows: a block's scales of token tile t are the `nt`
+/// floats from column `t * nt` ([`scale_column`]), so a kernel fetches a tile's scales of one chunk
+/// with one TMA box that starts 16-byte aligned, as TMA requires (a box at the tile's first row of
+/// a `[K / 128][rows]` layout faulted with an illegal instruction: an expert's rows start anywhere),
+/// and its consumers read two tokens at a time (row-major `[rows][blocks]` scales took a box of 4
+/// blocks per chunk, 4x the bytes, and one load per token).
+pub fn scale_pitch(tiles: usize, nt: usize) -> usize {
+    tiles * nt
+}
+
+/// Column of plan row `r` in its block's row of the scales: the row's place in its expert's token
+/// tiles (the expert's first tile `tile_start`, its first row `offset`; `kernels/quant.cu`).
+pub fn scale_column(tile_start: usize, nt: usize, offset: usize, r: usize) -> usize {
+    tile_start * nt + r - offset
 }
 
 #[cfg(test)]
@@ -487,5 +495,25 @@ mod tests {
         assert!(pack_l1(&layer.w1, &layer.w3).is_err());
         let nv = synthetic::random_layer(&cfg, crate::formats::WeightFormat::Nvfp4, 1, false, 4);
         assert!(unsupported_reason(&nv.w1, &nv.w2, &nv.w3).unwrap().contains("not MXFP4"));
+    }
+
+    #[test]
+    fn scale_columns_are_tile_aligned_and_distinct() {
+        // Three experts of 5, 0 and 130 rows: their tiles and rows as the plan numbers them.
+        for nt in TOKEN_TILES {
+            let counts = [5usize, 0, 130];
+            let (mut offset, mut tile, mut seen) = (0, 0, std::collections::HashSet::new());
+            for &n in &counts {
+                for r in offset..offset + n {
+                    let col = scale_column(tile, nt, offset, r);
+                    assert!(col < scale_pitch(tile + n.div_ceil(nt), nt) && seen.insert(col));
+                    if (r - offset) % nt == 0 {
+                        assert_eq!((col * 4) % 16, 0, "a tile's first scale starts 16-byte aligned");
+                    }
+                }
+                offset += n;
+                tile += n.div_ceil(nt);
+            }
+        }
     }
 }

@@ -116,10 +116,10 @@ pub(crate) struct GemmLaunch {
     /// The packed weights of the pair's L2 (0: none): a family's decode L1 may prefetch the first
     /// bytes of the L2's work into the L2 cache ([`crate::backend::gpu_layout::tc::STREAM_PREFETCH_BYTES`]).
     pub next_wq: u64,
-    /// Scheduler counters of a routed L1 + L2 pair launch ([`GemmKernels::l1_l2`]; zeroed, each
-    /// launch leaves them zeroed; [`Workspace::pair_sched`]); 0: none.
+    /// Per-tile counters of chained L1 + L2 launches ([`GemmKernels::l1_l2`]; zeroed, each
+    /// launch leaves them zeroed; [`Workspace::chain_counts`]); 0: none.
     ///
-    /// [`Workspace::pair_sched`]: super::workspace::Workspace::pair_sched
+    /// [`Workspace::chain_counts`]: super::workspace::Workspace::chain_counts
     pub sched: u64,
 }
 

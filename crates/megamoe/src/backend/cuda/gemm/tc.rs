@@ -39,14 +39,10 @@ struct TcKernels {
     /// `MEGAMOE_WGMMA=0`.
     wg_l1: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     wg_l2: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
-    /// Hopper wgmma pair kernels (a routed L1 and its L2 in one persistent launch), by
-    /// configuration ([`layout::wg_pair_configs`]; used for launches given scheduler counters:
-    /// `MEGAMOE_WG_PAIR=1`).
-    wg_pair: HashMap<layout::WgConfig, Kernel<WgPairParams>>,
     /// Hopper wgmma L1 / L2 kernels for chained launches (the L2 a programmatic dependent whose
-    /// units wait per tile on the L1's counts), by configuration ([`layout::wg_pair_configs`]).
-    /// Opt-in, `MEGAMOE_WG_CHAIN=1` (and not `MEGAMOE_PDL=0`), until measured on a GPU: written
-    /// and compiled in the eighteenth session, which had no device (docs/PERFORMANCE.md).
+    /// units wait per tile on the L1's counts), by configuration ([`layout::wg_chain_configs`]).
+    /// Opt-in, `MEGAMOE_WG_CHAIN=1` (and not `MEGAMOE_PDL=0`): within +-2.5% of the separate
+    /// launches on an H100 (docs/PERFORMANCE.md, nineteenth session).
     wg_l1c: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     wg_l2c: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
     /// Consumer warpgroups of every wgmma launch whose tile is built with them
@@ -151,15 +147,15 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     }
 }
 
-/// The opt-in routed L1 + L2 kernels of format `f` (sm_90a; [`layout::wg_pair_configs`]) in a
-/// module of their own, compiled only where `MEGAMOE_WG_PAIR=1` or `MEGAMOE_WG_CHAIN=1` asks for
-/// them: the pair kernels and the chained L1 / L2 (inside the main module they would more than
-/// double its NVRTC time, and neither is measured faster than the separate launches yet).
+/// The opt-in chained L1 / L2 kernels of format `f` (sm_90a; [`layout::wg_chain_configs`]) in a
+/// module of their own, compiled only where `MEGAMOE_WG_CHAIN=1` asks for them (inside the main
+/// module they would double its NVRTC time, and they are not measured faster than the separate
+/// launches).
 pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     let mut spec = module_spec(f, arch);
     spec.name = format!("gemm_tc_l1l2-{}", f.name());
-    let mut inst = String::from("\n// The pair and chained kernels (gemm/tc.rs l1l2_module_spec).\n");
-    for c in layout::wg_pair_configs() {
+    let mut inst = String::from("\n// The chained kernels (gemm/tc.rs l1l2_module_spec).\n");
+    for c in layout::wg_chain_configs() {
         let args = format!(
             "{}, {}, {}, {}, {}",
             c.nt,
@@ -168,9 +164,9 @@ pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
             layout::wg_stages(f, c.nt, c.groups),
             layout::wg_narrow_steps(f, c)
         );
-        inst.push_str(&format!("WG_PAIR_KERNEL({args})\nWG_CHAIN_KERNELS({args})\n"));
+        inst.push_str(&format!("WG_CHAIN_KERNELS({args})\n"));
     }
-    // The main module's instantiations are left out: only the pair entry points are built.
+    // The main module's instantiations are left out: only the chained entry points are built.
     *spec.sources.last_mut().expect("module_spec ends with its instantiations") = inst.into();
     spec
 }
@@ -182,18 +178,11 @@ pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
     let mut v: Vec<_> =
         WeightFormat::ALL.into_iter().map(|f| (module_spec(f, arch), kernel_names(arch))).collect();
     if has_wgmma(arch) {
-        let names = layout::wg_pair_configs()
-            .flat_map(|c| [wg_pair_name(c), wg_chain_name(1, c), wg_chain_name(2, c)])
-            .collect();
+        let names =
+            layout::wg_chain_configs().flat_map(|c| [wg_chain_name(1, c), wg_chain_name(2, c)]).collect();
         v.push((l1l2_module_spec(WeightFormat::Nvfp4, arch), names));
     }
     v
-}
-
-/// Whether this process asked for the pair kernels (`MEGAMOE_WG_PAIR=1`: the family's L1 + L2
-/// module and its pair entry points).
-fn wg_pair_enabled() -> bool {
-    std::env::var("MEGAMOE_WG_PAIR").is_ok_and(|v| v.trim() == "1")
 }
 
 /// Every kernel name of the family on `arch`.
@@ -221,9 +210,6 @@ fn trace_name(nt: usize) -> String {
 fn wg_name(layer: u8, c: layout::WgConfig) -> String {
     format!("moe_wg_l{layer}_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
 }
-fn wg_pair_name(c: layout::WgConfig) -> String {
-    format!("moe_wg_pair_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
-}
 fn wg_chain_name(layer: u8, c: layout::WgConfig) -> String {
     format!("moe_wg_l{layer}c_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
 }
@@ -235,18 +221,12 @@ fn df_name(nt: usize) -> String {
 }
 
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
-    let pair = wg_pair_enabled() && has_wgmma(dev.arch());
     let chain = has_wgmma(dev.arch())
         && dev.programmatic_launches()
         && std::env::var("MEGAMOE_WG_CHAIN").is_ok_and(|v| v.trim() == "1");
     // Keyed by the knobs read here, so engines made under different settings (tests, A/B) each
     // get theirs; the compiled module is shared.
-    let key = format!(
-        "gemm_tc-{}{}{}",
-        f.name(),
-        if pair { "+pair" } else { "" },
-        if chain { "+chain" } else { "" }
-    );
+    let key = format!("gemm_tc-{}{}", f.name(), if chain { "+chain" } else { "" });
     dev.cached(&key, || {
         let m = dev.module(&module_spec(f, dev.arch()))?;
         let mut k = TcKernels {
@@ -257,7 +237,6 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             l1_trace: HashMap::new(),
             wg_l1: HashMap::new(),
             wg_l2: HashMap::new(),
-            wg_pair: HashMap::new(),
             wg_l1c: HashMap::new(),
             wg_l2c: HashMap::new(),
             ds_l1: HashMap::new(),
@@ -295,17 +274,12 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 k.wg_l1.insert(c, Kernel::load(&m, &wg_name(1, c), c.threads(), smem)?);
                 k.wg_l2.insert(c, Kernel::load(&m, &wg_name(2, c), c.threads(), smem)?);
             }
-            if pair || chain {
-                let pm = dev.module(&l1l2_module_spec(f, dev.arch()))?;
-                for c in layout::wg_pair_configs() {
+            if chain {
+                let cm = dev.module(&l1l2_module_spec(f, dev.arch()))?;
+                for c in layout::wg_chain_configs() {
                     let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
-                    if pair {
-                        k.wg_pair.insert(c, Kernel::load(&pm, &wg_pair_name(c), c.threads(), smem)?);
-                    }
-                    if chain {
-                        k.wg_l1c.insert(c, Kernel::load(&pm, &wg_chain_name(1, c), c.threads(), smem)?);
-                        k.wg_l2c.insert(c, Kernel::load(&pm, &wg_chain_name(2, c), c.threads(), smem)?);
-                    }
+                    k.wg_l1c.insert(c, Kernel::load(&cm, &wg_chain_name(1, c), c.threads(), smem)?);
+                    k.wg_l2c.insert(c, Kernel::load(&cm, &wg_chain_name(2, c), c.threads(), smem)?);
                 }
             }
         }
@@ -414,32 +388,13 @@ impl GemmKernels for TcKernels {
         let (h, inter) = (l1.g.h as usize, l1.g.inter as usize);
         let (c, cfg1) = self.wg_cfg(l, 2 * inter);
         let (key2, cfg2) = self.wg_cfg(l, h);
-        let pair = self.wg_pair.get(&c).filter(|_| key2 == c);
-        let chain = self.wg_l1c.get(&c).zip(self.wg_l2c.get(&key2));
-        if pair.is_none() && chain.is_none() {
-            return Ok(false); // the default: the two launches apart (`l1`, `l2`)
-        }
-        let amap1 = tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)?;
-        let amap2 = tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)?;
-        if let Some(k) = pair {
-            let p = WgPairParams {
-                l1: WgL1Params { l1: *l1, amap: amap1, tile_done: 0 },
-                l2: WgL2Params { l2: *l2, amap: amap2, tile_done: 0, wait_units: 0 },
-                sched: l.sched,
-            };
-            // Persistent: one CTA per SM (the kernels' shared memory allows no more) takes units.
-            let cfg = LaunchCfg::grid(
-                (self.sm_count as u32, 1, 1),
-                layout::wg_smem_bytes(self.format, c.nt, c.groups),
-            );
-            // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters
-            // (the workspace's: max_tiles at the smallest tile, >= grid_tiles >= the plan's count).
-            unsafe { k.launch(s, &cfg, &p)? };
-            return Ok(true);
-        }
         // Chained: the L1 counts each tile's stored units in `l.sched`, the L2 (a programmatic
         // dependent) waits per tile on them (`gemm_tc.cu` WgGridSched).
-        let Some((k1, k2)) = chain else { return Ok(false) };
+        let Some((k1, k2)) = self.wg_l1c.get(&c).zip(self.wg_l2c.get(&key2)) else {
+            return Ok(false); // the default: the two launches apart (`l1`, `l2`)
+        };
+        let amap1 = tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)?;
+        let amap2 = tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)?;
         let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
         // Units per tile of the L1: its grid's group sets (x); tiles run along y.
         let wait_units = cfg1.grid.0 as i32;

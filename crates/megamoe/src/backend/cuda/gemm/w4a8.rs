@@ -120,9 +120,10 @@ pub(crate) fn upload(
 pub(crate) struct Fp8Rows {
     /// `[rows, K]` e4m3.
     pub codes: u64,
-    /// `[K / 128][pitch]` f32, block-major.
+    /// `[K / 128][pitch]` f32, block-major and tile-major (token tile t's scales at columns
+    /// `t * block_m ..`; `kernels/quant.cu`).
     pub scales: u64,
-    /// Pitch of `scales` ([`layout::scale_pitch`] of the rows).
+    /// Pitch of `scales` ([`layout::scale_pitch`] of the plan's most tiles).
     pub pitch: usize,
 }
 
@@ -146,9 +147,9 @@ impl W4a8Experts {
 
     fn maps(l: &GemmLaunch, a: &Fp8Rows, k: usize) -> Result<(TmaDesc, TmaDesc)> {
         let amap = tma_2d(a.codes, TmaElem::U8, l.a_rows, k, k, (layout::CHUNK_K, l.block_m), true)?;
-        // One box per chunk: the tile's `block_m` scales of its block (rows past `a_rows` read 0).
+        // One box per chunk: the tile's `block_m` scales of its block, at column tile x block_m.
         let smap =
-            tma_2d(a.scales, TmaElem::F32, k / layout::CHUNK_K, l.a_rows, a.pitch, (l.block_m, 1), false)?;
+            tma_2d(a.scales, TmaElem::F32, k / layout::CHUNK_K, a.pitch, a.pitch, (l.block_m, 1), false)?;
         Ok((amap, smap))
     }
 

@@ -78,7 +78,7 @@ __device__ __forceinline__ void griddep_launch_dependents() { asm volatile("grid
 #endif
 
 // Cross-CTA count halves (the fused decode kernel's grid barriers, as cooperative groups' grid
-// sync; the wgmma pair kernel's per-tile counts): the arrival, by one thread per CTA after
+// sync; the chained wgmma L1's per-tile counts): the arrival, by one thread per CTA after
 // a CTA barrier that follows every thread's writes (each thread first fences its own generic
 // stores against the async proxy: another CTA reads them with bulk copies), is a GPU-scope fence
 // and a release add; the wait an acquire spin, then a proxy fence before this thread's bulk copies.

@@ -408,9 +408,9 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // the first use of a load issued just before its decode), issue unit u's four wgmma k16 steps, wait
 // until only unit u is in flight (u - 1 done), release a finished chunk's stage, decode unit u + 1's
 // A registers while unit u runs. Results are bitwise reproducible (a fixed k order per output).
-// Launches: one GEMM per launch (moe_wg_l1_* / moe_wg_l2_*, CTAs over (group set, tile)), or a
-// routed L1 and its L2 in one persistent launch (moe_wg_pair_*, CTAs taking units from a queue;
-// WgPairSched below): the same K loop and epilogues, so both give the same bits.
+// Launches: one GEMM per launch (moe_wg_l1_* / moe_wg_l2_*, CTAs over (group set, tile)), or the
+// opt-in chained L1 / L2 (moe_wg_l{1,2}c_*, WgGridSched<NT, true> below): the same K loop and
+// epilogues, so both give the same bits.
 
 // Registers per thread: common.cuh wg_entry_regs / wg_producer_regs / wg_consumer_regs.
 
@@ -521,16 +521,6 @@ __device__ __forceinline__ void wg_tile_k_loop(const Ring& ring, float (&acc)[MB
 // WgGridSched (moe_wg_l1_* / moe_wg_l2_*: one layer): group set blockIdx.x, tiles blockIdx.y,
 // + gridDim.y, ... (x dispatched first: the CTAs running at once share a few token tiles in L2).
 //
-// WgPairSched (moe_wg_pair_*: a routed L1 and its L2 in one persistent launch of ~one CTA per SM):
-// units from a queue in order: every L1 unit tile-major (set fastest: the CTAs running at once share
-// a few token tiles), then every L2 unit. A CTA moves on to its next unit while the last one's
-// epilogue runs (no CTA starts with an empty pipeline, none idles in the tail of the L1 while the
-// L2 waits for a kernel boundary). An L2 unit's copies wait until every L1 unit of its tile has
-// stored its activations (sched[2 + tile] counts them: each consumer thread fences its stores
-// against the async proxy, a named barrier, then one GPU-scope release add; the producer spins with
-// an acquire load and fences before its tensor-map copies). No deadlock: units are taken in order,
-// an L1 unit waits on nothing, and a producer waiting on an L2 unit has already issued its earlier
-// units, which its consumers finish. The last CTA out resets the counters for the next launch.
 // Every consumer thread, after its epilogue of a unit whose act rows an L2 reads with TMA: its
 // stores fenced against the async proxy, a named barrier, then one GPU-scope release add to `count`
 // (df_arrive's), issued by the first consumer's warp 0 under warp-uniform control, lane 0 adding 1
@@ -556,7 +546,7 @@ struct WgUnit {
 // One GEMM per launch. CHAIN (the opt-in chained launches, moe_wg_l{1,2}c_*; gemm/tc.rs,
 // MEGAMOE_WG_CHAIN=1): the L2 is a programmatic dependent of its L1, which lets it launch as soon as
 // every L1 CTA has started; an L2 unit's copies then wait for its tile's L1 units (tile_done[2 +
-// tile], the pair kernel's count) instead of the whole L1 grid, so L2 CTAs fill the SMs the L1's
+// tile], wg_count_stored's) instead of the whole L1 grid, so L2 CTAs fill the SMs the L1's
 // last wave leaves idle. No deadlock: the L2 launches only once every L1 CTA is resident or done.
 // The L2's last CTA out resets the counters. A template parameter, not a run-time test: the count
 // in the L1's unit loop cost its K loop 3-9 instructions per 8 wgmmas (SASS), so the default
@@ -580,7 +570,7 @@ struct WgGridSched {
         }
         return true;
     }
-    // Every consumer thread, after its epilogue of unit u: a chained L1 counts it (as WgPairSched).
+    // Every consumer thread, after its epilogue of unit u: a chained L1 counts it for its tile.
     __device__ __forceinline__ void unit_stored(const WgUnit& u, int nc) const {
         if constexpr (CHAIN) {
             if (!layer) wg_count_stored(tile_done + 2 + u.tile, nc);
@@ -593,42 +583,6 @@ struct WgGridSched {
             for (int t = 0; t < tiles; ++t) tile_done[2 + t] = 0u;
             tile_done[0] = 0u;
         }
-    }
-};
-
-template <int GPC, int NC>
-struct WgPairSched {
-    const WgPairParams& p;
-    __device__ __forceinline__ const GemmOperands& ops(int layer) const { return layer ? p.l2.l2.g : p.l1.l1.g; }
-    __device__ __forceinline__ const TmaDesc& map(int layer) const { return layer ? p.l2.amap : p.l1.amap; }
-    __device__ __forceinline__ int sets(int layer) const {
-        const int rows = layer ? p.l1.l1.g.h : 2 * p.l1.l1.g.inter;
-        return ((rows + 127) / 128 + GPC - 1) / GPC;
-    }
-    // The next unit of the queue; an L2 unit's copies first wait for its tile's activations. (One
-    // division for both layers: the branchier form made ptxas serialise the consumers' wgmmas.)
-    __device__ __forceinline__ bool take(unsigned, WgUnit& u) const {
-        const int v = (int)atomicAdd(p.sched, 1u);
-        const int tiles = *p.l1.l1.g.num_tiles, s1 = sets(0), n1 = tiles * s1;
-        const int layer = v >= n1;
-        const int w = layer ? v - n1 : v, s = layer ? sets(1) : s1;
-        u = WgUnit{layer, w / s, w % s};
-        if (u.tile >= tiles) return false;
-        if (layer) df_wait(p.sched + 2 + u.tile, (unsigned)s1);   // then fenced for the copies
-        return true;
-    }
-    // Every consumer thread, after its epilogue of unit u: an L1 unit counts for its tile.
-    __device__ __forceinline__ void unit_stored(const WgUnit& u, int) const {
-        if (u.layer == 0) wg_count_stored(p.sched + 2 + u.tile, NC);
-    }
-    // The producer thread, having taken its last unit: the last CTA out resets the counters (every
-    // unit was taken and every wait passed, so nothing reads or adds to them any more).
-    __device__ __forceinline__ void producer_done() const {
-        if (atomicAdd(p.sched + 1, 1u) != gridDim.x - 1) return;
-        const int tiles = *p.l1.l1.g.num_tiles;
-        for (int t = 0; t < tiles; ++t) p.sched[2 + t] = 0u;
-        p.sched[0] = 0u;
-        p.sched[1] = 0u;
     }
 };
 
@@ -809,17 +763,6 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
         });                                                                                               \
     }
 #define WG_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(, false, NT, G, C, ST, NS)
-// The chained L1 / L2 of a configuration (opt-in module, gpu_layout::tc::wg_pair_configs).
+// The chained L1 / L2 of a configuration (opt-in module, gpu_layout::tc::wg_chain_configs).
 #define WG_CHAIN_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(c, true, NT, G, C, ST, NS)
-// The pair kernel of a configuration (gpu_layout::tc::wg_pair_configs): a routed L1 and its L2.
-#define WG_PAIR_KERNEL(NT, G, C, ST, NS)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
-    moe_wg_pair_n##NT##_g##G##_c##C(const __grid_constant__ WgPairParams p)                              \
-    {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS>(WgPairSched<G, C>{p},                                                  \
-                                  [&](int layer, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
-            if (layer == 0) tc_store_l1<NT, false>(p.l1.l1, acc, grp, m0, mc, gs, nullptr, nullptr);      \
-            else tc_store_l2<NT>(p.l2.l2, acc, grp, m0, mc, gs);                                          \
-        });                                                                                               \
-    }
 #endif

@@ -12,8 +12,9 @@
 //   multiply-adds, two byte-permutes per word, the signs OR-ed in: 16 e4m3 values in ~20 integer
 //   instructions, exact. alpha_w [G][R_pad] = 2^(row base - 133) per packed row.
 // - A: e4m3 bytes [rows, K] through a TMA map (boxes of 128 k x NT rows, 128B-swizzled), its
-//   act_quant scales block-major [K / 128][pitch] f32 (pitch: the rows padded to 4) through a
-//   second map, one box of NT floats per chunk: the tile's scales of the chunk's block.
+//   act_quant scales block-major and tile-major [K / 128][tiles x NT] f32 (quant.cu: token tile t's
+//   scales at columns t NT ..; TMA needs a box's start 16-byte aligned, which a tile's first row
+//   is not) through a second map, one box of NT floats per chunk: the tile's scales of its block.
 // - Outputs as gemm_tc.cu: L1 act [rows, I] bf16 (clamped SwiGLU x routing weight), L2 [rows, H] f32.
 //
 // Tiling: warpgroup 0 is the producer (one thread issues every copy; setmaxnreg gives its registers
@@ -189,7 +190,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
                 const unsigned dst = base + s * S::STAGE;
                 mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 4 + ng * S::W_GROUP);
                 tma_load_2d(dst, &amap, c * 128, m0, fb);
-                tma_load_2d(dst + S::T_BYTES, &smap, m0, c, fb);
+                tma_load_2d(dst + S::T_BYTES, &smap, tile * NT, c, fb);
                 for (int gi = 0; gi < ng; ++gi)
                     bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + gi * S::W_GROUP,
                              wsrc + ((size_t)gi * nch + c) * S::W_GROUP, S::W_GROUP, fb);

@@ -114,8 +114,10 @@ struct QuantRowsParams {
     const float* in_scale;
     float* scales;
     int scale_pitch;
+    const int* tile_start;
+    int tile_rows;
 };
-static_assert(sizeof(QuantRowsParams) == 96, "QuantRowsParams mirrors params.rs");
+static_assert(sizeof(QuantRowsParams) == 112, "QuantRowsParams mirrors params.rs");
 
 struct CombineParams {
     const float* l2;
@@ -258,7 +260,7 @@ struct DfParams {
     unsigned* sync;
     int prefetch_bytes;
 };
-static_assert(sizeof(DfParams) == 616, "DfParams mirrors params.rs");
+static_assert(sizeof(DfParams) == 648, "DfParams mirrors params.rs");
 
 struct WgL1Params {
     GemmL1Params l1;
@@ -274,13 +276,6 @@ struct WgL2Params {
     int wait_units;
 };
 static_assert(sizeof(WgL2Params) == 320, "WgL2Params mirrors params.rs");
-
-struct WgPairParams {
-    WgL1Params l1;
-    WgL2Params l2;
-    unsigned* sched;
-};
-static_assert(sizeof(WgPairParams) == 704, "WgPairParams mirrors params.rs");
 
 struct W8L1Params {
     GemmL1Params l1;

@@ -7,9 +7,11 @@
 // QUANT_COPY (W4A16): copy. QUANT_FP8_ACT (W4A8): DeepSeek act_quant, 128-element blocks,
 // s = 2^ceil(log2(max(amax,1e-4)/448)), value = e4m3(clamp(x/s)) * s — exact in bf16.
 // QUANT_FP8_E4M3 (W4A8 on the FP8 kernels): the same act_quant kept quantized: dst [rows, cols] e4m3
-// bytes, scales block-major [cols / 128][scale_pitch] f32 (pitch: the rows padded to 4, 16-byte
-// block rows for the kernels' TMA boxes of a token tile's scales); a block with a NaN or Inf gets a NaN scale (so every output
-// it feeds is NaN, as the bf16 rule's all-NaN block). One warp per block, 4 values per lane.
+// bytes, scales block-major and tile-major [cols / 128][scale_pitch] f32: row r of local expert e
+// at column tile_start[e] * tile_rows + r - offsets[e], so that each token tile's scales are one
+// 16-byte aligned run (a TMA box must start 16-byte aligned: a box at a tile's first row faulted
+// with an illegal instruction); a block with a NaN or Inf gets a NaN scale (so every output it
+// feeds is NaN, as the bf16 rule's all-NaN block). One warp per block, 4 values per lane.
 // QUANT_NVFP4_ACT (W4A4): ModelOpt NVFP4 with global scale gs = in_scale[local expert of row]: block scale
 // bs = e4m3(clamp(amax16 / (6 gs), 2^-9, 448)) (a quotient of 0 -> 1), q = e2m1(x / (bs*gs)) (ties to even);
 // the stored value is q*bs (exact in bf16), gs is applied later as an fp32 alpha in the GEMM.

@@ -92,17 +92,18 @@ __device__ __forceinline__ uint2 quant_fp8_lane(const bf16_t* s, int b, int lane
     return quant_fp8_values<CODES>(quant_fp8_load(s, b, lane), codes, scale);
 }
 
-// Block b of row r of DeepSeek's act_quant into p.dst (and p.scales with CODES), one warp, from the
-// lane's loaded values `raw` (quant_fp8_load of the source row).
+// Block b of row r of DeepSeek's act_quant into p.dst (and with CODES its scale into p.scales at
+// column `scol` of block row b), one warp, from the lane's loaded values `raw` (quant_fp8_load of
+// the source row).
 template <bool CODES>
-__device__ __forceinline__ void quant_fp8_store(const QuantRowsParams& p, uint2 raw, int r, int b, int lane)
+__device__ __forceinline__ void quant_fp8_store(const QuantRowsParams& p, uint2 raw, int r, int b, int lane, int scol)
 {
     unsigned codes;
     float scale;
     const uint2 o = quant_fp8_values<CODES>(raw, codes, scale);
     if constexpr (CODES) {
         *(unsigned*)((u8*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = codes;
-        if (lane == 0) p.scales[(size_t)b * p.scale_pitch + r] = scale;   // block-major
+        if (lane == 0) p.scales[(size_t)b * p.scale_pitch + scol] = scale;   // block-major, tile-major
     } else {
         *(uint2*)((bf16_t*)p.dst + (size_t)r * p.cols + b * 128 + 4 * lane) = o;
     }
@@ -112,14 +113,14 @@ __device__ __forceinline__ void quant_fp8_store(const QuantRowsParams& p, uint2 
 template <bool CODES>
 __device__ __forceinline__ void quant_fp8_block(const QuantRowsParams& p, const bf16_t* s, int r, int b, int lane)
 {
-    quant_fp8_store<CODES>(p, quant_fp8_load(s, b, lane), r, b, lane);
+    quant_fp8_store<CODES>(p, quant_fp8_load(s, b, lane), r, b, lane, r);
 }
 
 // Row r's blocks warp, warp + nwarps, ... (one warp each), QB of them loaded before any is
 // quantized: a row's blocks are not a chain of dependent round trips.
 template <bool CODES>
 __device__ __forceinline__ void quant_fp8_row(const QuantRowsParams& p, const bf16_t* s, int r, int warp, int nwarps,
-                                              int lane)
+                                              int lane, int scol)
 {
     constexpr int QB = 4;
     const int nb = p.cols / 128;
@@ -133,7 +134,7 @@ __device__ __forceinline__ void quant_fp8_row(const QuantRowsParams& p, const bf
         #pragma unroll
         for (int u = 0; u < QB; ++u) {
             const int b = b0 + u * nwarps;
-            if (b < nb) quant_fp8_store<CODES>(p, raw[u], r, b, lane);   // uniform over the warp
+            if (b < nb) quant_fp8_store<CODES>(p, raw[u], r, b, lane, scol);   // uniform over the warp
         }
     }
 }
@@ -174,9 +175,11 @@ __device__ __forceinline__ void quant_row(const QuantRowsParams& p, const bf16_t
 {
     const int warp = tid >> 5, lane = tid & 31, nwarps = nthreads >> 5;
     if (p.mode == QUANT_FP8_E4M3) {
-        quant_fp8_row<true>(p, s, r, warp, nwarps, lane);
+        // The scale's column: the row's place in its expert's tiles (QuantRowsParams::scales).
+        const int scol = p.tile_start[e] * p.tile_rows + r - (int)p.offsets[e];
+        quant_fp8_row<true>(p, s, r, warp, nwarps, lane, scol);
     } else if (p.mode == QUANT_FP8_ACT) {
-        quant_fp8_row<false>(p, s, r, warp, nwarps, lane);
+        quant_fp8_row<false>(p, s, r, warp, nwarps, lane, r);
     } else if (p.mode == QUANT_COPY) {
         const uint4* s4 = (const uint4*)s;
         uint4* d4 = (uint4*)((bf16_t*)p.dst + (size_t)r * p.cols);
