@@ -693,7 +693,8 @@ impl LayerWeights {
         // e4m3 rows [slots, K] then their block-major, tile-major scales [K / 128][pitch] f32
         // (pitch: the plan's most tiles x its tile height), both in the bf16 buffer of [max slots, K].
         let pitch = w4a8_layout::scale_pitch(plan.launch.grid_tiles as usize, plan.launch.block_m);
-        let rows_in = |buf: &DevBuf, what: &str, k: usize| -> Result<Fp8Rows> {
+        let rows_in = |buf: &Option<DevBuf>, what: &str, k: usize| -> Result<Fp8Rows> {
+            let buf = lazy(buf, what)?;
             let need = slots * k + k / w4a8_layout::CHUNK_K * pitch * 4;
             if need > buf.bytes() {
                 return Err(err(format!(
@@ -704,16 +705,11 @@ impl LayerWeights {
             }
             Ok(Fp8Rows { codes: buf.ptr(), scales: buf.ptr() + (slots * k) as u64, pitch })
         };
-        let xin =
-            rows_in(lazy(&ws.xin, "quantized expert inputs")?, "quantized expert inputs", c.hidden_size)?;
+        let xin = rows_in(&ws.xin, "quantized expert inputs", c.hidden_size)?;
         self.quant_rows(plan, &self.quant_params(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin)), s)?;
         let l1 = self.routed_l1(ws, self.routed_operands(ws, xin.codes, 0, &w8.l1, 0), topk_w);
         w8.l1(s, &plan.launch, &l1, &xin)?;
-        let actq = rows_in(
-            lazy(&ws.actq, "quantized activations")?,
-            "quantized activations",
-            c.moe_intermediate_size,
-        )?;
+        let actq = rows_in(&ws.actq, "quantized activations", c.moe_intermediate_size)?;
         self.quant_rows(
             plan,
             &self.quant_params(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq)),
