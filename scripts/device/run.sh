@@ -218,10 +218,11 @@ fi
 if [ "${NCU_DETAIL:-0}" != 0 ] && command -v ncu >/dev/null; then
   # Full ncu sections (warp stall reasons, pipes, memory) and per-SASS-line counters of the hot GEMMs:
   # the prefill wgmma L1/L2 at T=4096 and the decode L1/L2 at T=1 and 8 on the EP rank (NVFP4, W4A16;
-  # NCU_DETAIL_ARGS adds bench options, e.g. "--format mxfp4 --mode w4a8" with a moe_w8_l spec).
+  # NCU_DETAIL_ARGS adds bench options, e.g. "--format mxfp4 --mode w4a8" with a moe_w8_l spec;
+  # NCU_DETAIL_ENV an environment for them, e.g. MEGAMOE_W4A8_FP8=1).
   for spec in ${NCU_DETAIL_SPECS:-"wg:regex:moe_wg_l:4096:2" "tc:regex:moe_tc_l:1,8:4"}; do
     IFS=: read -r tag kind kre toks n <<<"$spec"
-    step "ncu_detail_$tag" timeout 400 ncu --clock-control none --set full --import-source no -k "$kind:$kre" \
+    step "ncu_detail_$tag" timeout 400 env ${NCU_DETAIL_ENV:-} ncu --clock-control none --set full --import-source no -k "$kind:$kre" \
       --launch-count "$n" -o "$OUT/detail_$tag" -f "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
       --tokens "$toks" --iters 1 ${NCU_DETAIL_ARGS:-}
     ncu -i "$OUT/detail_$tag.ncu-rep" --page details > "$LOGS/detail_$tag.txt" 2>&1

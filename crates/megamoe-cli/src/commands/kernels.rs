@@ -26,7 +26,8 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     if let Some(d) = &a.out {
         std::fs::create_dir_all(d)?;
     }
-    for (spec, _) in module_catalogue(&a.arch) {
+    // A `compute_*` target writes the PTX of the matching `sm_*` modules (to read what ptxas was given).
+    for (spec, _) in module_catalogue(&a.arch.replace("compute_", "sm_")) {
         if a.filter.as_ref().is_some_and(|f| !spec.name.contains(f.as_str())) {
             continue;
         }

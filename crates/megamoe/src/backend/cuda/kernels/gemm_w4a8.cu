@@ -25,13 +25,15 @@
 //   registers a consumer thread (two 32-register accumulators); four warps per scheduler hide each
 //   one's serial chain (decode, QGMMAs, promote);
 // - NT = 128: two consumers (one group, blockIdx.x = group), 384 threads, 232 registers a consumer
-//   thread (two 64-register accumulators, two A register sets): a consumer decodes chunk c + 1
-//   while chunk c's QGMMAs run, and the two consumers' QGMMAs and promotions interleave. (A 128-token
-//   tile over four m64n64 consumers decoded every block twice: half the integer work per MAC.)
+//   thread (a 64-register accumulator, two 32-register unit accumulators of 64 tokens each, two A
+//   register sets): a consumer decodes chunk c + 1 while chunk c's QGMMAs run, and promotes one
+//   64-token half while the other half's QGMMAs run (its own commit group), so its tensor work
+//   never waits for its promotion. (A 128-token tile over four m64n64 consumers decoded every
+//   block twice: half the integer work per MAC.)
 // Pipeline: ring of ST stages [token tile NT x 128 B | NT f32 scales (<= 512 B) | the CTA's 16 or
 // 8 weight blocks], full / empty mbarriers (empty: one arrival per consumer warp). Per chunk a
-// consumer waits for its stage, issues its QGMMAs into its unit accumulator (the first with scale-d
-// 0), waits, and promotes: acc += unit_acc * (token's block scale) — the activation scale is per
+// consumer waits for its stage, issues its QGMMAs into its unit accumulators (the first with scale-d
+// 0), waits for them, and promotes: acc += unit_acc * (token's block scale) — the activation scale is per
 // token and per 128-block, so it cannot be folded into the operands; promotion at every block also
 // bounds the FP8 MMA's reduced-precision accumulation to 128 products — then releases the stage.
 // Fixed k order: bitwise reproducible.
@@ -115,34 +117,46 @@ struct W8Ring {
     }
 };
 
-// Four m64nNTk32 QGMMAs of chunk c over the tile into uacc (the first with scale-d 0).
-template <int NT>
-__device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[NT / 8][4], const unsigned (&a)[4][4], unsigned c)
+// Four m64nNk32 QGMMAs of chunk c over N tokens of the tile from token n0 (0, or 64 for a 128-token
+// tile's second half) into uacc (the first with scale-d 0), one commit group.
+template <int N, bool TIED = false>
+__device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[N / 8][4], const unsigned (&a)[4][4], unsigned c,
+                                         int n0 = 0)
 {
-    // +32 bytes (2 descriptor units) per k32 step inside the 128-byte swizzled rows.
-    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes);
+    // Token rows are 128 bytes: n0 (a multiple of 8) keeps the 1024-byte swizzle atoms aligned; +32
+    // bytes (2 descriptor units) per k32 step inside the swizzled rows.
+    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes + n0 * 128);
     wgmma_fence();
-    WgmmaE4m3<NT>::first(uacc, a[0], desc);
-    WgmmaE4m3<NT>::mma(uacc, a[1], desc + 2);
-    WgmmaE4m3<NT>::mma(uacc, a[2], desc + 4);
-    WgmmaE4m3<NT>::mma(uacc, a[3], desc + 6);
+    if constexpr (TIED) WgmmaE4m3<N>::first_tied(uacc, a[0], desc);
+    else WgmmaE4m3<N>::first(uacc, a[0], desc);
+    WgmmaE4m3<N>::mma(uacc, a[1], desc + 2);
+    WgmmaE4m3<N>::mma(uacc, a[2], desc + 4);
+    WgmmaE4m3<N>::mma(uacc, a[3], desc + 6);
     wgmma_commit();
 }
 
-// acc += uacc x the chunk's activation scale of each token column (this lane's tokens 8 jn + 2 t + e).
-template <int NJ>
-__device__ __forceinline__ void w8_promote(float (&acc)[NJ][4], const float (&uacc)[NJ][4], const float* sc)
+// The chunk's activation scales of this lane's token columns J0 .. J0 + NJ (tokens 8 (J0 + jn) +
+// 2 t, + 1): one base per lane, constant offsets (LDS.64 [r + imm]).
+template <int J0, int NJ>
+__device__ __forceinline__ void w8_scales(const float* sc, float2 (&s)[NJ])
 {
-    // One base per lane, constant offsets per column (LDS.64 [r + imm] of tokens 8 jn + 2 t, + 1).
     const float2* st = (const float2*)sc + (threadIdx.x & 3);
     #pragma unroll
+    for (int jn = 0; jn < NJ; ++jn) s[jn] = st[4 * (J0 + jn)];
+}
+
+// acc[J0 ..] += uacc x those scales: a whole tile's unit accumulators (J0 0) or one 64-token half's.
+template <int J0, int NJ, int NA>
+__device__ __forceinline__ void w8_promote(float (&acc)[NA][4], const float (&uacc)[NJ][4], const float2 (&s)[NJ])
+{
+    static_assert(J0 + NJ <= NA, "the unit accumulators cover columns of acc");
+    #pragma unroll
     for (int jn = 0; jn < NJ; ++jn) {
-        const float2 s = st[4 * jn];
-        const float s0 = s.x, s1 = s.y;
-        acc[jn][0] = fmaf(uacc[jn][0], s0, acc[jn][0]);
-        acc[jn][1] = fmaf(uacc[jn][1], s1, acc[jn][1]);
-        acc[jn][2] = fmaf(uacc[jn][2], s0, acc[jn][2]);
-        acc[jn][3] = fmaf(uacc[jn][3], s1, acc[jn][3]);
+        float* d = acc[J0 + jn];
+        d[0] = fmaf(uacc[jn][0], s[jn].x, d[0]);
+        d[1] = fmaf(uacc[jn][1], s[jn].y, d[1]);
+        d[2] = fmaf(uacc[jn][2], s[jn].x, d[2]);
+        d[3] = fmaf(uacc[jn][3], s[jn].y, d[3]);
     }
 }
 
@@ -210,45 +224,106 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
         int grp, m0, mend;
         if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
         const int mc = min(mend - m0, NT);
-        float acc[NJ][4], uacc[NJ][4];
+        float acc[NJ][4];
         #pragma unroll
         for (int i = 0; i < NJ; ++i)
             #pragma unroll
             for (int v = 0; v < 4; ++v) acc[i][v] = 0.f;
         ring.wait_full(it);
         W8Raw raw = ring.load(it);
-        // Chunk kc: its QGMMAs on `cur` (decoded here without DECODE_AHEAD), the next chunk's raw
-        // slice loaded (and with DECODE_AHEAD decoded into `nxt`) while they run, then the wait,
-        // the promotion and the stage's release.
-        auto chunk = [&](unsigned (&cur)[4][4], unsigned (&nxt)[4][4], int kc) {
-            const unsigned c = it + kc;
-            if constexpr (!S::DECODE_AHEAD) w8_decode(raw, cur);
-            w8_issue<NT>(ring, uacc, cur, c);
-            if (kc + 1 < nch) {
-                ring.wait_full(c + 1);
-                raw = ring.load(c + 1);
-                if constexpr (S::DECODE_AHEAD) w8_decode(raw, nxt);
-            }
-            wgmma_wait<0>();
-            wgmma_fence_acc(uacc);
-            wgmma_fence_a(cur);
-            w8_promote(acc, uacc, ring.scales(c));
-            ring.release(c);
-        };
         unsigned a[4][4];
         if constexpr (S::DECODE_AHEAD) {
-            // Two register sets that swap roles chunk by chunk (copying the next set into the
-            // current one cost 16 predicated SELs per chunk). `nch` comes from the parameters: the
-            // early exit is uniform, so the QGMMAs after it are not serialised.
+            // 128 tokens as two 64-token halves, each with its own unit accumulators and commit
+            // group, so a half's promotion runs while the other half's QGMMAs do (one unit
+            // accumulator of 128 tokens waited for all four QGMMAs before promoting, and two of them
+            // did not fit the registers). A chunk kc enters with both halves issued from `cur`;
+            // `step` loads and decodes chunk kc + 1 into `nxt`, then per half: wait for it, promote,
+            // issue that half of chunk kc + 1. Two A register sets swap roles chunk by chunk. The
+            // last chunk is peeled (`last`: no issue, ends with nothing in flight): a step whose
+            // issue depended on a runtime test let ptxas not prove which group a wait retires, and
+            // it serialised every QGMMA.
+            static_assert(NT == 128, "the split promotion is the 128-token tile's");
+            float u0[8][4], u1[8][4];
             unsigned b[4][4];
+            // `raw` holds chunk kc + 1 when step kc starts (loaded a step ahead: its shared-memory
+            // latency hides behind the waits); a half's scales are loaded before its wait.
+            auto step = [&](unsigned (&cur)[4][4], unsigned (&nxt)[4][4], int kc) {
+                const unsigned c = it + kc;
+                float2 sc[8];
+                w8_scales<0>(ring.scales(c), sc);
+                w8_decode(raw, nxt);
+                if (kc + 2 < nch) {
+                    ring.wait_full(c + 2);
+                    raw = ring.load(c + 2);
+                }
+                wgmma_wait<1>();                       // half 0 of chunk kc
+                wgmma_fence_acc(u0);
+                w8_promote<0>(acc, u0, sc);
+                w8_issue<64, true>(ring, u0, nxt, c + 1, 0);
+                w8_scales<8>(ring.scales(c), sc);
+                wgmma_wait<1>();                       // half 1 of chunk kc (half 0 of kc + 1 runs)
+                wgmma_fence_acc(u1);
+                wgmma_fence_a(cur);
+                w8_promote<8>(acc, u1, sc);
+                ring.release(c);
+                w8_issue<64, true>(ring, u1, nxt, c + 1, 64);
+            };
+            auto last = [&](int kc) {
+                const unsigned c = it + kc;
+                float2 sc[8];
+                w8_scales<0>(ring.scales(c), sc);
+                wgmma_wait<1>();
+                wgmma_fence_acc(u0);
+                w8_promote<0>(acc, u0, sc);
+                w8_scales<8>(ring.scales(c), sc);
+                wgmma_wait<0>();
+                wgmma_fence_acc(u1);
+                wgmma_fence_a(a);
+                wgmma_fence_a(b);
+                w8_promote<8>(acc, u1, sc);
+                ring.release(c);
+            };
             w8_decode(raw, a);
-            for (int kc = 0; kc < nch; kc += 2) {
-                chunk(a, b, kc);
-                if (kc + 1 == nch) break;
-                chunk(b, a, kc + 1);
+            w8_issue<64, true>(ring, u0, a, it, 0);
+            w8_issue<64, true>(ring, u1, a, it, 64);
+            if (nch > 1) {
+                ring.wait_full(it + 1);
+                raw = ring.load(it + 1);
+            }
+            // `nch` comes from the parameters: the loop's exits are uniform, so the QGMMAs after
+            // them are not serialised.
+            for (int kc = 0;; kc += 2) {
+                if (kc + 1 == nch) {
+                    last(kc);
+                    break;
+                }
+                step(a, b, kc);
+                if (kc + 2 == nch) {
+                    last(kc + 1);
+                    break;
+                }
+                step(b, a, kc + 1);
             }
         } else {
-            for (int kc = 0; kc < nch; ++kc) chunk(a, a, kc);
+            // Chunk kc: decoded, its QGMMAs issued, the next chunk's raw slice loaded while they
+            // run, then the wait, the promotion and the stage's release.
+            float uacc[NJ][4];
+            for (int kc = 0; kc < nch; ++kc) {
+                const unsigned c = it + kc;
+                w8_decode(raw, a);
+                w8_issue<NT>(ring, uacc, a, c);
+                if (kc + 1 < nch) {
+                    ring.wait_full(c + 1);
+                    raw = ring.load(c + 1);
+                }
+                wgmma_wait<0>();
+                wgmma_fence_acc(uacc);
+                wgmma_fence_a(a);
+                float2 sc[NJ];                         // after the wait: 112 registers do not hold them
+                w8_scales<0>(ring.scales(c), sc);
+                w8_promote<0>(acc, uacc, sc);
+                ring.release(c);
+            }
         }
         it += nch;
         if (live && mc > 0) store(acc, grp, m0, mc, G0 * 8 + slab);
