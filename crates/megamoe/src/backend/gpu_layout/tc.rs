@@ -581,39 +581,28 @@ pub fn wg_mma_width(nt: usize, rows: usize, steps: usize) -> usize {
     (0..=steps).rev().map(|s| nt.saturating_sub(8 * s)).find(|&n| n >= 8 && n >= rows).unwrap_or(nt)
 }
 
-/// The wgmma token tile among `tiles` for experts expecting `expected` rows spread by `spread`
-/// (standard deviation): the least expected cost with the rows normally distributed (summed over
-/// +-5 sigma), where an expert of `r` rows costs `ceil(r / nt)` tile overheads plus the MMA width
-/// of each of its tiles (the last one may run up to `narrow_steps` x 8 columns narrower:
-/// [`wg_mma_width`]; 0 for kernels of one width). Ties go to the smaller tile.
-pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64, narrow_steps: usize) -> usize {
-    let cost = |nt: usize| {
-        let nt_f = nt as f64;
-        let expert_cost = |rows: f64| {
-            let r = rows.max(1.0).round() as usize;
-            let n = r.div_ceil(nt);
-            let last = r - (n - 1) * nt;
-            (n - 1) as f64 * (nt_f + WG_TILE_OVERHEAD_TOKENS)
-                + wg_mma_width(nt, last, narrow_steps) as f64
-                + WG_TILE_OVERHEAD_TOKENS
-        };
-        if spread <= 0.0 {
-            expert_cost(expected)
-        } else {
-            // Integer row counts weighted by the normal density (normalised over the window).
-            let (lo, hi) = ((expected - 5.0 * spread).floor().max(1.0), (expected + 5.0 * spread).ceil());
-            let (mut num, mut den) = (0.0, 0.0);
-            let mut r = lo;
-            while r <= hi {
-                let z = (r - expected) / spread;
-                let w = (-0.5 * z * z).exp();
-                num += w * expert_cost(r);
-                den += w;
-                r += 1.0;
-            }
-            num / den
-        }
-    };
+/// The expected value of `cost(rows)` for an expert expecting `expected` rows spread by `spread`
+/// (standard deviation): integer row counts (at least 1) weighted by the normal density over +-5
+/// sigma; `cost(expected)` when `spread` is 0. The tile heuristics' common ground.
+pub fn expected_over_rows(expected: f64, spread: f64, cost: impl Fn(usize) -> f64) -> f64 {
+    if spread <= 0.0 {
+        return cost(expected.max(1.0).round() as usize);
+    }
+    let (lo, hi) = ((expected - 5.0 * spread).floor().max(1.0), (expected + 5.0 * spread).ceil());
+    let (mut num, mut den) = (0.0, 0.0);
+    let mut r = lo;
+    while r <= hi {
+        let z = (r - expected) / spread;
+        let w = (-0.5 * z * z).exp();
+        num += w * cost(r as usize);
+        den += w;
+        r += 1.0;
+    }
+    num / den
+}
+
+/// The tile among `tiles` of the least `cost(nt)`; ties go to the earlier (smaller) tile.
+pub fn cheapest_tile(tiles: &[usize], cost: impl Fn(usize) -> f64) -> usize {
     let mut best = tiles[0];
     for &nt in &tiles[1..] {
         if cost(nt) < cost(best) - 1e-9 {
@@ -621,6 +610,23 @@ pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64, narrow_steps:
         }
     }
     best
+}
+
+/// The wgmma token tile among `tiles` for experts expecting `expected` rows spread by `spread`
+/// (standard deviation): the least expected cost ([`expected_over_rows`]), where an expert of `r`
+/// rows costs `ceil(r / nt)` tile overheads plus the MMA width of each of its tiles (the last one
+/// may run up to `narrow_steps` x 8 columns narrower: [`wg_mma_width`]; 0 for kernels of one
+/// width). Ties go to the smaller tile.
+pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64, narrow_steps: usize) -> usize {
+    cheapest_tile(tiles, |nt| {
+        expected_over_rows(expected, spread, |r| {
+            let n = r.div_ceil(nt);
+            let last = r - (n - 1) * nt;
+            (n - 1) as f64 * (nt as f64 + WG_TILE_OVERHEAD_TOKENS)
+                + wg_mma_width(nt, last, narrow_steps) as f64
+                + WG_TILE_OVERHEAD_TOKENS
+        })
+    })
 }
 
 /// Forwards with at least this many slots (and prefill tiles) run the wgmma kernels; they read A

@@ -27,7 +27,10 @@
 //!   bytes of the magnitudes `0, 0.5, 1, 1.5, 2, 3, 4, 6` times `2^j`, two integer multiply-adds of
 //!   `x` ([`table`]). Zero codes stay 0 (a negative zero 0x80), whatever `x`.
 
-use super::tc::{expert_source, l1_row, padded_rows, MatrixSource, GROUP_ROWS, GROUP_SLABS, SLAB_ROWS};
+use super::tc::{
+    cheapest_tile, expected_over_rows, expert_source, l1_row, padded_rows, MatrixSource, GROUP_ROWS,
+    GROUP_SLABS, SLAB_ROWS,
+};
 use crate::checkpoint::{ExpertProj, ProjData};
 use crate::error::{MegaError, Result};
 
@@ -314,6 +317,22 @@ pub const SCALE_BYTES: usize = 512;
 /// W4A16 launches: the bf16 wgmma kernels have these heights too).
 pub const TOKEN_TILES: [usize; 2] = [64, 128];
 
+/// What a token slot of the 64-token kernel costs relative to one of the 128-token kernel's (each
+/// tile runs its full width: no narrower MMAs). Fitted on an H100 (twentieth session,
+/// `MEGAMOE_W4A8_TILE` rows of the EP-rank bench): with 48, 65, 128 and 192 expected rows per
+/// expert the 64-token tiles measured faster, with 96 and 255 the 128-token ones; 1.10 to 1.15
+/// reproduces all six (the per-tile overhead of the bf16 model, 64 tokens, got 128 and 192 wrong).
+pub const N64_SLOT_COST: f64 = 1.12;
+
+/// The token tile for experts expecting `expected` rows spread by `spread`: the least expected
+/// padded slots, a 64-token tile's weighted by [`N64_SLOT_COST`].
+pub fn choose_token_tile(expected: f64, spread: f64) -> usize {
+    cheapest_tile(&TOKEN_TILES, |nt| {
+        let slot = if nt == 64 { N64_SLOT_COST } else { 1.0 };
+        expected_over_rows(expected, spread, |r| (r.div_ceil(nt) * nt) as f64 * slot)
+    })
+}
+
 /// Pipeline depth (one CTA per SM: up to [`RING_BUDGET`]), rounded down to a power of two: the
 /// consumers' ring position is then a shift and a mask (7 stages cost the consumer loop ~20 uniform
 /// instructions of division per chunk, SASS of `moe_w8_l1_n128`).
@@ -474,6 +493,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_token_tile_is_the_measured_faster_one() {
+        // (expected rows per expert, the tile measured faster): V4-Flash T = 2048 / 4096 / 8192 on
+        // one GPU, V4-Pro EP8 T = 4096 / 8192 / 16384 (H100, twentieth session).
+        for (rows, nt) in [(48.0, 64), (96.0, 128), (192.0, 64), (65.0, 64), (128.0, 64), (255.0, 128)] {
+            assert_eq!(choose_token_tile(rows, f64::sqrt(rows)), nt, "{rows} rows per expert");
+        }
+        // A single tile's worth of rows, no spread: no padding either way, the wider tile's slots
+        // are cheaper.
+        assert_eq!(choose_token_tile(128.0, 0.0), 128);
+        assert_eq!(choose_token_tile(64.0, 0.0), 64);
+        assert_eq!(choose_token_tile(20.0, 0.0), 64);
     }
 
     #[test]

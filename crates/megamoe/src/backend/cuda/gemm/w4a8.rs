@@ -17,7 +17,7 @@ use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::launch::{tma_2d, Kernel, LaunchCfg, StreamRef, TmaElem};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::runtime::{self, ModuleSpec};
-use crate::backend::gpu_layout::tc::{choose_wg_tile, padded_rows, wg_eligible, GROUP_ROWS, WG_MIN_SLOTS};
+use crate::backend::gpu_layout::tc::{padded_rows, wg_eligible, GROUP_ROWS, WG_MIN_SLOTS};
 use crate::backend::gpu_layout::w4a8 as layout;
 use crate::checkpoint::MoeLayer;
 use crate::error::Result;
@@ -143,9 +143,8 @@ impl W4a8Experts {
     /// The plan's tile height for a layer holding this layout, where its prefill launches would
     /// take the FP8 kernels (`None`: the bf16 family's own choice stands).
     pub fn block_m(&self, d: TileDemand) -> Option<usize> {
-        (!d.trace && wg_eligible(d.rows, d.slots)).then(|| {
-            forced_tile().unwrap_or_else(|| choose_wg_tile(&layout::TOKEN_TILES, d.rows, d.spread, 0))
-        })
+        (!d.trace && wg_eligible(d.rows, d.slots))
+            .then(|| forced_tile().unwrap_or_else(|| layout::choose_token_tile(d.rows, d.spread)))
     }
 
     /// Whether launch `l` takes the FP8 kernels (the prefill launches the bf16 wgmma kernels take).
