@@ -371,7 +371,9 @@ impl GemmKernels for TcKernels {
         // configuration, so its cost assumes the narrower width every FP4 configuration but the
         // 96-token three-consumer one is built with.)
         if !d.trace && !self.wg_l1.is_empty() && layout::wg_eligible(d.rows, d.slots) {
-            layout::choose_wg_tile(&layout::WG_TOKEN_TILES, d.rows, d.spread, layout::WG_NARROW_STEPS)
+            super::tile_override("MEGAMOE_WG_TILE", &layout::WG_TOKEN_TILES).unwrap_or_else(|| {
+                layout::choose_wg_tile(&layout::WG_TOKEN_TILES, d.rows, d.spread, layout::WG_NARROW_STEPS)
+            })
         } else {
             layout::choose_token_tile(d.rows, d.spread, d.max_rows)
         }

@@ -80,18 +80,6 @@ pub(crate) struct W4a8Experts {
     kernels: Arc<Kernels>,
 }
 
-/// `MEGAMOE_W4A8_TILE` (one of [`layout::TOKEN_TILES`]): every FP8 prefill launch on that token
-/// tile instead of the cost model's choice — to measure the tiles against each other.
-fn forced_tile() -> Option<usize> {
-    let v: usize = std::env::var("MEGAMOE_W4A8_TILE").ok()?.trim().parse().ok()?;
-    if layout::TOKEN_TILES.contains(&v) {
-        Some(v)
-    } else {
-        tracing::warn!(tile = v, tiles = ?layout::TOKEN_TILES, "MEGAMOE_W4A8_TILE is not a W4A8 token tile: ignored");
-        None
-    }
-}
-
 /// Whether W4A8 forwards of `layer` on `dev` get the FP8 kernels, or why not.
 pub(crate) fn unsupported(dev: &CudaDevice, layer: &MoeLayer) -> Option<String> {
     if dev.arch() != "sm_90a" {
@@ -143,8 +131,10 @@ impl W4a8Experts {
     /// The plan's tile height for a layer holding this layout, where its prefill launches would
     /// take the FP8 kernels (`None`: the bf16 family's own choice stands).
     pub fn block_m(&self, d: TileDemand) -> Option<usize> {
-        (!d.trace && wg_eligible(d.rows, d.slots))
-            .then(|| forced_tile().unwrap_or_else(|| layout::choose_token_tile(d.rows, d.spread)))
+        (!d.trace && wg_eligible(d.rows, d.slots)).then(|| {
+            super::tile_override("MEGAMOE_W4A8_TILE", &layout::TOKEN_TILES)
+                .unwrap_or_else(|| layout::choose_token_tile(d.rows, d.spread))
+        })
     }
 
     /// Whether launch `l` takes the FP8 kernels (the prefill launches the bf16 wgmma kernels take).
