@@ -14,7 +14,7 @@ use megamoe::backend::cuda::{
 use megamoe::backend::MoeEngine;
 use megamoe::checkpoint::{MoeLayer, ProjData};
 use megamoe::formats::WeightFormat;
-use megamoe::forward::{ForwardInput, Mode};
+use megamoe::forward::{ForwardInput, ForwardOutput, Mode};
 use megamoe::synthetic;
 use megamoe::trace::{Stage, StageTrace};
 use std::sync::Arc;
@@ -269,6 +269,75 @@ fn tol(mode: Mode) -> f64 {
     }
 }
 
+/// The engine's routing against the float64 host router's `(ids, weights, margins)`: the same
+/// experts and weights (1e-5) for every token whose k-th and (k+1)-th keys are more than 1e-4 apart.
+fn assert_routing_matches(out: &ForwardOutput, host: (&[i32], &[f64], &[f64]), k: usize, what: &str) {
+    let (rid, rw, margin) = host;
+    for (tok, &m) in margin.iter().enumerate() {
+        if m <= 1e-4 {
+            continue;
+        }
+        let mut a = out.topk_ids[tok * k..(tok + 1) * k].to_vec();
+        let mut b = rid[tok * k..(tok + 1) * k].to_vec();
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "{what} token {tok}: routing differs");
+        for j in 0..k {
+            let pos = rid[tok * k..(tok + 1) * k].iter().position(|&v| v == out.topk_ids[tok * k + j]);
+            let want = rw[tok * k + pos.unwrap()];
+            assert!(
+                (out.topk_weights[tok * k + j] as f64 - want).abs() < 1e-5 * want.max(1.0),
+                "{what} token {tok}"
+            );
+        }
+    }
+}
+
+/// `moe_router_logits_tiled` (`MEGAMOE_ROUTER_TILED`, here from one token on): the host router's
+/// routing at token counts around its 64-token tiles, with an expert count that is not a multiple
+/// of its 64-expert tiles, score functions of both kinds; bitwise repeatable.
+#[test]
+fn tiled_router_routes_as_the_host_router() {
+    for (func, seed) in
+        [(megamoe::config::ScoringFunc::SqrtSoftplus, 5), (megamoe::config::ScoringFunc::Softmax, 6)]
+    {
+        let cfg = megamoe::config::MoeConfig {
+            n_routed_experts: 96,
+            num_experts_per_tok: 6,
+            scoring_func: func,
+            ..synthetic::tiny_config()
+        };
+        let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
+        std::env::set_var("MEGAMOE_ROUTER_TILED", "1");
+        let eng = engine_with(&layer, 300, None);
+        std::env::remove_var("MEGAMOE_ROUTER_TILED");
+        let Some(mut eng) = eng else { return };
+        for t in [1, 63, 65, 300] {
+            let x = synthetic::random_hidden(t, cfg.hidden_size, seed + t as u64);
+            let input = ForwardInput { x: &x, input_ids: None };
+            let host = host_router(&layer, &x, None);
+            eng.poison(0xFF).unwrap();
+            let out = eng.forward(&input, Mode::W4A16, None).unwrap();
+            assert_routing_matches(
+                &out,
+                (&host.0, &host.1, &host.2),
+                cfg.num_experts_per_tok,
+                &format!("{func:?} T={t}"),
+            );
+            let again = eng.forward(&input, Mode::W4A16, None).unwrap();
+            assert_eq!(
+                (&out.topk_ids, &out.topk_weights),
+                (&again.topk_ids, &again.topk_weights),
+                "T={t}: repeat differs"
+            );
+            let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
+            let err = rel_l2(&out.y, &want);
+            eprintln!("tiled router {func:?} T={t}: rel L2 {err:.2e}");
+            assert!(err < tol(Mode::W4A16), "{func:?} T={t}: rel L2 {err:.3e}");
+        }
+    }
+}
+
 fn check_case(format: WeightFormat, hash: bool, skew: bool, tokens: &[usize], seed: u64) {
     for family in FAMILIES {
         check_case_on(family, format, hash, skew, tokens, seed);
@@ -297,22 +366,12 @@ fn check_case_on(family: &str, format: WeightFormat, hash: bool, skew: bool, tok
             let out = eng.forward(&input, mode, None).unwrap();
             assert_eq!(out.y.len(), t * c.hidden_size);
             assert!(out.y.iter().all(|v| v.is_finite()), "{format:?} {mode} T={t}: non-finite output");
-            let k = c.num_experts_per_tok;
-            for tok in 0..t {
-                if margin[tok] > 1e-4 {
-                    let mut a = out.topk_ids[tok * k..(tok + 1) * k].to_vec();
-                    let mut b = rid[tok * k..(tok + 1) * k].to_vec();
-                    a.sort();
-                    b.sort();
-                    assert_eq!(a, b, "{format:?} T={t} token {tok}: routing differs");
-                    for j in 0..k {
-                        let pos =
-                            rid[tok * k..(tok + 1) * k].iter().position(|&v| v == out.topk_ids[tok * k + j]);
-                        let want = rw[tok * k + pos.unwrap()];
-                        assert!((out.topk_weights[tok * k + j] as f64 - want).abs() < 1e-5 * want.max(1.0));
-                    }
-                }
-            }
+            assert_routing_matches(
+                &out,
+                (&rid, &rw, &margin),
+                c.num_experts_per_tok,
+                &format!("{format:?} T={t}"),
+            );
             let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, mode);
             let err = rel_l2(&out.y, &want);
             eprintln!("{family} {format:?} hash={hash} skew={skew} {mode} T={t}: rel L2 {err:.2e}");

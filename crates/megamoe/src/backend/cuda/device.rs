@@ -40,6 +40,8 @@ macro_rules! core_kernels {
 
 core_kernels! {
     router_logits: RouterLogitsParams = "moe_router_logits", CORE_THREADS;
+    /// Prefill-sized batches (64 x 64 logits a CTA).
+    router_logits_tiled: RouterLogitsParams = "moe_router_logits_tiled", CORE_THREADS;
     router_topk: RouterTopkParams = "moe_router", CORE_THREADS;
     plan_count: PlanParams = "moe_plan_count", CORE_THREADS;
     plan_offsets: PlanParams = "moe_plan_offsets", 1024;

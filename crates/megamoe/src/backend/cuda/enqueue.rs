@@ -31,6 +31,8 @@ use crate::forward::Mode;
 
 /// Experts per CTA of `moe_router_logits` (`RT_EPC` in `kernels/router.cu`).
 const ROUTER_EXPERTS_PER_CTA: u32 = 2;
+/// Tokens and experts per CTA of `moe_router_logits_tiled` (`RTT_M`, `RTT_E`).
+const ROUTER_TILE: u32 = 64;
 
 /// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
 /// three (count, offsets, scatter over many CTAs).
@@ -315,11 +317,16 @@ impl LayerWeights {
         };
         // SAFETY: every pointer covers [T, ...] of its documented layout (checked sizes).
         unsafe {
-            core.router_logits.launch(
-                s,
-                &LaunchCfg::grid((t as u32, (e as u32).div_ceil(ROUTER_EXPERTS_PER_CTA), 1), 0),
-                &logits,
-            )?;
+            if t >= self.router.tiled_from {
+                let grid = ((t as u32).div_ceil(ROUTER_TILE), (e as u32).div_ceil(ROUTER_TILE), 1);
+                core.router_logits_tiled.launch(s, &LaunchCfg::grid(grid, 0), &logits)?;
+            } else {
+                core.router_logits.launch(
+                    s,
+                    &LaunchCfg::grid((t as u32, (e as u32).div_ceil(ROUTER_EXPERTS_PER_CTA), 1), 0),
+                    &logits,
+                )?;
+            }
             core.router_topk.launch(s, &LaunchCfg::grid((t as u32, 1, 1), router_smem(e)), &topk)
         }
     }

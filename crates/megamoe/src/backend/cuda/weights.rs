@@ -25,6 +25,8 @@ pub(crate) struct RouterDev {
     pub tid2eid: Option<DevBuf>,
     /// Rows of `tid2eid` (0 without one).
     pub vocab: usize,
+    /// Forwards of at least this many tokens take `moe_router_logits_tiled` (`usize::MAX`: none).
+    pub tiled_from: usize,
 }
 
 /// One layer on one device.
@@ -340,7 +342,16 @@ fn upload_router(dev: &CudaDevice, layer: &MoeLayer) -> Result<RouterDev> {
         bias: r.bias.as_ref().map(|b| dev.upload(b, "gate.bias")).transpose()?,
         tid2eid: r.tid2eid.as_ref().map(|t| dev.upload(t, "gate.tid2eid")).transpose()?,
         vocab: r.tid2eid.as_ref().map_or(0, |t| t.len() / k),
+        tiled_from: router_tiled_from(),
     })
+}
+
+/// `MEGAMOE_ROUTER_TILED=<tokens>`: forwards of at least that many tokens compute the router
+/// logits with the tiled kernel (`kernels/router.cu`); unset (or not a number): never. Opt-in until
+/// it is measured on a GPU (written without one: the per-token kernel re-reads the whole gate
+/// weight for every token, ~57 KB a CTA, which at prefill sizes costs more than the experts).
+fn router_tiled_from() -> usize {
+    std::env::var("MEGAMOE_ROUTER_TILED").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(usize::MAX)
 }
 
 #[cfg(test)]
