@@ -502,8 +502,8 @@ mod tests {
         for (rows, nt) in [(48.0, 64), (96.0, 128), (192.0, 64), (65.0, 64), (128.0, 64), (255.0, 128)] {
             assert_eq!(choose_token_tile(rows, f64::sqrt(rows)), nt, "{rows} rows per expert");
         }
-        // A single tile's worth of rows, no spread: no padding either way, the wider tile's slots
-        // are cheaper.
+        // No spread: 128 rows fill one 128-token tile (two 64-token tiles cost 1.12 x as much); 64
+        // or fewer fit one 64-token tile.
         assert_eq!(choose_token_tile(128.0, 0.0), 128);
         assert_eq!(choose_token_tile(64.0, 0.0), 64);
         assert_eq!(choose_token_tile(20.0, 0.0), 64);
