@@ -49,6 +49,8 @@ struct TcKernels {
     /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
     /// launch still gives every SM two CTAs.
     wg_consumers: Option<usize>,
+    /// `MEGAMOE_WG_TILE` (read once): every wgmma prefill launch on this token tile.
+    wg_tile: Option<usize>,
     /// Hopper weight-streaming decode kernels (sm_90a), by token tile; used for decode tiles of
     /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_enabled`]).
     ds_l1: HashMap<usize, Kernel<DsL1Params>>,
@@ -250,6 +252,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 .min(1 << 20) as i32
                 & !15,
             wg_consumers: std::env::var("MEGAMOE_WG_CONSUMERS").ok().and_then(|v| v.trim().parse().ok()),
+            wg_tile: super::tile_override("MEGAMOE_WG_TILE", &layout::WG_TOKEN_TILES),
             probe: (probe::enabled() && has_wgmma(dev.arch())).then(|| m.clone()),
         };
         if has_wgmma(dev.arch()) && stream_enabled(f) {
@@ -371,7 +374,7 @@ impl GemmKernels for TcKernels {
         // configuration, so its cost assumes the narrower width every FP4 configuration but the
         // 96-token three-consumer one is built with.)
         if !d.trace && !self.wg_l1.is_empty() && layout::wg_eligible(d.rows, d.slots) {
-            super::tile_override("MEGAMOE_WG_TILE", &layout::WG_TOKEN_TILES).unwrap_or_else(|| {
+            self.wg_tile.unwrap_or_else(|| {
                 layout::choose_wg_tile(&layout::WG_TOKEN_TILES, d.rows, d.spread, layout::WG_NARROW_STEPS)
             })
         } else {

@@ -78,6 +78,8 @@ pub(crate) struct W4a8Experts {
     pub l1: PackedSide,
     pub l2: PackedSide,
     kernels: Arc<Kernels>,
+    /// `MEGAMOE_W4A8_TILE` (read once): every FP8 prefill launch on this token tile.
+    tile: Option<usize>,
 }
 
 /// Whether W4A8 forwards of `layer` on `dev` get the FP8 kernels, or why not.
@@ -112,6 +114,7 @@ pub(crate) fn upload(
         l1: side(&l1, "w13 (W4A8 layout)")?,
         l2: side(&l2, "w2 (W4A8 layout)")?,
         kernels: kernels(dev)?,
+        tile: super::tile_override("MEGAMOE_W4A8_TILE", &layout::TOKEN_TILES),
     }))
 }
 
@@ -131,10 +134,8 @@ impl W4a8Experts {
     /// The plan's tile height for a layer holding this layout, where its prefill launches would
     /// take the FP8 kernels (`None`: the bf16 family's own choice stands).
     pub fn block_m(&self, d: TileDemand) -> Option<usize> {
-        (!d.trace && wg_eligible(d.rows, d.slots)).then(|| {
-            super::tile_override("MEGAMOE_W4A8_TILE", &layout::TOKEN_TILES)
-                .unwrap_or_else(|| layout::choose_token_tile(d.rows, d.spread))
-        })
+        (!d.trace && wg_eligible(d.rows, d.slots))
+            .then(|| self.tile.unwrap_or_else(|| layout::choose_token_tile(d.rows, d.spread)))
     }
 
     /// Whether launch `l` takes the FP8 kernels (the prefill launches the bf16 wgmma kernels take).

@@ -238,8 +238,8 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             // accumulator of 128 tokens waited for all four QGMMAs before promoting, and two of them
             // did not fit the registers). A chunk kc enters with both halves issued from `cur`;
             // `step` decodes chunk kc + 1 into `nxt` (and loads kc + 2's raw slice), then per half:
-            // wait for it, promote, issue that half of chunk kc + 1. Two A register sets swap roles chunk by chunk. The
-            // last chunk is peeled (`last`: no issue, ends with nothing in flight): a step whose
+            // wait for it, promote, issue that half of chunk kc + 1. Two A register sets swap roles
+            // chunk by chunk. The last chunk is peeled (`last`: no issue, ends with nothing in flight): a step whose
             // issue depended on a runtime test let ptxas not prove which group a wait retires, and
             // it serialised every QGMMA.
             static_assert(NT == 128, "the split promotion is the 128-token tile's");
