@@ -42,7 +42,8 @@ core_kernels! {
     router_logits: RouterLogitsParams = "moe_router_logits", CORE_THREADS;
     /// Prefill-sized batches (64 x 64 logits a CTA).
     router_logits_tiled: RouterLogitsParams = "moe_router_logits_tiled", CORE_THREADS;
-    router_topk: RouterTopkParams = "moe_router", CORE_THREADS;
+    /// One warp per token (a wider CTA only held idle warps' slots).
+    router_topk: RouterTopkParams = "moe_router", 32;
     plan_count: PlanParams = "moe_plan_count", CORE_THREADS;
     plan_offsets: PlanParams = "moe_plan_offsets", 1024;
     plan_scatter: PlanParams = "moe_plan_scatter", CORE_THREADS;

@@ -22,7 +22,8 @@
 //   4 (tid % 16)) summed by fp32 FMAs in column order 0 .. H - 1: deterministic, and independent of
 //   the grid. The (moe_router_logits) per-token CTAs re-read the whole weight for every token: ~57 KB
 //   a CTA, ~45 GB of L2 traffic at V4-Pro T = 4096.
-// - moe_router: one CTA per token, warp 0 only: score function over the logits, then top-k: K
+// - moe_router: one 32-thread CTA per token (launched so: 256 threads held seven idle warps' slots,
+//   a quarter of the tokens resident at once): score function over the logits, then top-k: K
 //   rounds of a warp argmax over the not-yet-chosen experts; NaN keys count as -inf and equal keys
 //   go to the lower index, so ids are always distinct and in range (NaN rows included).
 //   Dynamic shared memory: 2E * 4 bytes + E bytes.
@@ -164,7 +165,7 @@ extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p
     const int t = blockIdx.x;
     if (t >= T) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (warp != 0) return;         // one warp per token does the rest
+    if (warp != 0) return;         // one warp per token (the launch has no other)
 
     // Logits from moe_router_logits (this token's row only: read, then overwritten with scores).
     for (int e = lane; e < E; e += 32) {
