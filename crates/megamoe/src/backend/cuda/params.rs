@@ -267,8 +267,8 @@ kernel_abi! {
         in_scale: DevPtr => "const float*",
         /// QUANT_FP8_E4M3: the block scales `[cols / 128][scale_pitch]` f32, block-major and
         /// tile-major (row r of local expert e, block b at `b * scale_pitch + tile_start[e] *
-        /// tile_rows + r - offsets[e]`: every token tile's scales start 16-byte aligned, as TMA
-        /// needs); nullable otherwise.
+        /// tile_rows + scale_slot(r - offsets[e])`, `gpu_layout::w4a8::scale_column`: every token
+        /// tile's scales start 16-byte aligned, as TMA needs); nullable otherwise.
         scales: DevPtr => "float*",
         /// Pitch of `scales` (elements: the plan's most tiles x `tile_rows`).
         scale_pitch: i32 => "int",

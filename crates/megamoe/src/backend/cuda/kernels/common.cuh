@@ -17,6 +17,13 @@ typedef unsigned char u8;
 #define MM_INF __int_as_float(0x7f800000)
 #define MM_NAN __int_as_float(0x7fc00000)
 
+// Place of row n (counted from its expert's first tile) among its tile's W4A8 activation scales
+// (gpu_layout::w4a8::scale_slot): inside each 16 rows, bit 3 of n moves to bit 1 and bits 1-2 to
+// bits 2-3, so the four scales of a consumer lane's token columns j, j + 1 (tokens 8 j + 2 t, + 1,
+// 8 j + 10 + 2 t - 2, + 1 of an even j) are one 16-byte load. Written by quant_rows.cuh, read by
+// gemm_w4a8.cu.
+__host__ __device__ __forceinline__ int w8_scale_slot(int n) { return (n & ~15) | (n & 1) | ((n >> 2) & 2) | ((n << 1) & 12); }
+
 __device__ __forceinline__ float bf2f(bf16_t b) { return __uint_as_float(((unsigned)b) << 16); }
 
 // f32 -> bf16, round to nearest even; NaN stays NaN (quiet).
@@ -188,6 +195,13 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const void* tmap, int 
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");
 }
+// The lane index read where it is used: a volatile asm is not moved across the wgmma asm around
+// it, so values derived from it are not computed before a K loop and held through it.
+__device__ __forceinline__ int lane_id_here() {
+    int l;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+    return l;
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -216,6 +230,14 @@ __device__ __forceinline__ void named_bar(unsigned id, unsigned threads) {
 // 1024-byte atoms of 8 rows (start 1024-aligned): LBO unused (1), SBO 1024, layout 128B.
 __device__ __forceinline__ unsigned long long wgmma_desc_k128(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+// The descriptor of the tile `offset` bytes (a multiple of 16) past the one `desc0` describes:
+// the address field is addr >> 4 in bits 0-13 and a shared address stays under 256 KB, so the
+// offset adds without a carry out of it. Per issue that is one add to a loop-invariant descriptor
+// (ptxas keeps its high word in place) where a fresh descriptor cost a mask, a shift, an OR and a
+// move of the high word (SASS: 449 instead of 485 instructions per two chunks of moe_w8_l1_n128).
+__device__ __forceinline__ unsigned long long wgmma_desc_add(unsigned long long desc0, unsigned offset) {
+    return desc0 + (offset >> 4);
 }
 // acc (m64 x nN f32: the m16n8 C fragment per warp per 8 columns) += A (bf16 registers, the m64k16
 // fragment) * B (K-major bf16 tile, desc): one specialization per MMA width N of the wgmma kernels

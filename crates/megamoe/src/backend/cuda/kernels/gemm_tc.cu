@@ -440,7 +440,9 @@ struct WgRing {
         return tc_load_lane(st + wl_off[b], st + sc_off[b]);
     }
     // The B descriptor of chunk c's token tile.
-    __device__ __forceinline__ unsigned long long desc(unsigned c) const { return wgmma_desc_k128(base + (c % ST) * STAGE); }
+    __device__ __forceinline__ unsigned long long desc(unsigned c) const {
+        return wgmma_desc_add(wgmma_desc_k128(base), (c % ST) * STAGE);
+    }
     // Its A registers.
     static __device__ __forceinline__ void decode(const TcLane& ln, unsigned (&a)[4][4]) {
         tc_decode<0>(a[0], ln);

@@ -13,8 +13,9 @@
 //   instructions, exact. alpha_w [G][R_pad] = 2^(row base - 133) per packed row.
 // - A: e4m3 bytes [rows, K] through a TMA map (boxes of 128 k x NT rows, 128B-swizzled), its
 //   act_quant scales block-major and tile-major [K / 128][tiles x NT] f32 (quant.cu: token tile t's
-//   scales at columns t NT ..; TMA needs a box's start 16-byte aligned, which a tile's first row
-//   is not) through a second map, one box of NT floats per chunk: the tile's scales of its block.
+//   scales at columns t NT .., in w8_scale_slot order inside each 16 rows; TMA needs a box's start
+//   16-byte aligned, which a tile's first row is not) through a second map, one box of NT floats
+//   per chunk: the tile's scales of its block.
 // - Outputs as gemm_tc.cu: L1 act [rows, I] bf16 (clamped SwiGLU x routing weight), L2 [rows, H] f32.
 //
 // Tiling: warpgroup 0 is the producer (one thread issues every copy; setmaxnreg gives its registers
@@ -111,7 +112,7 @@ struct W8Ring {
         const unsigned char* st = gbase + (c % stages) * stage_bytes;
         return w8_load(st + code_off, st + x_off);
     }
-    // Stage c's activation scales (its chunk's block): token n's at [n].
+    // Stage c's activation scales (its chunk's block): token n's at [w8_scale_slot(n)].
     __device__ __forceinline__ const float* scales(unsigned c) const {
         return (const float*)(gbase + (c % stages) * stage_bytes + t_bytes);
     }
@@ -125,7 +126,7 @@ __device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[N / 8][4
 {
     // Token rows are 128 bytes: n0 (a multiple of 8) keeps the 1024-byte swizzle atoms aligned; +32
     // bytes (2 descriptor units) per k32 step inside the swizzled rows.
-    const unsigned long long desc = wgmma_desc_k128(r.base + (c % r.stages) * r.stage_bytes + n0 * 128);
+    const unsigned long long desc = wgmma_desc_add(wgmma_desc_k128(r.base), (c % r.stages) * r.stage_bytes + n0 * 128);
     wgmma_fence();
     if constexpr (TIED) WgmmaE4m3<N>::first_tied(uacc, a[0], desc);
     else WgmmaE4m3<N>::first(uacc, a[0], desc);
@@ -136,13 +137,19 @@ __device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[N / 8][4
 }
 
 // The chunk's activation scales of this lane's token columns J0 .. J0 + NJ (tokens 8 (J0 + jn) +
-// 2 t, + 1): one base per lane, constant offsets (LDS.64 [r + imm]).
+// 2 t, + 1): two columns per 16-byte load (the scales' w8_scale_slot order puts them together),
+// one base per lane, constant offsets (LDS.128 [r + imm]).
 template <int J0, int NJ>
 __device__ __forceinline__ void w8_scales(const float* sc, float2 (&s)[NJ])
 {
-    const float2* st = (const float2*)sc + (threadIdx.x & 3);
+    static_assert(J0 % 2 == 0 && NJ % 2 == 0, "columns in pairs of one 16-row group");
+    const float4* st = (const float4*)sc + (threadIdx.x & 3);
     #pragma unroll
-    for (int jn = 0; jn < NJ; ++jn) s[jn] = st[4 * (J0 + jn)];
+    for (int jn = 0; jn < NJ; jn += 2) {
+        const float4 v = st[4 * ((J0 + jn) / 2)];
+        s[jn] = make_float2(v.x, v.y);
+        s[jn + 1] = make_float2(v.z, v.w);
+    }
 }
 
 // acc[J0 ..] += uacc x those scales: a whole tile's unit accumulators (J0 0) or one 64-token half's.
@@ -337,7 +344,9 @@ __device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
-    const int gi = (threadIdx.x & 31) >> 2;
+    // The lane read here, not hoisted above the K loop: the column (and its 64-bit extension) kept
+    // live across the loop cost the 128-token kernel a spill.
+    const int gi = lane_id_here() >> 2;
     const int I = g.inter, col = gslab * 8 + gi;
     if (col >= I) return;
     const float* ra = g.alpha_w + (size_t)grp * ((2 * I + 127) / 128 * 128) + gslab * 16 + gi;

@@ -8,7 +8,8 @@
 // s = 2^ceil(log2(max(amax,1e-4)/448)), value = e4m3(clamp(x/s)) * s — exact in bf16.
 // QUANT_FP8_E4M3 (W4A8 on the FP8 kernels): the same act_quant kept quantized: dst [rows, cols] e4m3
 // bytes, scales block-major and tile-major [cols / 128][scale_pitch] f32: row r of local expert e
-// at column tile_start[e] * tile_rows + r - offsets[e], so that each token tile's scales are one
+// at column tile_start[e] * tile_rows + w8_scale_slot(r - offsets[e]) (common.cuh: the rows of each
+// 16 interleaved for the consumers' 16-byte loads), so that each token tile's scales are one
 // 16-byte aligned run (a TMA box must start 16-byte aligned: a box at a tile's first row faulted
 // with an illegal instruction); a block with a NaN or Inf gets a NaN scale (so every output it
 // feeds is NaN, as the bf16 rule's all-NaN block). One warp per block, 4 values per lane.

@@ -176,7 +176,7 @@ __device__ __forceinline__ void quant_row(const QuantRowsParams& p, const bf16_t
     const int warp = tid >> 5, lane = tid & 31, nwarps = nthreads >> 5;
     if (p.mode == QUANT_FP8_E4M3) {
         // The scale's column: the row's place in its expert's tiles (QuantRowsParams::scales).
-        const int scol = p.tile_start[e] * p.tile_rows + r - (int)p.offsets[e];
+        const int scol = p.tile_start[e] * p.tile_rows + w8_scale_slot(r - (int)p.offsets[e]);
         quant_fp8_row<true>(p, s, r, warp, nwarps, lane, scol);
     } else if (p.mode == QUANT_FP8_ACT) {
         quant_fp8_row<false>(p, s, r, warp, nwarps, lane, r);
