@@ -17,8 +17,9 @@
 //   H % 64 == 0 (checked on the host), so every chunk is whole and 16-byte aligned.
 // - moe_router_logits_tiled (prefill): grid (ceil(T / 64), ceil(E / 64)), 256 threads. CTA (i, j)
 //   computes the logits of tokens 64 i .. and experts 64 j .. : per 32-column chunk of H, x (widened
-//   to f32) and wg staged k-major in shared memory ([32][64 + 4] each: a thread's 4 tokens and 4
-//   experts are one LDS.128 each per k), each thread a 4 x 4 block (tokens 4 (tid / 16), experts
+//   to f32) and wg staged k-major in shared memory ([32][64] each, columns XOR-swizzled by k's
+//   group of 8 so the transposing stores are conflict-free: a thread's 4 tokens and 4 experts are
+//   one LDS.128 each per k), each thread a 4 x 4 block (tokens 4 (tid / 16), experts
 //   4 (tid % 16)) summed by fp32 FMAs in column order 0 .. H - 1: deterministic, and independent of
 //   the grid. The (moe_router_logits) per-token CTAs re-read the whole weight for every token: ~57 KB
 //   a CTA, ~45 GB of L2 traffic at V4-Pro T = 4096.
@@ -93,15 +94,17 @@ extern "C" __global__ void moe_router_logits(const __grid_constant__ RouterLogit
 #define RTT_M 64      // tokens per CTA
 #define RTT_E 64      // experts per CTA
 #define RTT_K 32      // columns of H per stage
-#define RTT_PAD 4     // keeps the rows 16-byte aligned and spreads the transposing stores
+
+// The XOR applied to the columns of k-row k of the staged tiles (k's group of 8).
+__device__ __forceinline__ int rtt_swizzle(int k) { return 8 * ((k >> 3) & 3); }
 
 extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const __grid_constant__ RouterLogitsParams p)
 {
     const bf16_t* __restrict__ x = p.x;
     const float* __restrict__ wg = p.wg;
     const int T = p.t, H = p.h, E = p.e;
-    __shared__ __align__(16) float xs[RTT_K][RTT_M + RTT_PAD];
-    __shared__ __align__(16) float ws[RTT_K][RTT_E + RTT_PAD];
+    __shared__ __align__(16) float xs[RTT_K][RTT_M];
+    __shared__ __align__(16) float ws[RTT_K][RTT_E];
     const int tid = threadIdx.x;
     const int t0 = blockIdx.x * RTT_M, e0 = blockIdx.y * RTT_E;
     // Staging: thread tid loads row tid / 4 of both tiles, columns 8 (tid % 4) .. + 7.
@@ -110,6 +113,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const 
     const uint4* xrow = (const uint4*)(x + (size_t)(xin ? t0 + lr : 0) * H + lc);
     const float4* wrow = (const float4*)(wg + (size_t)(win ? e0 + lr : 0) * H + lc);
     const int ty = tid >> 4, tx = tid & 15;
+    // Column c of k-row k sits at c ^ rtt_swizzle(k): a warp's transposing stores (8 tile rows x
+    // the 4 column groups lc of one k) then fill 32 banks (unswizzled, the 4 groups' rows are 32
+    // floats x 4 apart: 4-way conflicts, more shared-memory wavefronts a chunk than FMA issue
+    // cycles); XOR by multiples of 8 keeps each thread's 4 columns one aligned float4.
+    const int sw_st = 8 * (tid & 3);     // rtt_swizzle(lc + n) for every n < 8: lc = 8 (tid % 4)
     float acc[4][4] = {};
     for (int k0 = 0; k0 < H; k0 += RTT_K) {
         const uint4 xv = xin ? __ldg(xrow + k0 / 8) : make_uint4(0, 0, 0, 0);
@@ -119,17 +127,18 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const 
         const unsigned xw[4] = {xv.x, xv.y, xv.z, xv.w};
         #pragma unroll
         for (int n = 0; n < 4; ++n) {
-            xs[lc + 2 * n][lr] = __uint_as_float(xw[n] << 16);
-            xs[lc + 2 * n + 1][lr] = __uint_as_float(xw[n] & 0xffff0000u);
+            xs[lc + 2 * n][lr ^ sw_st] = __uint_as_float(xw[n] << 16);
+            xs[lc + 2 * n + 1][lr ^ sw_st] = __uint_as_float(xw[n] & 0xffff0000u);
         }
         const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
         #pragma unroll
-        for (int n = 0; n < 8; ++n) ws[lc + n][lr] = wv[n];
+        for (int n = 0; n < 8; ++n) ws[lc + n][lr ^ sw_st] = wv[n];
         __syncthreads();
-        #pragma unroll 8
+        #pragma unroll
         for (int k = 0; k < RTT_K; ++k) {
-            const float4 a = *(const float4*)&xs[k][4 * ty];
-            const float4 b = *(const float4*)&ws[k][4 * tx];
+            const int sw = rtt_swizzle(k);   // a constant per k: four base addresses per tile
+            const float4 a = *(const float4*)&xs[k][(4 * ty) ^ sw];
+            const float4 b = *(const float4*)&ws[k][(4 * tx) ^ sw];
             const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
             #pragma unroll
             for (int i = 0; i < 4; ++i)
