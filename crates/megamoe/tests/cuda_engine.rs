@@ -295,24 +295,30 @@ fn assert_routing_matches(out: &ForwardOutput, host: (&[i32], &[f64], &[f64]), k
 
 /// `moe_router_logits_tiled` (`MEGAMOE_ROUTER_TILED`, here from one token on): the host router's
 /// routing at token counts around its 64-token tiles, with an expert count that is not a multiple
-/// of its 64-expert tiles, score functions of both kinds; bitwise repeatable.
+/// of its 64-expert tiles, score functions of both kinds, H split into K parts
+/// (`gpu_layout::router::tiled_parts`: 2 at H 256; at H 1024 8, and 4 at T 2100); bitwise
+/// repeatable.
 #[test]
 fn tiled_router_routes_as_the_host_router() {
-    for (func, seed) in
-        [(megamoe::config::ScoringFunc::SqrtSoftplus, 5), (megamoe::config::ScoringFunc::Softmax, 6)]
-    {
+    for (func, seed, hidden) in [
+        (megamoe::config::ScoringFunc::SqrtSoftplus, 5, 256),
+        (megamoe::config::ScoringFunc::Softmax, 6, 256),
+        (megamoe::config::ScoringFunc::SqrtSoftplus, 7, 1024),
+    ] {
         let cfg = megamoe::config::MoeConfig {
             n_routed_experts: 96,
             num_experts_per_tok: 6,
             scoring_func: func,
+            hidden_size: hidden,
             ..synthetic::tiny_config()
         };
         let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
         std::env::set_var("MEGAMOE_ROUTER_TILED", "1");
-        let eng = engine_with(&layer, 300, None);
+        let eng = engine_with(&layer, 2100, None);
         std::env::remove_var("MEGAMOE_ROUTER_TILED");
         let Some(mut eng) = eng else { return };
-        for t in [1, 63, 65, 300] {
+        let tokens: &[usize] = if hidden == 1024 { &[1, 65, 300, 2100] } else { &[1, 63, 65, 300] };
+        for &t in tokens {
             let x = synthetic::random_hidden(t, cfg.hidden_size, seed + t as u64);
             let input = ForwardInput { x: &x, input_ids: None };
             let host = host_router(&layer, &x, None);

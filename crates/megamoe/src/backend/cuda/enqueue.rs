@@ -24,6 +24,7 @@ use super::params::*;
 use super::weights::{router_smem, LayerWeights};
 use super::workspace::Workspace;
 use crate::backend::gpu_layout::max_tiles;
+use crate::backend::gpu_layout::router as router_layout;
 use crate::backend::gpu_layout::w4a8 as w4a8_layout;
 use crate::config::ScoringFunc;
 use crate::error::{MegaError, Result};
@@ -31,8 +32,6 @@ use crate::forward::Mode;
 
 /// Experts per CTA of `moe_router_logits` (`RT_EPC` in `kernels/router.cu`).
 const ROUTER_EXPERTS_PER_CTA: u32 = 2;
-/// Tokens and experts per CTA of `moe_router_logits_tiled` (`RTT_M`, `RTT_E`).
-const ROUTER_TILE: u32 = 64;
 
 /// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
 /// three (count, offsets, scatter over many CTAs).
@@ -284,6 +283,11 @@ impl LayerWeights {
         let c = &self.config;
         let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
         let core = &self.device.core;
+        let tiled = t >= self.router.tiled_from;
+        // The workspace holds parts(T) * T rows for its layer dims (router_layout::score_rows); a
+        // workspace sized for another layer's larger E may hold fewer for this one: fewer parts.
+        let rows = ws.scores.bytes() / (e * 4);
+        let parts = if tiled { router_layout::tiled_parts(t, e, h).min(rows / t).max(1) } else { 1 };
         let logits = RouterLogitsParams {
             x,
             wg: self.router.weight.ptr(),
@@ -291,6 +295,7 @@ impl LayerWeights {
             h: h as i32,
             e: e as i32,
             scores: ws.scores.ptr(),
+            parts: parts as i32,
         };
         let score_func = match c.scoring_func {
             ScoringFunc::SqrtSoftplus => SCORE_SQRT_SOFTPLUS,
@@ -311,14 +316,20 @@ impl LayerWeights {
             renorm: (c.norm_topk_prob && c.scoring_func != ScoringFunc::Softmax) as i32,
             route_scale: c.routed_scaling_factor,
             scores: ws.scores.ptr(),
+            parts: parts as i32,
             topk_ids,
             topk_w,
             status: ws.status.ptr(),
         };
-        // SAFETY: every pointer covers [T, ...] of its documented layout (checked sizes).
+        // SAFETY: every pointer covers [T, ...] of its documented layout (checked sizes; the
+        // scores hold `parts * T` rows: Workspace sizes them by router_layout::score_rows).
         unsafe {
-            if t >= self.router.tiled_from {
-                let grid = ((t as u32).div_ceil(ROUTER_TILE), (e as u32).div_ceil(ROUTER_TILE), 1);
+            if tiled {
+                let grid = (
+                    t.div_ceil(router_layout::TILE_TOKENS) as u32,
+                    e.div_ceil(router_layout::TILE_EXPERTS) as u32,
+                    parts as u32,
+                );
                 core.router_logits_tiled.launch(s, &LaunchCfg::grid(grid, 0), &logits)?;
             } else {
                 core.router_logits.launch(

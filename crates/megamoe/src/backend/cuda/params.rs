@@ -165,8 +165,10 @@ kernel_abi! {
         h: i32 => "int",
         /// Experts E.
         e: i32 => "int",
-        /// Output logits `[T, E]` f32.
+        /// Output logits `[T, E]` f32; the tiled kernel's: `[parts][T, E]` partial logits.
         scores: DevPtr => "float*",
+        /// K parts of the tiled kernel (`gpu_layout::router::tiled_parts`; grid z); 1 otherwise.
+        parts: i32 => "int",
     }
 
     /// `moe_router`: score function, biased top-k or hash lookup, routing weights.
@@ -193,8 +195,11 @@ kernel_abi! {
         renorm: i32 => "int",
         /// `routed_scaling_factor`.
         route_scale: f32 => "float",
-        /// `[T, E]`: logits in, scores out.
+        /// `[T, E]`: logits in (`[parts][T, E]` partial logits, added in part order), scores out
+        /// (the first `[T, E]`).
         scores: DevPtr => "float*",
+        /// Partial logits per token (`RouterLogitsParams::parts`).
+        parts: i32 => "int",
         /// Output `[T, K]` i32 (global ids; -1 for a token whose id is outside `tid2eid`).
         topk_ids: DevPtr => "int*",
         /// Output `[T, K]` f32.

@@ -9,7 +9,7 @@ use super::buffer::{derr, err, lazy, DevBuf};
 use super::device::CudaDevice;
 use super::params::{STATUS_BAD_EXPERT_ID, STATUS_BAD_TOKEN_ID};
 use super::weights::LayerWeights;
-use crate::backend::gpu_layout::{max_tiles, MIN_BLOCK_M};
+use crate::backend::gpu_layout::{max_tiles, router, MIN_BLOCK_M};
 use crate::config::MoeConfig;
 use crate::error::{MegaError, Result};
 use crate::forward::Mode;
@@ -110,7 +110,7 @@ impl WorkspaceDims {
         let s = d.slots();
         let (h, i, e, el, mt) = (d.hidden, d.inter, d.experts, d.local_experts, d.max_tokens);
         let parts = [
-            bytes(&[mt, e, 4], "scores")?,
+            bytes(&[router::score_rows(mt, e, h), e, 4], "scores")?,
             bytes(&[s, 4 * 4], "slots")?,
             bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8 + 4], "tiles and their pair counters")?,
             bytes(&[plan_chunks(s), el, 4], "plan chunk rows")?,
@@ -182,7 +182,8 @@ pub struct Workspace {
     pub(crate) join: cudarc::driver::CudaEvent,
     /// Whether the shared expert overlaps the routed experts (`MEGAMOE_OVERLAP=0` turns it off).
     pub(crate) overlap_shared: bool,
-    /// Router logits, then scores `[T, E]` f32.
+    /// Router logits (the tiled kernel's partial logits `[parts][T, E]`), then scores `[T, E]`
+    /// f32 (`gpu_layout::router::score_rows` rows).
     pub(crate) scores: DevBuf,
     /// Chosen experts `[T, k]` i32 (when the caller's io has none).
     pub(crate) topk_ids: DevBuf,
@@ -276,7 +277,7 @@ impl Workspace {
             fork: device.new_event(false)?,
             join: device.new_event(false)?,
             overlap_shared: std::env::var("MEGAMOE_OVERLAP").map_or(true, |v| v != "0"),
-            scores: z(&[mt, e, 4], "scores")?,
+            scores: z(&[router::score_rows(mt, e, h), e, 4], "scores")?,
             topk_ids: z(&[s, 4], "topk_ids")?,
             topk_w: z(&[s, 4], "topk_w")?,
             counts: z(&[el, 4], "counts")?,

@@ -8,11 +8,13 @@
 //!   per-lane A-fragment order of the MMA, FP4 codes bit-arranged for a 9-instruction decode,
 //!   block scales beside them;
 //! - [`w4a8`]: the Hopper FP8 (W4A8) kernels' MXFP4 layout: the `wgmma` k32 A fragments, codes
-//!   arranged for a byte-permute lookup into e4m3 with each 32-block's power of two folded in.
+//!   arranged for a byte-permute lookup into e4m3 with each 32-block's power of two folded in;
+//! - [`router`]: which kernel computes a batch's router logits, and the K parts of the tiled one.
 //!
 //! Shared by all families here: the gate/up interleave, the FP8 block-scale expansion and the
 //! plan's tile table (`(expert, first row)` of every tile of `block_m` rows).
 
+pub mod router;
 pub mod simt;
 pub mod tc;
 pub mod w4a8;

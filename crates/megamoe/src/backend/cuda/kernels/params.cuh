@@ -58,8 +58,9 @@ struct RouterLogitsParams {
     int h;
     int e;
     float* scores;
+    int parts;
 };
-static_assert(sizeof(RouterLogitsParams) == 40, "RouterLogitsParams mirrors params.rs");
+static_assert(sizeof(RouterLogitsParams) == 48, "RouterLogitsParams mirrors params.rs");
 
 struct RouterTopkParams {
     const float* bias;
@@ -74,11 +75,12 @@ struct RouterTopkParams {
     int renorm;
     float route_scale;
     float* scores;
+    int parts;
     int* topk_ids;
     float* topk_w;
     unsigned* status;
 };
-static_assert(sizeof(RouterTopkParams) == 88, "RouterTopkParams mirrors params.rs");
+static_assert(sizeof(RouterTopkParams) == 96, "RouterTopkParams mirrors params.rs");
 
 struct PlanParams {
     const int* topk_ids;

@@ -15,18 +15,21 @@
 //   c = s*32 + lane + 32*RT_SPLIT*i for warp slice s), RT_U chunks loaded before use; per lane fp32
 //   in chunk order, warp_sum's fixed xor tree, then the slices added in slice order: deterministic.
 //   H % 64 == 0 (checked on the host), so every chunk is whole and 16-byte aligned.
-// - moe_router_logits_tiled (prefill): grid (ceil(T / 64), ceil(E / 64)), 256 threads. CTA (i, j)
-//   computes the logits of tokens 64 i .. and experts 64 j .. : per 32-column chunk of H, x (widened
-//   to f32) and wg staged k-major in shared memory ([32][64] each, columns XOR-swizzled by k's
-//   group of 8 so the transposing stores are conflict-free: a thread's 4 tokens and 4 experts are
-//   one LDS.128 each per k), each thread a 4 x 4 block (tokens 4 (tid / 16), experts
-//   4 (tid % 16)) summed by fp32 FMAs in column order 0 .. H - 1: deterministic, and independent of
-//   the grid. The (moe_router_logits) per-token CTAs re-read the whole weight for every token: ~57 KB
-//   a CTA, ~45 GB of L2 traffic at V4-Pro T = 4096.
+// - moe_router_logits_tiled (batches past a few tokens): grid (ceil(T / 64), ceil(E / 64), parts),
+//   256 threads. CTA (i, j, z) computes the partial logits of tokens 64 i .. and experts 64 j ..
+//   over K part z (gpu_layout::router: enough parts to fill the GPU at mid batch sizes, one at a
+//   prefill's) into scores + z T E. Per 32-column chunk of its part of H, x (widened to f32) and wg
+//   are staged k-major in shared memory ([32][64] each, columns XOR-swizzled by k's group of 8 so
+//   the transposing stores are conflict-free; a thread's 4 tokens and 4 experts stay one LDS.128
+//   each per k); each thread sums a 4 x 4 block (tokens 4 (tid / 16), experts 4 (tid % 16)) by
+//   fp32 FMAs in column order over the part: deterministic; moe_router adds the parts in order.
+//   (The per-token CTAs re-read the whole weight for every token: ~57 KB a CTA, ~45 GB of L2
+//   traffic at V4-Pro T = 4096.)
 // - moe_router: one 32-thread CTA per token (launched so: 256 threads held seven idle warps' slots,
-//   a quarter of the tokens resident at once): score function over the logits, then top-k: K
-//   rounds of a warp argmax over the not-yet-chosen experts; NaN keys count as -inf and equal keys
-//   go to the lower index, so ids are always distinct and in range (NaN rows included).
+//   a quarter of the tokens resident at once): the logits (the parts added in order), the score
+//   function over them, then top-k: K rounds of a warp argmax over the not-yet-chosen experts; NaN
+//   keys count as -inf and equal keys go to the lower index, so ids are always distinct and in
+//   range (NaN rows included).
 //   Dynamic shared memory: 2E * 4 bytes + E bytes.
 
 #define RT_SPLIT 4
@@ -103,6 +106,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const 
     const bf16_t* __restrict__ x = p.x;
     const float* __restrict__ wg = p.wg;
     const int T = p.t, H = p.h, E = p.e;
+    // K part blockIdx.z: steps [z S / parts, (z + 1) S / parts) of the S = H / RTT_K
+    // (gpu_layout::router::part_steps), its partial logits at scores + z T E.
+    const int steps = H / RTT_K, z = blockIdx.z;
+    const int k_begin = (int)((long long)z * steps / p.parts) * RTT_K;
+    const int k_end = (int)((long long)(z + 1) * steps / p.parts) * RTT_K;
+    float* __restrict__ out = p.scores + (size_t)z * T * E;
     __shared__ __align__(16) float xs[RTT_K][RTT_M];
     __shared__ __align__(16) float ws[RTT_K][RTT_E];
     const int tid = threadIdx.x;
@@ -119,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const 
     // cycles); XOR by multiples of 8 keeps each thread's 4 columns one aligned float4.
     const int sw_st = 8 * (tid & 3);     // rtt_swizzle(lc + n) for every n < 8: lc = 8 (tid % 4)
     float acc[4][4] = {};
-    for (int k0 = 0; k0 < H; k0 += RTT_K) {
+    for (int k0 = k_begin; k0 < k_end; k0 += RTT_K) {
         const uint4 xv = xin ? __ldg(xrow + k0 / 8) : make_uint4(0, 0, 0, 0);
         const float4 w0 = win ? __ldg(wrow + k0 / 4) : make_float4(0.f, 0.f, 0.f, 0.f);
         const float4 w1 = win ? __ldg(wrow + k0 / 4 + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -153,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const 
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int e = e0 + 4 * tx + j;
-            if (e < E) p.scores[(size_t)t * E + e] = acc[i][j];   // logits; moe_router applies the score function
+            if (e < E) out[(size_t)t * E + e] = acc[i][j];   // logits; moe_router adds the parts, applies the score function
         }
     }
 }
@@ -176,10 +185,14 @@ extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (warp != 0) return;         // one warp per token (the launch has no other)
 
-    // Logits from moe_router_logits (this token's row only: read, then overwritten with scores).
+    // Logits from moe_router_logits (this token's row only: read, then overwritten with scores),
+    // or the tiled kernel's partial logits added in part order.
+    const size_t part_stride = (size_t)T * E;
     for (int e = lane; e < E; e += 32) {
         taken[e] = 0;
-        sc[e] = scores[(size_t)t * E + e];
+        float l = scores[(size_t)t * E + e];
+        for (int q = 1; q < p.parts; ++q) l += scores[q * part_stride + (size_t)t * E + e];
+        sc[e] = l;
     }
     __syncwarp();
     {
