@@ -8,7 +8,7 @@
 # SANITIZE_VERIFY_ARGS=" " the whole sweep; INITCHECK_VERIFY=1 = initcheck), BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
 # EP=1 (in-process EP/TP ranks on this GPU, host and device exchange, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
 # forwards against the reference, device-memory growth), W4A8=1 (W4A8 bench rows on MXFP4 — the
-# opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE"
+# opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE[|VAR=VALUE..]"
 # (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
 # prefill tests and rows under each MEGAMOE_WG_CONSUMERS), QUANT_DECODE=1 (W4A8 / W4A4 decode rows,
 # fused against the separate stages), AB_OLD=path (an earlier binary: the AB_SPECS rows of both builds, alternated).
@@ -110,9 +110,16 @@ if [ "${PHASE_PROBE:-0}" != 0 ]; then
 fi
 if [ -n "${BENCH_AB:-}" ]; then
   # The same EP-rank rows under another configuration (e.g. BENCH_AB="MEGAMOE_STREAM=0": the
-  # decode tiles on the mma.sync kernels instead of the streaming ones), in the same call.
-  step bench_ab timeout 300 env $BENCH_AB "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
-    --whole-layer --tokens "${BENCH_AB_TOKENS:-1,8,64}" --json "$OUT/bench_ab.json"
+  # decode tiles on the mma.sync kernels instead of the streaming ones), in the same call; several
+  # configurations separated by "|" run one after the other (bench_ab, bench_ab2, ...).
+  n=0
+  IFS='|' read -ra ab_cfgs <<<"$BENCH_AB"
+  for cfg in "${ab_cfgs[@]}"; do
+    n=$((n + 1)); tag=bench_ab; [ "$n" -gt 1 ] && tag="bench_ab$n"
+    # shellcheck disable=SC2086
+    step "$tag" timeout 300 env $cfg "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
+      --whole-layer --tokens "${BENCH_AB_TOKENS:-1,8,64}" --json "$OUT/$tag.json"
+  done
 fi
 if [ "${QUANT_DECODE:-0}" != 0 ]; then
   # The quantized modes' decode rows (EP-rank): W4A8 on MXFP4 and NVFP4, W4A4 on NVFP4, the fused
@@ -272,7 +279,7 @@ for f in ep_tests ep2 ep8 ep2tp2 ep2dev ep8dev ep2tp2dev ep8dev_fp8 nccl1dev ep8
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
 for c in ${WG_AB:-}; do for f in wg${c}_tests wg${c}_bench wg${c}_flash; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -E "rank |test result|panicked|rel L2|whole-layer" "$LOGS/$f.log" | tail -n 14; }; done; done
 for f in "$LOGS"/ab_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f" .log)"; grep -E "^v4-" "$f"; }; done
-for f in fp8_rate soak run_model bench bench_ab bench_flash bench_w4a8 bench_w4a8_bf16 bench_mx16 bench_w4a8_flash bench_w4a8_bf16_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
+for f in fp8_rate soak run_model bench bench_ab bench_ab2 bench_ab3 bench_flash bench_w4a8 bench_w4a8_bf16 bench_mx16 bench_w4a8_flash bench_w4a8_bf16_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 # The device tool returns at most 8 files: the JSON results and plots travel inside the archive.
 for f in "$OUT"/*.json "$OUT"/*.png; do [ -f "$f" ] && mv "$f" "$LOGS/"; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

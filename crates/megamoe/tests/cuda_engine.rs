@@ -721,6 +721,33 @@ fn hash_layer_and_skewed_routing() {
     check_case(WeightFormat::Nvfp4, true, true, &[2, 100], 14);
 }
 
+/// `MEGAMOE_OVERLAP=early` (the shared expert forked off before the router instead of after it)
+/// changes no bit of a forward, eager or replayed from a graph, at decode and prefill sizes.
+#[test]
+fn shared_expert_forked_before_the_router_changes_no_bit() {
+    let cfg = synthetic::tiny_config();
+    assert!(cfg.n_shared_experts > 0, "the tiny layer has a shared expert");
+    let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 1, false, 23));
+    let Some(mut base) = engine(&layer, 300) else { return };
+    std::env::set_var("MEGAMOE_OVERLAP", "early");
+    let early = engine(&layer, 300);
+    std::env::remove_var("MEGAMOE_OVERLAP");
+    let mut early = early.expect("a second engine on the same GPU");
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for t in [1usize, 8, 257] {
+        let x = synthetic::random_hidden(t, cfg.hidden_size, 9 + t as u64);
+        let input = ForwardInput { x: &x, input_ids: None };
+        let want = base.forward(&input, Mode::W4A16, None).unwrap();
+        early.poison(0xFF).unwrap();
+        let got = early.forward(&input, Mode::W4A16, None).unwrap();
+        assert_eq!(bits(&want.y), bits(&got.y), "T={t}: the early fork differs");
+        early.capture_graph(t, Mode::W4A16).unwrap();
+        early.poison(0x5A).unwrap();
+        let g = early.replay(&input).unwrap();
+        assert_eq!(bits(&want.y), bits(&g.y), "T={t}: the early fork's graph replay differs");
+    }
+}
+
 #[test]
 fn repeat_runs_and_graph_replay_are_bitwise_identical() {
     for family in FAMILIES {

@@ -91,6 +91,23 @@ impl LayerWeights {
             return Ok(());
         }
         self.device.bind()?;
+        // The shared expert needs only x: it runs on the workspace's side stream while the
+        // routed experts run here (forked after the router, or with MEGAMOE_OVERLAP=early before
+        // it), and is joined back before the combine.
+        let overlap = ws.overlap_shared && self.shared.is_some();
+        let side = StreamRef(ws.side.cu_stream());
+        let fork_shared = || -> Result<u64> {
+            if overlap {
+                launch::record(&ws.fork, s)?;
+                launch::wait(side, &ws.fork)?;
+            }
+            let shared = self.shared_raw(ws, io.x.ptr, t, if overlap { side } else { s })?;
+            if overlap {
+                launch::record(&ws.join, side)?;
+            }
+            Ok(shared)
+        };
+        let early_shared = if overlap && ws.shared_before_router { Some(fork_shared()?) } else { None };
         let (ids, wts) = match io.routing {
             Routing::Internal => {
                 let ids = io.topk_ids.map_or(ws.topk_ids.ptr(), |v| v.ptr);
@@ -100,18 +117,10 @@ impl LayerWeights {
             }
             Routing::External => (io.topk_ids.expect("checked").ptr, io.topk_weights.expect("checked").ptr),
         };
-        // The shared expert needs only x: it runs on the workspace's side stream while the
-        // routed experts run here, and is joined back before the combine.
-        let overlap = ws.overlap_shared && self.shared.is_some();
-        let side = StreamRef(ws.side.cu_stream());
-        if overlap {
-            launch::record(&ws.fork, s)?;
-            launch::wait(side, &ws.fork)?;
-        }
-        let shared = self.shared_raw(ws, io.x.ptr, t, if overlap { side } else { s })?;
-        if overlap {
-            launch::record(&ws.join, side)?;
-        }
+        let shared = match early_shared {
+            Some(p) => p,
+            None => fork_shared()?,
+        };
         let plan = self.plan_for(ws, ids, t, mode, trace);
         // A decode step runs plan, experts and combine as one fused launch where the kernels have
         // one — unless the shared expert runs beside it: the fused kernel is cooperative (all its

@@ -182,6 +182,10 @@ pub struct Workspace {
     pub(crate) join: cudarc::driver::CudaEvent,
     /// Whether the shared expert overlaps the routed experts (`MEGAMOE_OVERLAP=0` turns it off).
     pub(crate) overlap_shared: bool,
+    /// With `overlap_shared`: whether the shared expert forks off before the router rather than
+    /// after it (`MEGAMOE_OVERLAP=early`: its weight stream then also fills the router's and the
+    /// plan's latency; its CTAs share the SMs with theirs). Opt-in until measured.
+    pub(crate) shared_before_router: bool,
     /// Router logits (the tiled kernel's partial logits `[parts][T, E]`), then scores `[T, E]`
     /// f32 (`gpu_layout::router::score_rows` rows).
     pub(crate) scores: DevBuf,
@@ -277,6 +281,7 @@ impl Workspace {
             fork: device.new_event(false)?,
             join: device.new_event(false)?,
             overlap_shared: std::env::var("MEGAMOE_OVERLAP").map_or(true, |v| v != "0"),
+            shared_before_router: std::env::var("MEGAMOE_OVERLAP").is_ok_and(|v| v == "early"),
             scores: z(&[router::score_rows(mt, e, h), e, 4], "scores")?,
             topk_ids: z(&[s, 4], "topk_ids")?,
             topk_w: z(&[s, 4], "topk_w")?,
