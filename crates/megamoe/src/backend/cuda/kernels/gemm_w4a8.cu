@@ -61,8 +61,13 @@ __device__ __forceinline__ void w8_decode_word(unsigned w, unsigned x, unsigned&
 {
     const unsigned t0 = x * 0x08080800u + 0x0C080000u, t1 = x * 0x08080808u + 0x1C181410u;
     const unsigned m = w & 0x77777777u;
-    lo = __byte_perm(t0, t1, m) | ((w << 4) & 0x80808080u);
-    hi = __byte_perm(t0, t1, m >> 16) | (w & 0x80808080u);
+    unsigned pl, ph;
+    // prmt as asm: through __byte_perm the compiler saw that only m's low 16 bits are read and
+    // masked w twice (0x7777, then 0x77770000 before the shift): one instruction more per word.
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pl) : "r"(t0), "r"(t1), "r"(m));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(ph) : "r"(t0), "r"(t1), "r"(m >> 16));
+    lo = pl | ((w << 4) & 0x80808080u);
+    hi = ph | (w & 0x80808080u);
 }
 
 // This lane's raw slice of one (slab, chunk) block: its eight code words and eight exponent bytes.
