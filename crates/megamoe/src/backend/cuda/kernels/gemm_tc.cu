@@ -462,12 +462,16 @@ __device__ __forceinline__ void wg_unit(const Ring& r, float (&acc)[MB][NT / 8][
                                         unsigned c0, int u)
 {
     constexpr int B = (MB == 2) ? BUF : 0, BN = (MB == 2) ? (BUF ^ 1) : 0;
+    // bf16 weights are loaded after the wait, straight into the A registers the wait frees: held
+    // across the issue as FP4's 16 bytes are, their 64 bytes a lane left ptxas too few registers
+    // and it serialised the wgmmas (C7512) at n80 / n96 with three consumers and n144.
+    constexpr bool LATE_LOAD = MM_WF == WF_BF16;
     const unsigned c = c0 + (unsigned)(u / MB);
+    const unsigned cn = c0 + (unsigned)((u + 1) / MB);
     TcLane ln;
     if constexpr (NEXT) {
-        const unsigned cn = c0 + (unsigned)((u + 1) / MB);
         if (BN == 0) r.wait_full(cn);
-        ln = r.load(cn, BN);
+        if constexpr (!LATE_LOAD) ln = r.load(cn, BN);
     }
     const unsigned long long desc = r.desc(c);
     wgmma_fence();
@@ -478,6 +482,7 @@ __device__ __forceinline__ void wg_unit(const Ring& r, float (&acc)[MB][NT / 8][
         wgmma_wait<1>();                       // unit u - 1 is done: its registers and, at a chunk's
         wgmma_fence_a(a[BUF ^ 1]);             // end, its stage are free
         if (B == 0 && u > 0) r.release(c - 1);
+        if constexpr (LATE_LOAD) ln = r.load(cn, BN);
         Ring::decode(ln, a[BUF ^ 1]);
     }
 }
