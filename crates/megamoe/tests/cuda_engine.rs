@@ -435,23 +435,24 @@ fn w4a8_fp8_prefill_matches_host_model() {
         moe_intermediate_size: 256,
         ..synthetic::tiny_config()
     };
+    let odd = megamoe::config::MoeConfig {
+        hidden_size: 640,
+        moe_intermediate_size: 384,
+        n_routed_experts: 16,
+        ..base.clone()
+    };
+    // (layer, tokens, a row wider than e4m3, MEGAMOE_W4A8_TILE)
     let cases = [
-        (megamoe::config::MoeConfig { n_routed_experts: 16, ..base.clone() }, 1024, false),
-        (megamoe::config::MoeConfig { n_routed_experts: 64, ..base.clone() }, 640, false),
-        (megamoe::config::MoeConfig { n_routed_experts: 16, ..base.clone() }, 1024, true),
+        (megamoe::config::MoeConfig { n_routed_experts: 16, ..base.clone() }, 1024, false, None),
+        (megamoe::config::MoeConfig { n_routed_experts: 64, ..base.clone() }, 640, false, None),
+        (megamoe::config::MoeConfig { n_routed_experts: 16, ..base.clone() }, 1024, true, None),
         // H 640, I 384: odd chunk counts on both sides (5 and 3), an odd L2 group count (5).
-        (
-            megamoe::config::MoeConfig {
-                hidden_size: 640,
-                moe_intermediate_size: 384,
-                n_routed_experts: 16,
-                ..base.clone()
-            },
-            768,
-            false,
-        ),
+        (odd.clone(), 768, false, None),
+        // The 96-token kernel (three consumers, 12-slab sets): L1's 48 slabs in 4 sets, L2's 40 in
+        // sets that straddle groups (slabs 12-23: groups 1 and 2; 24-35: 3 and 4) and a 4-slab tail.
+        (odd, 768, false, Some("96")),
     ];
-    for (cfg, t, wide) in cases {
+    for (cfg, t, wide, tile) in cases {
         let mut layer = synthetic::random_layer(&cfg, WeightFormat::Mxfp4, 0, false, 41);
         if wide {
             // Row 5 of expert 0's w2: one block 16 octaves under the row's top block.
@@ -465,8 +466,12 @@ fn w4a8_fp8_prefill_matches_host_model() {
         // The FP8 kernels are opt-in (the bf16 path is faster today): asked for around the upload
         // only (the device script runs these tests on one thread).
         std::env::set_var("MEGAMOE_W4A8_FP8", "1");
+        if let Some(nt) = tile {
+            std::env::set_var("MEGAMOE_W4A8_TILE", nt);
+        }
         let eng = engine_with(&layer, t, Some("tc"));
         std::env::remove_var("MEGAMOE_W4A8_FP8");
+        std::env::remove_var("MEGAMOE_W4A8_TILE");
         let Some(mut eng) = eng else { return };
         let fp8 = eng.weights().w4a8_on_fp8();
         assert!(!(wide && fp8), "a row wider than e4m3 must keep W4A8 off the FP8 kernels");
@@ -480,7 +485,7 @@ fn w4a8_fp8_prefill_matches_host_model() {
         let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A8);
         let err = rel_l2(&out.y, &want);
         eprintln!(
-            "W4A8 E={} T={t} wide={wide} fp8={fp8} ({}): rel L2 {err:.2e}",
+            "W4A8 E={} T={t} wide={wide} tile={tile:?} fp8={fp8} ({}): rel L2 {err:.2e}",
             cfg.n_routed_experts,
             eng.arch()
         );

@@ -280,14 +280,14 @@ pub fn pack_l2(w2: &ExpertProj) -> Result<Packed> {
 
 /// Consumer warpgroups of the W4A8 kernels of token tile `nt`: each owns one m64 weight block (half
 /// a 128-row group) x the whole tile, so each block is decoded once per tile. 64-token tiles take
-/// four (112 registers a thread: two 32-register accumulators), wider tiles two (232 registers: two
-/// 64-register accumulators and a second A register set, so the next chunk decodes while this one's
-/// QGMMAs run).
+/// four (112 registers a thread: two 32-register accumulators), 96-token tiles three (160: two
+/// 48-register accumulators), wider tiles two (232 registers: two 64-register accumulators and a
+/// second A register set, so the next chunk decodes while this one's QGMMAs run).
 pub fn consumers(nt: usize) -> usize {
-    if nt <= 64 {
-        4
-    } else {
-        2
+    match nt {
+        0..=64 => 4,
+        65..=96 => 3,
+        _ => 2,
     }
 }
 
@@ -296,26 +296,31 @@ pub fn threads(nt: usize) -> usize {
     128 * (1 + consumers(nt))
 }
 
-/// 128-row weight groups one CTA of token tile `nt` covers: the consumers' m64 blocks, two per group.
-pub fn groups_per_cta(nt: usize) -> usize {
-    consumers(nt) / 2
+/// 16-row weight slabs one CTA of token tile `nt` covers: the consumers' m64 blocks, four slabs
+/// each (16 and 8 are two and one whole 128-row groups; the 96-token kernel's 12 may straddle two).
+pub fn slabs_per_cta(nt: usize) -> usize {
+    4 * consumers(nt)
 }
 
 /// Bytes of one stage of the W4A8 kernels for token tile `nt`: the e4m3 token tile (`nt` rows x
 /// 128 bytes, 128B-swizzled), the tile's activation scales of the chunk's block (`nt` f32, one
-/// row of the block-major scales) and the CTA's groups of 8 weight blocks, rounded to the
+/// row of the block-major scales) and the CTA's weight blocks (one per slab), rounded to the
 /// swizzle's 1024-byte alignment.
 pub fn stage_bytes(nt: usize) -> usize {
-    (nt * CHUNK_K + SCALE_BYTES + groups_per_cta(nt) * GROUP_SLABS * BLOCK_BYTES).div_ceil(1024) * 1024
+    (nt * CHUNK_K + SCALE_BYTES + slabs_per_cta(nt) * BLOCK_BYTES).div_ceil(1024) * 1024
 }
 
 /// Bytes a stage reserves for the token tile's activation scales of one block (up to 128 f32).
 pub const SCALE_BYTES: usize = 512;
 
-/// Token tiles the W4A8 kernels are built for: whole 64-token consumer halves. A layer holding
-/// this layout plans its prefill tiles among these (so that a plan serves both its W4A8 and its
-/// W4A16 launches: the bf16 wgmma kernels have these heights too).
-pub const TOKEN_TILES: [usize; 2] = [64, 128];
+/// Token tiles the W4A8 kernels are built for. A layer holding this layout plans its prefill tiles
+/// among these (so that a plan serves both its W4A8 and its W4A16 launches: the bf16 wgmma kernels
+/// have these heights too). The cost model chooses among [`MODEL_TILES`]; 96 (three consumers)
+/// only through `MEGAMOE_W4A8_TILE=96` until it is measured.
+pub const TOKEN_TILES: [usize; 3] = [64, 96, 128];
+
+/// The token tiles [`choose_token_tile`] picks from.
+pub const MODEL_TILES: [usize; 2] = [64, 128];
 
 /// What a token slot of the 64-token kernel costs relative to one of the 128-token kernel's (each
 /// tile runs its full width: no narrower MMAs). Fitted on an H100 (twentieth session,
@@ -327,7 +332,7 @@ pub const N64_SLOT_COST: f64 = 1.12;
 /// The token tile for experts expecting `expected` rows spread by `spread`: the least expected
 /// padded slots, a 64-token tile's weighted by [`N64_SLOT_COST`].
 pub fn choose_token_tile(expected: f64, spread: f64) -> usize {
-    cheapest_tile(&TOKEN_TILES, |nt| {
+    cheapest_tile(&MODEL_TILES, |nt| {
         let slot = if nt == 64 { N64_SLOT_COST } else { 1.0 };
         expected_over_rows(expected, spread, |r| (r.div_ceil(nt) * nt) as f64 * slot)
     })

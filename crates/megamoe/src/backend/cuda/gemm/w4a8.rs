@@ -17,7 +17,7 @@ use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::launch::{tma_2d, Kernel, LaunchCfg, StreamRef, TmaElem};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::runtime::{self, ModuleSpec};
-use crate::backend::gpu_layout::tc::{padded_rows, wg_eligible, GROUP_ROWS, WG_MIN_SLOTS};
+use crate::backend::gpu_layout::tc::{padded_rows, wg_eligible, SLAB_ROWS, WG_MIN_SLOTS};
 use crate::backend::gpu_layout::w4a8 as layout;
 use crate::checkpoint::MoeLayer;
 use crate::error::Result;
@@ -157,9 +157,9 @@ impl W4a8Experts {
     }
 
     fn cfg(l: &GemmLaunch, rows: usize) -> LaunchCfg {
-        let groups = (padded_rows(rows) / GROUP_ROWS).div_ceil(layout::groups_per_cta(l.block_m));
-        // Group sets in x, tiles in y (as the bf16 wgmma kernels: CTAs running at once share token tiles).
-        LaunchCfg::grid((groups as u32, l.looping_grid().min(65_535), 1), layout::smem_bytes(l.block_m))
+        let sets = (padded_rows(rows) / SLAB_ROWS).div_ceil(layout::slabs_per_cta(l.block_m));
+        // Slab sets in x, tiles in y (as the bf16 wgmma kernels: CTAs running at once share token tiles).
+        LaunchCfg::grid((sets as u32, l.looping_grid().min(65_535), 1), layout::smem_bytes(l.block_m))
     }
 
     /// Enqueues the L1 GEMM over `a` (`p.g` carries this layout's weights and row alphas).

@@ -25,14 +25,18 @@
 // - NT = 64: four consumers (256 rows = two groups, blockIdx.x = group pair), 640 threads, 112
 //   registers a consumer thread (two 32-register accumulators); four warps per scheduler hide each
 //   one's serial chain (decode, QGMMAs, promote);
+// - NT = 96 (built for measuring, `MEGAMOE_W4A8_TILE=96`; not in the tile model): three consumers
+//   (192 rows = 12 slabs, blockIdx.x = slab set: a set may straddle two groups, loaded as one bulk
+//   copy per group it meets), 512 threads, 160 registers a consumer thread (two 48-register
+//   accumulators, as NT = 64): three warps per scheduler, each weight decoded for 96 tokens;
 // - NT = 128: two consumers (one group, blockIdx.x = group), 384 threads, 232 registers a consumer
 //   thread (a 64-register accumulator, two 32-register unit accumulators of 64 tokens each, two A
 //   register sets): a consumer decodes chunk c + 1 while chunk c's QGMMAs run, and promotes one
 //   64-token half while the other half's QGMMAs run (its own commit group), so its tensor work
 //   never waits for its promotion. (A 128-token tile over four m64n64 consumers decoded every
 //   block twice: half the integer work per MAC.)
-// Pipeline: ring of ST stages [token tile NT x 128 B | NT f32 scales (<= 512 B) | the CTA's 16 or
-// 8 weight blocks], full / empty mbarriers (empty: one arrival per consumer warp). Per chunk a
+// Pipeline: ring of ST stages [token tile NT x 128 B | NT f32 scales (<= 512 B) | the CTA's 16, 12
+// or 8 weight blocks], full / empty mbarriers (empty: one arrival per consumer warp). Per chunk a
 // consumer waits for its stage, issues its QGMMAs into its unit accumulators (the first with scale-d
 // 0), waits for them, and promotes: acc += unit_acc * (token's block scale) — the activation scale is per
 // token and per 128-block, so it cannot be folded into the operands; promotion at every block also
@@ -42,18 +46,21 @@
 constexpr int W8_BLK = 1088, W8_CODE_BYTES = 1024, W8_SCALE_BYTES = 512;   // = w4a8::SCALE_BYTES
 
 // Token tile NT over NC consumer warpgroups (gpu_layout::w4a8::consumers, passed by the host's
-// instantiation); registers as the wgmma kernels split them (wg_consumer_regs: 112 for four, 232 for two).
+// instantiation); registers as the wgmma kernels split them (wg_consumer_regs: 112 for four, 160
+// for three, 232 for two).
 template <int NT, int NC>
 struct W8Shape {
-    static_assert(NC == 2 || NC == 4, "two consumers per 128-row group, one or two groups per CTA");
+    static_assert(NC >= 2 && NC <= 4, "two to four m64 consumers");
     static constexpr int CONSUMERS = NC;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr bool DECODE_AHEAD = CONSUMERS == 2;   // a second A register set fits
     static constexpr int NJ = NT / 8;                      // accumulator columns of 8 tokens
-    static constexpr int GROUPS = CONSUMERS / 2;           // 128-row groups of the CTA
+    static constexpr int SLABS = 4 * CONSUMERS;            // 16-row slabs of the CTA (= w4a8::slabs_per_cta)
+    static constexpr bool WHOLE_GROUPS = SLABS % 8 == 0;   // its slab sets are whole 128-row groups
+    static constexpr int GROUPS = SLABS / 8;               // those groups (WHOLE_GROUPS)
     static constexpr int T_BYTES = NT * 128;
     static constexpr int W_GROUP = 8 * W8_BLK;
-    static constexpr int STAGE = (T_BYTES + W8_SCALE_BYTES + GROUPS * W_GROUP + 1023) / 1024 * 1024;   // = w4a8::stage_bytes
+    static constexpr int STAGE = (T_BYTES + W8_SCALE_BYTES + SLABS * W8_BLK + 1023) / 1024 * 1024;   // = w4a8::stage_bytes
 };
 
 // Two e4m3 registers (lo, hi) of one code word under exponent byte x (gpu_layout::w4a8::decode_word).
@@ -187,7 +194,8 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     const int K = L1 ? g.h : g.inter;
     const int groups = (R + 127) / 128;
     const int nch = K / 128;
-    const int G0 = blockIdx.x * S::GROUPS;
+    const int S0 = blockIdx.x * S::SLABS;              // the CTA's first slab of the expert
+    const int G0 = blockIdx.x * S::GROUPS;             // its first group (WHOLE_GROUPS)
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
@@ -207,27 +215,44 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
         for (int tile = blockIdx.y;; tile += gridDim.y) {
             int grp, m0, mend;
             if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
-            const unsigned char* wsrc = g.wq + (size_t)grp * expert_bytes + (size_t)G0 * nch * S::W_GROUP;
+            const unsigned char* wexp = g.wq + (size_t)grp * expert_bytes;
+            const unsigned char* wsrc = wexp + (size_t)G0 * nch * S::W_GROUP;
             for (int c = 0; c < nch; ++c, ++it) {
                 const int s = it % ST;
                 const unsigned u = it / ST;
                 if (u > 0) mbar_wait(smem_u32(&empty[s]), (u - 1) & 1);
                 const unsigned fb = smem_u32(&full[s]);
                 const unsigned dst = base + s * S::STAGE;
-                mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 4 + ng * S::W_GROUP);
+                if constexpr (S::WHOLE_GROUPS) {
+                    mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 4 + ng * S::W_GROUP);
+                } else {
+                    mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 4 + (min(S0 + S::SLABS, groups * 8) - S0) * W8_BLK);
+                }
                 tma_load_2d(dst, &amap, c * 128, m0, fb);
                 tma_load_2d(dst + S::T_BYTES, &smap, tile * NT, c, fb);
-                for (int gi = 0; gi < ng; ++gi)
-                    bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + gi * S::W_GROUP,
-                             wsrc + ((size_t)gi * nch + c) * S::W_GROUP, S::W_GROUP, fb);
+                if constexpr (S::WHOLE_GROUPS) {
+                    for (int gi = 0; gi < ng; ++gi)
+                        bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + gi * S::W_GROUP,
+                                 wsrc + ((size_t)gi * nch + c) * S::W_GROUP, S::W_GROUP, fb);
+                } else {
+                    // The slab set's run in each group it meets (slabs sl .. sh of group gr).
+                    const int s_end = min(S0 + S::SLABS, groups * 8);
+                    for (int sl = S0; sl < s_end;) {
+                        const int gr = sl / 8, sh = min(s_end, 8 * gr + 8);
+                        bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + (sl - S0) * W8_BLK,
+                                 wexp + (((size_t)gr * nch + c) * 8 + (sl - 8 * gr)) * W8_BLK, (sh - sl) * W8_BLK, fb);
+                        sl = sh;
+                    }
+                }
             }
         }
     }
     setmaxnreg_inc<wg_consumer_regs(NC)>();
     const int block = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int slab = 4 * block + warp;                 // slab of the CTA = its block in the stage
-    // A consumer of the missing group of an odd count idles (still releasing its stages).
-    const bool live = G0 * 8 + slab < groups * 8;
+    // A consumer past the expert's last slab (an odd group count, or a slab set's tail) idles,
+    // still releasing its stages.
+    const bool live = S0 + slab < groups * 8;
     const int blk = S::T_BYTES + W8_SCALE_BYTES + (live ? slab : 0) * W8_BLK;
     const W8Ring ring{base, gbase, smem_u32(&full[0]), smem_u32(&empty[0]), ST, S::STAGE, S::T_BYTES,
                       blk + lane * 32, blk + W8_CODE_BYTES + (lane >> 2) * 8};
@@ -338,7 +363,7 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             }
         }
         it += nch;
-        if (live && mc > 0) store(acc, grp, m0, mc, G0 * 8 + slab);
+        if (live && mc > 0) store(acc, grp, m0, mc, S0 + slab);
     }
 }
 
