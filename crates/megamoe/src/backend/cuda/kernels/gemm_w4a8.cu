@@ -1,7 +1,7 @@
 // gemm_w4a8.cu — Hopper (sm_90a) FP8 grouped GEMMs for W4A8 on MXFP4 experts: e4m3 activations
 // (DeepSeek's act_quant) times MXFP4 weights turned exactly into e4m3 in registers, on FP8 wgmma
-// (QGMMA) with fp32 accumulators. Prefill tiles only (64 / 96 / 128 tokens); decode tiles of W4A8 run the
-// bf16 tensor-core kernels on quantize-dequantized rows (the same values).
+// (QGMMA) with fp32 accumulators. Prefill tiles only (64 / 96 / 128 tokens); decode tiles of W4A8
+// run the bf16 tensor-core kernels on quantize-dequantized rows (the same values).
 //
 // Data layouts (gpu_layout::w4a8 is the host side and the reference of every byte):
 // - W: per expert, rows padded to 128, blocks (group G of 128 rows, chunk c of 128 k, slab s of 16
