@@ -56,10 +56,7 @@ struct W8Shape {
     static constexpr bool DECODE_AHEAD = CONSUMERS == 2;   // a second A register set fits
     static constexpr int NJ = NT / 8;                      // accumulator columns of 8 tokens
     static constexpr int SLABS = 4 * CONSUMERS;            // 16-row slabs of the CTA (= w4a8::slabs_per_cta)
-    static constexpr bool WHOLE_GROUPS = SLABS % 8 == 0;   // its slab sets are whole 128-row groups
-    static constexpr int GROUPS = SLABS / 8;               // those groups (WHOLE_GROUPS)
     static constexpr int T_BYTES = NT * 128;
-    static constexpr int W_GROUP = 8 * W8_BLK;
     static constexpr int STAGE = (T_BYTES + W8_SCALE_BYTES + SLABS * W8_BLK + 1023) / 1024 * 1024;   // = w4a8::stage_bytes
 };
 
@@ -195,7 +192,6 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     const int groups = (R + 127) / 128;
     const int nch = K / 128;
     const int S0 = blockIdx.x * S::SLABS;              // the CTA's first slab of the expert
-    const int G0 = blockIdx.x * S::GROUPS;             // its first group (WHOLE_GROUPS)
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
@@ -208,41 +204,32 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
     if (wg == 0) {
         setmaxnreg_dec<wg_producer_regs(NC)>();
         if (threadIdx.x != 0) return;
-        // A CTA past an odd group count loads (and later stores) only the group that exists.
-        const int ng = min(S::GROUPS, groups - G0);
+        // A CTA's slabs past the expert's last (an odd group count, a slab set's tail) are not
+        // loaded (nor later stored).
+        const int s_end = min(S0 + S::SLABS, groups * 8);
         const size_t expert_bytes = (size_t)groups * 8 * nch * W8_BLK;
         unsigned it = 0;
         for (int tile = blockIdx.y;; tile += gridDim.y) {
             int grp, m0, mend;
             if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;
             const unsigned char* wexp = g.wq + (size_t)grp * expert_bytes;
-            const unsigned char* wsrc = wexp + (size_t)G0 * nch * S::W_GROUP;
             for (int c = 0; c < nch; ++c, ++it) {
                 const int s = it % ST;
                 const unsigned u = it / ST;
                 if (u > 0) mbar_wait(smem_u32(&empty[s]), (u - 1) & 1);
                 const unsigned fb = smem_u32(&full[s]);
                 const unsigned dst = base + s * S::STAGE;
-                if constexpr (S::WHOLE_GROUPS) {
-                    mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 4 + ng * S::W_GROUP);
-                } else {
-                    mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 4 + (min(S0 + S::SLABS, groups * 8) - S0) * W8_BLK);
-                }
+                mbar_arrive_expect_tx(fb, S::T_BYTES + NT * 4 + (s_end - S0) * W8_BLK);
                 tma_load_2d(dst, &amap, c * 128, m0, fb);
                 tma_load_2d(dst + S::T_BYTES, &smap, tile * NT, c, fb);
-                if constexpr (S::WHOLE_GROUPS) {
-                    for (int gi = 0; gi < ng; ++gi)
-                        bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + gi * S::W_GROUP,
-                                 wsrc + ((size_t)gi * nch + c) * S::W_GROUP, S::W_GROUP, fb);
-                } else {
-                    // The slab set's run in each group it meets (slabs sl .. sh of group gr).
-                    const int s_end = min(S0 + S::SLABS, groups * 8);
-                    for (int sl = S0; sl < s_end;) {
-                        const int gr = sl / 8, sh = min(s_end, 8 * gr + 8);
-                        bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + (sl - S0) * W8_BLK,
-                                 wexp + (((size_t)gr * nch + c) * 8 + (sl - 8 * gr)) * W8_BLK, (sh - sl) * W8_BLK, fb);
-                        sl = sh;
-                    }
+                // The slab set's run in each group it meets (slabs sl .. sh of group gr, contiguous
+                // per chunk): one copy per whole group of the 64- and 128-token kernels' sets, one or
+                // two for the 96-token kernel's 12 slabs.
+                for (int sl = S0; sl < s_end;) {
+                    const int gr = sl / 8, sh = min(s_end, 8 * gr + 8);
+                    bulk_g2s(dst + S::T_BYTES + W8_SCALE_BYTES + (sl - S0) * W8_BLK,
+                             wexp + (((size_t)gr * nch + c) * 8 + (sl - 8 * gr)) * W8_BLK, (sh - sl) * W8_BLK, fb);
+                    sl = sh;
                 }
             }
         }

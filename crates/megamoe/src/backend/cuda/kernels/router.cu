@@ -126,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const 
     // the 4 column groups lc of one k) then fill 32 banks (unswizzled, the 4 groups' rows are 32
     // floats x 4 apart: 4-way conflicts, more shared-memory wavefronts a chunk than FMA issue
     // cycles); XOR by multiples of 8 keeps each thread's 4 columns one aligned float4.
-    const int sw_st = 8 * (tid & 3);     // rtt_swizzle(lc + n) for every n < 8: lc = 8 (tid % 4)
+    const int sw_st = rtt_swizzle(lc);   // = rtt_swizzle(lc + n) for every n < 8
     float acc[4][4] = {};
     for (int k0 = k_begin; k0 < k_end; k0 += RTT_K) {
         const uint4 xv = xin ? __ldg(xrow + k0 / 8) : make_uint4(0, 0, 0, 0);
