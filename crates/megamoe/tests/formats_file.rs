@@ -199,6 +199,17 @@ fn dequantize_rejects_nan_scales_and_bad_shapes() {
         "x.weight_scale",
         "expected [4, 2]",
     );
+    // A global scale that is zero, negative or NaN: one rule (formats::nvfp4::valid_global_scale).
+    t.insert("x.weight_scale".to_string(), u8t(Dtype::F8_E4M3, &[4, 2], vec![0x38; 8]));
+    for g in [0.0f32, -0.01, f32::NAN] {
+        t.insert("x.weight_scale_2".to_string(), OwnedTensor::f32(&[], &[g]));
+        write_safetensors(&p, &t).unwrap();
+        expect_tensor_error(
+            file::dequantize_file(&p, &out, OutputDtype::F32),
+            "x.weight_scale_2",
+            "expected a finite positive global scale",
+        );
+    }
     // MXFP4 with a NaN (0xFF) scale.
     let mut t = BTreeMap::new();
     t.insert("y.weight".to_string(), u8t(Dtype::I8, &[2, 16], vec![0x21; 32]));

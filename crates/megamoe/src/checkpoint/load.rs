@@ -453,7 +453,9 @@ impl Checkpoint {
                 let mut global_scale = Vec::with_capacity(e_n);
                 for m in &modules {
                     let name = format!("{m}.weight_scale_2");
-                    global_scale.push(positive_finite(&name, scalar_f32(self, &name)?)?);
+                    let g = scalar_f32(self, &name)?;
+                    crate::formats::nvfp4::check_global_scale(&name, g)?;
+                    global_scale.push(g);
                 }
                 // input_scale: needed by W4A4 only.
                 let mut inputs = Vec::with_capacity(e_n);

@@ -132,11 +132,10 @@ fn check_expert_proj(layer: &MoeLayer, p: &ExpertProj, proj: &str, rows: usize, 
             expect_len(&name, "weight (packed)", packed.len(), n / 2)?;
             expect_len(&name, "weight_scale", scales.len(), n / block)?;
             expect_len(&name, "weight_scale_2", global_scale.len(), e)?;
-            if let Some((x, g)) = global_scale.iter().enumerate().find(|(_, g)| !g.is_finite()) {
-                return Err(MegaError::tensor(
-                    expert_name(layer, proj, x, "weight_scale_2"),
-                    format!("is {g}, expected a finite global scale"),
-                ));
+            if let Some((x, &g)) =
+                global_scale.iter().enumerate().find(|(_, &g)| !crate::formats::nvfp4::valid_global_scale(g))
+            {
+                crate::formats::nvfp4::check_global_scale(&expert_name(layer, proj, x, "weight_scale_2"), g)?;
             }
             if let Some(s) = input_scale {
                 expect_len(&name, "input_scale", s.len(), e)?;
@@ -214,4 +213,34 @@ pub(crate) fn check_expert_range(layer: usize, experts: &std::ops::Range<usize>,
         "layer {layer}: expert range {experts:?} {problem}; expected start..end with \
          start < end <= E = {e} (n_routed_experts)"
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::checkpoint::ProjData;
+    use crate::error::MegaError;
+    use crate::formats::WeightFormat;
+    use crate::synthetic;
+
+    /// A zero, negative or non-finite NVFP4 global scale is refused by name (the loader, the file
+    /// reader and `doctor` apply the same rule, `formats::nvfp4::valid_global_scale`).
+    #[test]
+    fn refuses_a_global_scale_that_is_not_finite_and_positive() {
+        let cfg = synthetic::tiny_config();
+        let layer = synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 3, false, 7);
+        layer.validate().unwrap();
+        for g in [0.0f32, -0.5, f32::NAN, f32::INFINITY] {
+            let mut l = layer.clone();
+            let ProjData::Nvfp4 { global_scale, .. } = &mut l.w3.data else { panic!("an NVFP4 layer") };
+            global_scale[2] = g;
+            match l.validate() {
+                Err(MegaError::Tensor { tensor, msg }) => {
+                    assert_eq!(tensor, "layers.3.ffn.experts.2.w3.weight_scale_2", "{g}");
+                    assert!(msg.contains("finite positive"), "{msg}");
+                }
+                other => panic!("global scale {g}: expected an error naming the tensor, got {other:?}"),
+            }
+        }
+        layer.validate().unwrap();
+    }
 }

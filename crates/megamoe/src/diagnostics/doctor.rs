@@ -516,7 +516,7 @@ fn examine_proj(
                     .tensor(&g)));
                 } else {
                     match read_scalar(ck, &g) {
-                        Ok(x) if x.is_finite() && x > 0.0 => stats.global_scale = Some(x),
+                        Ok(x) if crate::formats::nvfp4::valid_global_scale(x) => stats.global_scale = Some(x),
                         Ok(x) => out.push(at(Finding::new(
                             Severity::Error,
                             codes::BAD_GLOBAL_SCALE,

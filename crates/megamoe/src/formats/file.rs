@@ -325,9 +325,7 @@ fn dequant_nvfp4(
         ));
     }
     let gs = f32::from_le_bytes(g.data().try_into().expect("4 bytes"));
-    if !gs.is_finite() {
-        return Err(MegaError::tensor(gn, format!("is {gs}, expected a finite global scale")));
-    }
+    nvfp4::check_global_scale(&gn, gs)?;
     if let Some(i) = ws.data().iter().position(|&b| super::e4m3::is_nan(b)) {
         return Err(MegaError::tensor(
             sn,

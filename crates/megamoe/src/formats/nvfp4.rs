@@ -119,11 +119,23 @@ fn encode<T: FloatElement>(
     Ok(Nvfp4Matrix { rows, cols, packed, scales, global_scale })
 }
 
-fn check_global(g: f32) -> Result<()> {
-    if !(g.is_finite() && g > 0.0) {
-        return Err(MegaError::Input(format!("NVFP4 global scale is {g}, expected a finite positive value")));
+/// Whether `g` can be an NVFP4 per-tensor global scale (`weight_scale_2`): finite and positive
+/// (zero dequantizes every weight to zero, a negative one flips every sign, NaN / Inf poison all).
+/// The one rule every reader of a global scale applies (loader, validator, file reader, doctor).
+pub fn valid_global_scale(g: f32) -> bool {
+    g.is_finite() && g > 0.0
+}
+
+/// [`valid_global_scale`] as an error naming `tensor`.
+pub fn check_global_scale(tensor: &str, g: f32) -> Result<()> {
+    if !valid_global_scale(g) {
+        return Err(MegaError::tensor(tensor, format!("is {g}, expected a finite positive global scale")));
     }
     Ok(())
+}
+
+fn check_global(g: f32) -> Result<()> {
+    check_global_scale("NVFP4 global scale", g)
 }
 
 /// The e4m3 block scale ModelOpt picks for a block with largest magnitude `block_amax`.

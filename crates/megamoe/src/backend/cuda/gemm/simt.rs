@@ -90,8 +90,10 @@ pub fn modules() -> Vec<(ModuleSpec, Vec<String>)> {
 }
 
 fn kernels(dev: &CudaDevice, f: SimtFormat) -> Result<Arc<SimtKernels>> {
-    dev.cached(&format!("gemm_simt-{f:?}"), || {
-        let m = dev.module(&module_spec(f))?;
+    // Keyed by the module's name and defines (MEGAMOE_GEMV_UNROLL included).
+    let spec = module_spec(f);
+    dev.cached(&format!("{}-{:?}", spec.name, spec.defines), || {
+        let m = dev.module(&spec)?;
         fn load<P: Copy>(m: &Arc<cudarc::driver::CudaModule>, names: [&str; 3]) -> Result<[Kernel<P>; 3]> {
             let [a, b, c] = names.map(|n| Kernel::load(m, n, THREADS, 0));
             Ok([a?, b?, c?])

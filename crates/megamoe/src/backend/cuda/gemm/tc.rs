@@ -222,13 +222,47 @@ fn df_name(nt: usize) -> String {
     format!("moe_df_n{nt}")
 }
 
+/// Every environment knob the kernel set reads (A/B runs and tuning), read once per engine upload:
+/// the device's cache key, so engines made under different settings each get theirs (the compiled
+/// modules are cached on their own sources and defines).
+#[derive(Debug)]
+struct TcKnobs {
+    chain: bool,
+    prefetch_bytes: i32,
+    wg_consumers: Option<usize>,
+    wg_tile: Option<usize>,
+    probe: bool,
+    wgmma: bool,
+    stream: bool,
+    fused: bool,
+}
+
+impl TcKnobs {
+    fn read(dev: &CudaDevice, f: WeightFormat) -> Self {
+        let wg = has_wgmma(dev.arch());
+        TcKnobs {
+            chain: wg
+                && dev.programmatic_launches()
+                && std::env::var("MEGAMOE_WG_CHAIN").is_ok_and(|v| v.trim() == "1"),
+            prefetch_bytes: std::env::var("MEGAMOE_PREFETCH")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(layout::STREAM_PREFETCH_BYTES)
+                .min(1 << 20) as i32
+                & !15,
+            wg_consumers: std::env::var("MEGAMOE_WG_CONSUMERS").ok().and_then(|v| v.trim().parse().ok()),
+            wg_tile: super::tile_override("MEGAMOE_WG_TILE", &layout::WG_TOKEN_TILES),
+            probe: probe::enabled() && wg,
+            wgmma: wg && std::env::var("MEGAMOE_WGMMA").map_or(true, |v| v.trim() != "0"),
+            stream: wg && stream_enabled(f),
+            fused: fused_enabled(),
+        }
+    }
+}
+
 fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
-    let chain = has_wgmma(dev.arch())
-        && dev.programmatic_launches()
-        && std::env::var("MEGAMOE_WG_CHAIN").is_ok_and(|v| v.trim() == "1");
-    // Keyed by the knobs read here, so engines made under different settings (tests, A/B) each
-    // get theirs; the compiled module is shared.
-    let key = format!("gemm_tc-{}{}", f.name(), if chain { "+chain" } else { "" });
+    let knobs = TcKnobs::read(dev, f);
+    let key = format!("gemm_tc-{}-{knobs:?}", f.name());
     dev.cached(&key, || {
         let m = dev.module(&module_spec(f, dev.arch()))?;
         let mut k = TcKernels {
@@ -245,22 +279,17 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             ds_l2: HashMap::new(),
             df: HashMap::new(),
             pdl: dev.programmatic_launches(),
-            prefetch_bytes: std::env::var("MEGAMOE_PREFETCH")
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or(layout::STREAM_PREFETCH_BYTES)
-                .min(1 << 20) as i32
-                & !15,
-            wg_consumers: std::env::var("MEGAMOE_WG_CONSUMERS").ok().and_then(|v| v.trim().parse().ok()),
-            wg_tile: super::tile_override("MEGAMOE_WG_TILE", &layout::WG_TOKEN_TILES),
-            probe: (probe::enabled() && has_wgmma(dev.arch())).then(|| m.clone()),
+            prefetch_bytes: knobs.prefetch_bytes,
+            wg_consumers: knobs.wg_consumers,
+            wg_tile: knobs.wg_tile,
+            probe: knobs.probe.then(|| m.clone()),
         };
-        if has_wgmma(dev.arch()) && stream_enabled(f) {
+        if knobs.stream {
             for nt in layout::STREAM_TOKEN_TILES {
                 let smem = layout::stream_smem_bytes(f, nt);
                 k.ds_l1.insert(nt, Kernel::load(&m, &ds_name(1, nt), DS_THREADS, smem)?);
                 k.ds_l2.insert(nt, Kernel::load(&m, &ds_name(2, nt), DS_THREADS, smem)?);
-                if fused_enabled() {
+                if knobs.fused {
                     let df = Kernel::load(&m, &df_name(nt), DS_THREADS, smem)?;
                     // Its grid barriers need every CTA resident: the streaming grid's CTAs per SM
                     // at most (the scratch is sized for that grid), and at least one.
@@ -271,13 +300,13 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 }
             }
         }
-        if has_wgmma(dev.arch()) && std::env::var("MEGAMOE_WGMMA").map_or(true, |v| v != "0") {
+        if knobs.wgmma {
             for c in layout::wg_configs() {
                 let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
                 k.wg_l1.insert(c, Kernel::load(&m, &wg_name(1, c), c.threads(), smem)?);
                 k.wg_l2.insert(c, Kernel::load(&m, &wg_name(2, c), c.threads(), smem)?);
             }
-            if chain {
+            if knobs.chain {
                 let cm = dev.module(&l1l2_module_spec(f, dev.arch()))?;
                 for c in layout::wg_chain_configs() {
                     let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
