@@ -30,9 +30,6 @@ use crate::config::ScoringFunc;
 use crate::error::{MegaError, Result};
 use crate::forward::Mode;
 
-/// Experts per CTA of `moe_router_logits` (`RT_EPC` in `kernels/router.cu`).
-const ROUTER_EXPERTS_PER_CTA: u32 = 2;
-
 /// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
 /// three (count, offsets, scatter over many CTAs).
 const PLAN_SMALL_SLOTS: usize = 32 * PLAN_SMALL_CHUNK as usize;
@@ -343,7 +340,7 @@ impl LayerWeights {
             } else {
                 core.router_logits.launch(
                     s,
-                    &LaunchCfg::grid((t as u32, (e as u32).div_ceil(ROUTER_EXPERTS_PER_CTA), 1), 0),
+                    &LaunchCfg::grid((t as u32, (e as u32).div_ceil(ROUTER_EXPERTS_PER_CTA as u32), 1), 0),
                     &logits,
                 )?;
             }

@@ -151,6 +151,37 @@ kernel_abi! {
         DF_SYNC_ACT = 4;
         /// Counters in `DfParams::sync` (= `gpu_layout::tc::FUSED_SYNC_COUNTERS`).
         DF_SYNC_COUNTERS = 5;
+        /// The largest top-k the kernels take (`moe_combine`'s per-token row list, the plan).
+        MAX_TOPK = 32;
+        /// Columns of one DeepSeek `act_quant` block (one warp of four values a lane in
+        /// `quant_rows.cuh`, the EP exchange's FP8 payload, the W4A8 kernels' K chunk).
+        FP8_ACT_BLOCK = crate::formats::act_quant::FP8_BLOCK as i32;
+        /// Experts per CTA of `moe_router_logits`.
+        ROUTER_EXPERTS_PER_CTA = 2;
+        /// Tokens per CTA of `moe_router_logits_tiled` (`gpu_layout::router::TILE_TOKENS`).
+        ROUTER_TILE_TOKENS = crate::backend::gpu_layout::router::TILE_TOKENS as i32;
+        /// Experts per CTA of `moe_router_logits_tiled`.
+        ROUTER_TILE_EXPERTS = crate::backend::gpu_layout::router::TILE_EXPERTS as i32;
+        /// Hidden columns per step of `moe_router_logits_tiled`.
+        ROUTER_TILE_K = crate::backend::gpu_layout::router::TILE_K as i32;
+        /// Bytes of one tensor-core weight block (16 rows x 64 k) of an NVFP4 matrix
+        /// (`gpu_layout::tc::block_bytes`).
+        TC_BLOCK_BYTES_NVFP4 = crate::backend::gpu_layout::tc::block_bytes(crate::formats::WeightFormat::Nvfp4) as i32;
+        /// The same for MXFP4.
+        TC_BLOCK_BYTES_MXFP4 = crate::backend::gpu_layout::tc::block_bytes(crate::formats::WeightFormat::Mxfp4) as i32;
+        /// The same for bf16.
+        TC_BLOCK_BYTES_BF16 = crate::backend::gpu_layout::tc::block_bytes(crate::formats::WeightFormat::Bf16) as i32;
+        /// The fewest chunks a streaming decode CTA takes (`gpu_layout::tc::STREAM_MIN_CHUNKS`).
+        STREAM_MIN_CHUNKS = crate::backend::gpu_layout::tc::STREAM_MIN_CHUNKS as i32;
+        /// Streaming decode CTAs per SM (`gpu_layout::tc::STREAM_CTAS_PER_SM`, `__launch_bounds__`).
+        STREAM_CTAS_PER_SM = crate::backend::gpu_layout::tc::STREAM_CTAS_PER_SM as i32;
+        /// Bytes of one W4A8 (slab, chunk) weight block (`gpu_layout::w4a8::BLOCK_BYTES`).
+        W8_BLOCK_BYTES = crate::backend::gpu_layout::w4a8::BLOCK_BYTES as i32;
+        /// Its code bytes (the exponent bytes follow).
+        W8_CODE_BYTES = crate::backend::gpu_layout::w4a8::CODE_BYTES as i32;
+        /// Bytes a W4A8 stage reserves for its token tile's activation scales
+        /// (`gpu_layout::w4a8::SCALE_BYTES`).
+        W8_SCALE_BYTES = crate::backend::gpu_layout::w4a8::SCALE_BYTES as i32;
     }
 
     /// `moe_router_logits`: gate logits of every (token, expert) into `scores`.

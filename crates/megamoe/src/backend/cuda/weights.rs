@@ -149,8 +149,11 @@ fn check_supported(layer: &MoeLayer) -> Result<()> {
             "the CUDA backend needs H and I to be positive multiples of {K_STEP} (H={h}, I={i})"
         )));
     }
-    if k > 32 {
-        return Err(MegaError::Config(format!("the CUDA backend needs k <= 32 (k={k})")));
+    if k > super::params::MAX_TOPK as usize {
+        return Err(MegaError::Config(format!(
+            "the CUDA backend needs k <= {} (k={k})",
+            super::params::MAX_TOPK
+        )));
     }
     if router_smem(e) > super::launch::DEFAULT_SMEM_LIMIT {
         return Err(MegaError::Config(format!(

@@ -79,7 +79,7 @@ pub fn nvfp4_scale_bf16(b: u8) -> u16 {
 }
 
 /// Bytes of one (slab, chunk) block of `format`: codes, then the slab's scales.
-pub fn block_bytes(format: WeightFormat) -> usize {
+pub const fn block_bytes(format: WeightFormat) -> usize {
     match format {
         WeightFormat::Nvfp4 => FP4_CODE_BYTES + 64,
         WeightFormat::Mxfp4 => FP4_CODE_BYTES + 32,

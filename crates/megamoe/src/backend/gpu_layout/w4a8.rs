@@ -39,7 +39,8 @@ use crate::error::{MegaError, Result};
 pub const CHUNK_K: usize = 128;
 /// Bytes of one (slab, chunk) block: 32 lanes x 32 bytes of codes, then 64 bytes of exponents.
 pub const BLOCK_BYTES: usize = CODE_BYTES + 64;
-const CODE_BYTES: usize = 1024;
+/// Code bytes of a block (32 lanes x 32 bytes).
+pub const CODE_BYTES: usize = 1024;
 /// The widest span (octaves) between the largest and smallest non-zero 32-block scale of one row
 /// that e4m3 holds exactly.
 pub const MAX_SPAN: i32 = 11;

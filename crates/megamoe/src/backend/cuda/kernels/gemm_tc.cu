@@ -47,9 +47,9 @@
 #define TC_THREADS 256
 
 template <int WF> struct TcFmt;
-template <> struct TcFmt<WF_NVFP4> { static constexpr int BLK = 576; };
-template <> struct TcFmt<WF_MXFP4> { static constexpr int BLK = 544; };
-template <> struct TcFmt<WF_BF16> { static constexpr int BLK = 2048; };
+template <> struct TcFmt<WF_NVFP4> { static constexpr int BLK = TC_BLOCK_BYTES_NVFP4; };   // 576
+template <> struct TcFmt<WF_MXFP4> { static constexpr int BLK = TC_BLOCK_BYTES_MXFP4; };   // 544
+template <> struct TcFmt<WF_BF16> { static constexpr int BLK = TC_BLOCK_BYTES_BF16; };     // 2048
 
 // MMA columns of a token tile of NT rows: tiles of 1, 2 or 4 tokens (decode) still run n8 MMAs but
 // hold only their NT rows in shared memory (the other B columns read those rows again and are

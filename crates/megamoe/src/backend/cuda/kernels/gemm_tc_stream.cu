@@ -60,8 +60,8 @@ __device__ __forceinline__ unsigned long long ds_globaltimer() {
 
 constexpr int DS_CONSUMERS = 8;                      // one consumer warp per slab of a 128-row group
 constexpr int DS_THREADS = 32 * (DS_CONSUMERS + 1);  // + the producer warp
-constexpr int DS_MIN_CHUNKS = 4;                     // = gpu_layout::tc::STREAM_MIN_CHUNKS
-constexpr int DS_MIN_CTAS = 3;                       // = gpu_layout::tc::STREAM_CTAS_PER_SM
+constexpr int DS_MIN_CHUNKS = STREAM_MIN_CHUNKS;     // 4
+constexpr int DS_MIN_CTAS = STREAM_CTAS_PER_SM;      // 3
 
 template <int NT, int S>
 struct DsShape {

@@ -43,7 +43,7 @@
 // bounds the FP8 MMA's reduced-precision accumulation to 128 products — then releases the stage.
 // Fixed k order: bitwise reproducible.
 
-constexpr int W8_BLK = 1088, W8_CODE_BYTES = 1024, W8_SCALE_BYTES = 512;   // = w4a8::SCALE_BYTES
+constexpr int W8_BLK = W8_BLOCK_BYTES;   // 1088 (W8_CODE_BYTES 1024 + 64 exponent bytes); W8_SCALE_BYTES 512
 
 // Token tile NT over NC consumer warpgroups (gpu_layout::w4a8::consumers, passed by the host's
 // instantiation); registers as the wgmma kernels split them (wg_consumer_regs: 112 for four, 160

@@ -50,6 +50,20 @@ constexpr int DF_SYNC_DONE = 2;
 constexpr int DF_SYNC_INPUTS = 3;
 constexpr int DF_SYNC_ACT = 4;
 constexpr int DF_SYNC_COUNTERS = 5;
+constexpr int MAX_TOPK = 32;
+constexpr int FP8_ACT_BLOCK = 128;
+constexpr int ROUTER_EXPERTS_PER_CTA = 2;
+constexpr int ROUTER_TILE_TOKENS = 64;
+constexpr int ROUTER_TILE_EXPERTS = 64;
+constexpr int ROUTER_TILE_K = 32;
+constexpr int TC_BLOCK_BYTES_NVFP4 = 576;
+constexpr int TC_BLOCK_BYTES_MXFP4 = 544;
+constexpr int TC_BLOCK_BYTES_BF16 = 2048;
+constexpr int STREAM_MIN_CHUNKS = 4;
+constexpr int STREAM_CTAS_PER_SM = 3;
+constexpr int W8_BLOCK_BYTES = 1088;
+constexpr int W8_CODE_BYTES = 1024;
+constexpr int W8_SCALE_BYTES = 512;
 
 struct RouterLogitsParams {
     const bf16_t* x;

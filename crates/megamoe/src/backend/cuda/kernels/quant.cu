@@ -50,7 +50,7 @@ extern "C" __global__ void moe_combine(const __grid_constant__ CombineParams p)
 {
     const int t = blockIdx.x;
     if (t >= p.t) return;
-    __shared__ unsigned rows[32];                     // K <= 32 (checked on the host)
+    __shared__ unsigned rows[MAX_TOPK];               // K <= MAX_TOPK (checked on the host)
     if (threadIdx.x < p.k) rows[threadIdx.x] = p.row_of_slot[t * p.k + threadIdx.x];
     __syncthreads();
     const int h = (blockIdx.y * blockDim.x + threadIdx.x) * 4;

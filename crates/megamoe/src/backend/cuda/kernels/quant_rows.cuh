@@ -41,6 +41,8 @@ __device__ __forceinline__ unsigned e4m3x2_bits(float hi, float lo) {
 #endif
 }
 
+static_assert(FP8_ACT_BLOCK == 32 * 4, "act_quant: one warp of four values a lane per block");
+
 // Lane l's 4 source values (4l .. 4l + 3) of 128-block b of row `s` (ld.global.cg).
 __device__ __forceinline__ uint2 quant_fp8_load(const bf16_t* s, int b, int lane)
 {

@@ -33,7 +33,7 @@
 //   Dynamic shared memory: 2E * 4 bytes + E bytes.
 
 #define RT_SPLIT 4
-#define RT_EPC 2
+#define RT_EPC ROUTER_EXPERTS_PER_CTA
 #define RT_U 4
 
 extern "C" __global__ void moe_router_logits(const __grid_constant__ RouterLogitsParams p)
@@ -94,9 +94,9 @@ extern "C" __global__ void moe_router_logits(const __grid_constant__ RouterLogit
     }
 }
 
-#define RTT_M 64      // tokens per CTA
-#define RTT_E 64      // experts per CTA
-#define RTT_K 32      // columns of H per stage
+#define RTT_M ROUTER_TILE_TOKENS    // tokens per CTA (64)
+#define RTT_E ROUTER_TILE_EXPERTS   // experts per CTA (64)
+#define RTT_K ROUTER_TILE_K         // columns of H per stage (32)
 
 // The XOR applied to the columns of k-row k of the staged tiles (k's group of 8).
 __device__ __forceinline__ int rtt_swizzle(int k) { return 8 * ((k >> 3) & 3); }
