@@ -18,7 +18,7 @@ use super::buffer::{err, lazy, opt_ptr, DevBuf};
 use super::device::CORE_THREADS;
 use super::gemm::w4a8::{Fp8Rows, W4a8Experts};
 use super::gemm::{GemmLaunch, PackedSide, TileDemand};
-use super::io::{DType, DeviceTensor, ForwardIo, Routing};
+use super::io::{check_input_ids, DType, DeviceTensor, ForwardIo, Routing, TOPK_IDS, TOPK_WEIGHTS, X, Y};
 use super::launch::{self, LaunchCfg, StreamRef};
 use super::params::*;
 use super::weights::{router_smem, LayerWeights};
@@ -153,10 +153,10 @@ impl LayerWeights {
         stream: StreamRef,
     ) -> Result<()> {
         let (t, h, k) = (topk_ids.rows, self.config.hidden_size, self.config.num_experts_per_tok);
-        topk_ids.check("topk_ids", t, k, &[DType::I32], 4)?;
-        x.check("x", t, h, &[DType::Bf16], 16)?;
-        topk_weights.check("topk_weights", t, k, &[DType::F32], 4)?;
-        y.check("y", t, h, &[DType::F32, DType::Bf16], 4)?;
+        TOPK_IDS.check(topk_ids, t, k)?;
+        X.check(x, t, h)?;
+        TOPK_WEIGHTS.check(topk_weights, t, k)?;
+        Y.check(y, t, h)?;
         self.check_mode(mode)?;
         ws.check_fits(self, t, mode, false)?;
         if t == 0 {
@@ -185,15 +185,10 @@ impl LayerWeights {
         stream: StreamRef,
     ) -> Result<()> {
         let (t, h, k) = (x.rows, self.config.hidden_size, self.config.num_experts_per_tok);
-        x.check("x", t, h, &[DType::Bf16], 16)?;
-        topk_ids.check("topk_ids", t, k, &[DType::I32], 4)?;
-        topk_weights.check("topk_weights", t, k, &[DType::F32], 4)?;
-        if self.is_hash() {
-            let ids = input_ids.ok_or_else(|| {
-                MegaError::Input(format!("layer {} is hash-routed: input_ids are required", self.index))
-            })?;
-            ids.check("input_ids", t, 1, &[DType::I32, DType::I64], ids.dtype.size() as u64)?;
-        }
+        X.check(x, t, h)?;
+        TOPK_IDS.check(topk_ids, t, k)?;
+        TOPK_WEIGHTS.check(topk_weights, t, k)?;
+        check_input_ids(self, input_ids, t)?;
         ws.check_fits(self, t, Mode::W4A16, false)?;
         if t == 0 {
             return Ok(());
@@ -214,7 +209,7 @@ impl LayerWeights {
         stream: StreamRef,
     ) -> Result<Plan> {
         let t = topk_ids.rows;
-        topk_ids.check("topk_ids", t, self.config.num_experts_per_tok, &[DType::I32], 4)?;
+        TOPK_IDS.check(topk_ids, t, self.config.num_experts_per_tok)?;
         ws.check_fits(self, t, Mode::W4A16, false)?;
         self.device.bind()?;
         self.plan_raw(ws, topk_ids.ptr, t, mode, false, stream)
@@ -233,8 +228,8 @@ impl LayerWeights {
         stream: StreamRef,
     ) -> Result<()> {
         let (t, h, k) = (plan.tokens, self.config.hidden_size, self.config.num_experts_per_tok);
-        x.check("x", t, h, &[DType::Bf16], 16)?;
-        topk_weights.check("topk_weights", t, k, &[DType::F32], 4)?;
+        X.check(x, t, h)?;
+        TOPK_WEIGHTS.check(topk_weights, t, k)?;
         self.check_mode(mode)?;
         ws.check_fits(self, t, mode, false)?;
         if t == 0 {
@@ -246,7 +241,7 @@ impl LayerWeights {
 
     /// Enqueues the shared expert over `x` `[T, H]` (a no-op on layers without one).
     pub fn enqueue_shared(&self, ws: &Workspace, x: &DeviceTensor, stream: StreamRef) -> Result<()> {
-        x.check("x", x.rows, self.config.hidden_size, &[DType::Bf16], 16)?;
+        X.check(x, x.rows, self.config.hidden_size)?;
         ws.check_fits(self, x.rows, Mode::W4A16, false)?;
         if x.rows == 0 {
             return Ok(());
@@ -265,7 +260,7 @@ impl LayerWeights {
         add_shared: bool,
         stream: StreamRef,
     ) -> Result<()> {
-        y.check("y", plan.tokens, self.config.hidden_size, &[DType::F32, DType::Bf16], 4)?;
+        Y.check(y, plan.tokens, self.config.hidden_size)?;
         ws.check_fits(self, plan.tokens, Mode::W4A16, false)?;
         if plan.tokens == 0 {
             return Ok(());

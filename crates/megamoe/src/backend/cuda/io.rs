@@ -114,25 +114,59 @@ impl ForwardIo {
     pub fn check(&self, w: &LayerWeights) -> Result<()> {
         let c = w.config();
         let (t, h, k) = (self.tokens, c.hidden_size, c.num_experts_per_tok);
-        self.x.check("x", t, h, &[DType::Bf16], 16)?;
-        self.y.check("y", t, h, &[DType::F32, DType::Bf16], 4)?;
-        for (name, v, dt) in
-            [("topk_ids", &self.topk_ids, DType::I32), ("topk_weights", &self.topk_weights, DType::F32)]
-        {
+        X.check(&self.x, t, h)?;
+        Y.check(&self.y, t, h)?;
+        for (spec, v) in [(TOPK_IDS, &self.topk_ids), (TOPK_WEIGHTS, &self.topk_weights)] {
             match v {
-                Some(v) => v.check(name, t, k, &[dt], 4)?,
+                Some(v) => spec.check(v, t, k)?,
                 None if self.routing == Routing::External => {
-                    return Err(MegaError::Input(format!("{name} is required with external routing")))
+                    return Err(MegaError::Input(format!("{} is required with external routing", spec.name)))
                 }
                 None => {}
             }
         }
-        if self.routing == Routing::Internal && w.is_hash() {
-            let ids = self.input_ids.ok_or_else(|| {
-                MegaError::Input(format!("layer {} is hash-routed: input_ids are required", w.index()))
-            })?;
-            ids.check("input_ids", t, 1, &[DType::I32, DType::I64], ids.dtype.size() as u64)?;
+        if self.routing == Routing::Internal {
+            check_input_ids(w, self.input_ids.as_ref(), t)?;
         }
         Ok(())
     }
+}
+
+/// What the entry points accept for one of the layer's tensors: its name in errors, its element
+/// types and the byte alignment its kernels' vector accesses need. Every entry point checks a
+/// tensor through its spec here (one place for the rules).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TensorSpec {
+    /// The name errors give it.
+    pub name: &'static str,
+    dtypes: &'static [DType],
+    align: u64,
+}
+
+impl TensorSpec {
+    /// Checks `v` as a `[rows, cols]` tensor of this spec.
+    pub fn check(&self, v: &DeviceTensor, rows: usize, cols: usize) -> Result<()> {
+        v.check(self.name, rows, cols, self.dtypes, self.align)
+    }
+}
+
+/// The layer input `[T, H]` bf16 (16-byte row loads and TMA boxes).
+pub(crate) const X: TensorSpec = TensorSpec { name: "x", dtypes: &[DType::Bf16], align: 16 };
+/// The layer output `[T, H]` f32 or bf16 (the combine's float4 / bf16x4 stores).
+pub(crate) const Y: TensorSpec = TensorSpec { name: "y", dtypes: &[DType::F32, DType::Bf16], align: 4 };
+/// Global expert ids `[T, k]` i32.
+pub(crate) const TOPK_IDS: TensorSpec = TensorSpec { name: "topk_ids", dtypes: &[DType::I32], align: 4 };
+/// Routing weights `[T, k]` f32.
+pub(crate) const TOPK_WEIGHTS: TensorSpec =
+    TensorSpec { name: "topk_weights", dtypes: &[DType::F32], align: 4 };
+
+/// A hash-routed layer's token ids `[T, 1]` i32 / i64, required there (other layers ignore them).
+pub(crate) fn check_input_ids(w: &LayerWeights, ids: Option<&DeviceTensor>, t: usize) -> Result<()> {
+    if !w.is_hash() {
+        return Ok(());
+    }
+    let ids = ids.ok_or_else(|| {
+        MegaError::Input(format!("layer {} is hash-routed: input_ids are required", w.index()))
+    })?;
+    ids.check("input_ids", t, 1, &[DType::I32, DType::I64], ids.dtype.size() as u64)
 }

@@ -9,7 +9,7 @@
 use super::exchange::Lane;
 use crate::backend::cuda::buffer::{derr, err, DevBuf};
 use crate::backend::cuda::engine::CudaEngine;
-use crate::backend::cuda::io::{DType, DeviceTensor};
+use crate::backend::cuda::io::{DType, DeviceTensor, X};
 use crate::backend::cuda::launch::{self, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::workspace::bytes;
@@ -263,7 +263,7 @@ impl DeviceEpRank {
                 self.rank, self.cap
             )));
         }
-        x.check("x", t, h, &[DType::Bf16], 16)?;
+        X.check(x, t, h)?;
         if self.inflight.is_some() {
             return Err(MegaError::Input(format!(
                 "device EP rank {}: a forward is already in flight (enqueue_reduce ends it)",
