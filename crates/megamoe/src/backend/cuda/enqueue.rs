@@ -32,11 +32,11 @@ use crate::forward::Mode;
 
 /// Up to this many slots the plan runs as one launch (`moe_plan_small`, one CTA), beyond it as
 /// three (count, offsets, scatter over many CTAs).
-const PLAN_SMALL_SLOTS: usize = 32 * PLAN_SMALL_CHUNK as usize;
+const PLAN_SMALL_SLOTS: usize = PLAN_SMALL_WARPS as usize * PLAN_SMALL_CHUNK as usize;
 /// Up to this many slots (a decode step) the one launch is `moe_plan_tiny`, one warp.
 const PLAN_TINY_SLOTS: usize = 32 * PLAN_TINY_GROUPS as usize;
 // Its u16 rows hold every plan row.
-const _: () = assert!(32 * PLAN_SMALL_CHUNK as usize <= 1 << 16);
+const _: () = assert!(PLAN_SMALL_SLOTS <= 1 << 16);
 // The chunk kernels run one warp per chunk, PLAN_WARPS warps per CTA.
 const _: () = assert!(PLAN_WARPS as u32 * 32 == CORE_THREADS);
 
@@ -428,7 +428,11 @@ impl LayerWeights {
             if slots <= PLAN_TINY_SLOTS && el <= PLAN_SMALL_EXPERTS as usize {
                 core.plan_tiny.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
             } else if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS as usize {
-                core.plan_small.launch(s, &LaunchCfg::grid((1, 1, 1), 32 * el * 2), &p)?;
+                core.plan_small.launch(
+                    s,
+                    &LaunchCfg::grid((1, 1, 1), PLAN_SMALL_WARPS as usize * el * 2),
+                    &p,
+                )?;
             } else {
                 let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;
                 let smem = PLAN_WARPS as usize * el * 4;

@@ -95,6 +95,8 @@ kernel_abi! {
         PLAN_CHUNK = 512;
         /// Warps per CTA of `moe_plan_count` / `moe_plan_scatter` (each one chunk).
         PLAN_WARPS = 8;
+        /// Warps of `moe_plan_small` (one chunk each) and threads / 32 of `moe_plan_offsets`.
+        PLAN_SMALL_WARPS = 32;
         /// Slots per warp chunk of `moe_plan_small` (32 warps: up to 8192 slots).
         PLAN_SMALL_CHUNK = 256;
         /// Local experts `moe_plan_small` holds in shared memory: 32 x 512 u16 chunk rows (32 KB)

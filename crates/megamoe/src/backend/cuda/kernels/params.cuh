@@ -23,6 +23,7 @@ constexpr int STATUS_BAD_TOKEN_ID = 1;
 constexpr int STATUS_BAD_EXPERT_ID = 2;
 constexpr int PLAN_CHUNK = 512;
 constexpr int PLAN_WARPS = 8;
+constexpr int PLAN_SMALL_WARPS = 32;
 constexpr int PLAN_SMALL_CHUNK = 256;
 constexpr int PLAN_SMALL_EXPERTS = 512;
 constexpr int PLAN_TINY_GROUPS = 8;

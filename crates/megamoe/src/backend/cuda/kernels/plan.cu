@@ -153,7 +153,7 @@ extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
 
 // Large plan, step 2 (one CTA): counts, offsets, tiles; chunk_rows becomes each chunk's first row
 // per expert (a running sum over the chunks in order).
-extern "C" __global__ void __launch_bounds__(1024) moe_plan_offsets(const __grid_constant__ PlanParams p)
+extern "C" __global__ void __launch_bounds__(32 * PLAN_SMALL_WARPS) moe_plan_offsets(const __grid_constant__ PlanParams p)
 {
     const int E = p.experts, chunks = (p.slots + PLAN_CHUNK - 1) / PLAN_CHUNK;
     for (int x = threadIdx.x; x < E; x += blockDim.x) {
@@ -195,13 +195,14 @@ extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p
     plan_scatter_chunk(p, e, s0, s1, cur, lane);
 }
 
-// The whole plan in one CTA of 32 warps (one PLAN_SMALL_CHUNK chunk each), chunk counts in shared
-// memory: 32 x E_local u16 (rows < 32 * PLAN_SMALL_CHUNK <= 65536; the host keeps E_local <=
-// PLAN_SMALL_EXPERTS = 512: 32 KB), and the experts' counts, offsets and tile starts there too (a
-// decode's plan is a chain of dependent steps, and a global write read back costs an L2 round trip).
-extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_constant__ PlanParams p)
+// The whole plan in one CTA of PLAN_SMALL_WARPS = 32 warps (one PLAN_SMALL_CHUNK chunk each), chunk
+// counts in shared memory: PLAN_SMALL_WARPS x E_local u16 (rows < PLAN_SMALL_WARPS *
+// PLAN_SMALL_CHUNK <= 65536; the host keeps E_local <= PLAN_SMALL_EXPERTS = 512: 32 KB), and the
+// experts' counts, offsets and tile starts there too (a decode's plan is a chain of dependent
+// steps, and a global write read back costs an L2 round trip).
+extern "C" __global__ void __launch_bounds__(32 * PLAN_SMALL_WARPS) moe_plan_small(const __grid_constant__ PlanParams p)
 {
-    extern __shared__ unsigned short plan_rows[];     // [32][E]: counts, then each chunk's next row
+    extern __shared__ unsigned short plan_rows[];     // [PLAN_SMALL_WARPS][E]: counts, then each chunk's next row
     __shared__ unsigned s_counts[PLAN_SMALL_EXPERTS], s_off[PLAN_SMALL_EXPERTS + 1];
     __shared__ int s_ts[PLAN_SMALL_EXPERTS + 1];
 #if __CUDA_ARCH__ >= 900
@@ -210,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_c
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
-    for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) plan_rows[i] = 0u;
+    for (int i = threadIdx.x; i < PLAN_SMALL_WARPS * E; i += blockDim.x) plan_rows[i] = 0u;
     __syncthreads();
     const int s0 = warp * PLAN_SMALL_CHUNK, s1 = min(s0 + PLAN_SMALL_CHUNK, p.slots);
     int e[PLAN_SMALL_CHUNK / 32];
@@ -220,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_c
     if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
     for (int x = threadIdx.x; x < E; x += blockDim.x) {
         unsigned total = 0;
-        for (int w = 0; w < 32; ++w) total += plan_rows[w * E + x];
+        for (int w = 0; w < PLAN_SMALL_WARPS; ++w) total += plan_rows[w * E + x];
         p.counts[x] = total;
         s_counts[x] = total;
     }
@@ -228,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_small(const __grid_c
     plan_offsets_cta(p, s_counts, s_off, s_ts);
     for (int x = threadIdx.x; x < E; x += blockDim.x) {
         unsigned r = s_off[x];
-        for (int w = 0; w < 32; ++w) {
+        for (int w = 0; w < PLAN_SMALL_WARPS; ++w) {
             const unsigned n = plan_rows[w * E + x];
             plan_rows[w * E + x] = (unsigned short)r;
             r += n;
