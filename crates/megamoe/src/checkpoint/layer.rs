@@ -87,6 +87,21 @@ pub struct DenseProj {
     pub data: DenseData,
 }
 
+/// Rows and columns of one FP8 weight-scale block: a dense FP8 projection has one multiplier per
+/// `FP8_WEIGHT_BLOCK x FP8_WEIGHT_BLOCK` block (DeepSeek's `scale`, HF's `weight_scale_inv`).
+pub const FP8_WEIGHT_BLOCK: usize = 128;
+
+/// The `[block rows, block cols]` grid of `FP8_WEIGHT_BLOCK` blocks over a `[rows, cols]` weight.
+pub fn fp8_scale_grid(rows: usize, cols: usize) -> [usize; 2] {
+    [rows.div_ceil(FP8_WEIGHT_BLOCK), cols.div_ceil(FP8_WEIGHT_BLOCK)]
+}
+
+/// The index into the `[block rows, block cols]` scales of weight element (`r`, `c`) of a
+/// `cols`-wide weight.
+pub fn fp8_scale_index(r: usize, c: usize, cols: usize) -> usize {
+    (r / FP8_WEIGHT_BLOCK) * cols.div_ceil(FP8_WEIGHT_BLOCK) + c / FP8_WEIGHT_BLOCK
+}
+
 /// The shared expert (always applied, routing weight 1).
 #[derive(Clone, Debug)]
 pub struct SharedExpert {

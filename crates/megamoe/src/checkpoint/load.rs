@@ -670,7 +670,7 @@ impl Checkpoint {
             }
             _ => {
                 scan_nan_bytes(&wname, v.data(), cols, e4m3::is_nan, "e4m3 weight")?;
-                let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
+                let [br, bc] = super::fp8_scale_grid(rows, cols);
                 let sname = ["scale", "weight_scale_inv", "weight_scale"]
                     .iter()
                     .map(|s| format!("{module}.{s}"))

@@ -18,7 +18,10 @@ pub mod store;
 mod validate;
 pub mod writer;
 
-pub use layer::{DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights, SharedExpert};
+pub use layer::{
+    fp8_scale_grid, fp8_scale_index, DenseData, DenseProj, ExpertProj, MoeLayer, ProjData, RouterWeights,
+    SharedExpert, FP8_WEIGHT_BLOCK,
+};
 pub use load::{LoadOptions, LoadedLayer};
 pub use naming::{Naming, Proj};
 pub use safetensors::tensor::TensorView;

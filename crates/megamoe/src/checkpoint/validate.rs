@@ -164,7 +164,8 @@ fn check_dense(layer: &MoeLayer, p: &DenseProj, proj: &str, rows: usize, cols: u
         DenseData::Bf16(w) => expect_len(&name, "weight", w.len(), rows * cols),
         DenseData::Fp8Block { weight, scale } => {
             expect_len(&name, "weight", weight.len(), rows * cols)?;
-            expect_len(&name, "scale", scale.len(), rows.div_ceil(128) * cols.div_ceil(128))?;
+            let [br, bc] = super::fp8_scale_grid(rows, cols);
+            expect_len(&name, "scale", scale.len(), br * bc)?;
             if let Some((i, v)) = scale.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0)) {
                 return Err(MegaError::tensor(
                     format!("{base}.scale"),

@@ -215,7 +215,7 @@ fn put_dense(out: &mut BTreeMap<String, OwnedTensor>, m: &str, d: &DenseProj, na
         }
         DenseData::Fp8Block { weight, scale } => {
             out.insert(format!("{m}.weight"), u8_tensor(Dtype::F8_E4M3, &[r, c], weight));
-            let shape = [r.div_ceil(128), c.div_ceil(128)];
+            let shape = super::fp8_scale_grid(r, c);
             // Powers of two in e8m0 range are stored as the official e8m0 `scale`; others as f32.
             let e8m0: Option<Vec<u8>> = scale
                 .iter()

@@ -85,9 +85,9 @@ impl<'a> MatView<'a> {
                 }
             }
             Kind::Fp8Block { weight, scale } => {
-                let scale_row = &scale[(r / 128) * c.div_ceil(128)..];
+                let scale_row = &scale[crate::checkpoint::fp8_scale_index(r, 0, c)..];
                 for (j, (o, &b)) in out.iter_mut().zip(&weight[r * c..(r + 1) * c]).enumerate() {
-                    *o = fmt::e4m3::decode(b) * scale_row[j / 128];
+                    *o = fmt::e4m3::decode(b) * scale_row[j / crate::checkpoint::FP8_WEIGHT_BLOCK];
                 }
             }
         }

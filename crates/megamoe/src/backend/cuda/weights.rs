@@ -77,12 +77,8 @@ pub(crate) struct DeviceBytes {
 impl DeviceBytes {
     /// The estimate for `layer`, with its W4A8 copy when `w4a8`.
     pub fn estimate(layer: &MoeLayer, w4a8: bool) -> DeviceBytes {
-        let per_weight = |f: WeightFormat| match f {
-            WeightFormat::Nvfp4 => 0.5625,
-            WeightFormat::Mxfp4 => 0.53125,
-            WeightFormat::Bf16 => 2.0,
-        };
-        let padded = |rows: usize| rows.div_ceil(128) * 128;
+        let per_weight = WeightFormat::bytes_per_weight;
+        let padded = crate::backend::gpu_layout::tc::padded_rows;
         // The packed matrices: L1 = W1 and W3 interleaved ([2I, H]), L2 = W2 ([H, I]), rows padded
         // to 128-row groups, plus per-group alphas (per-row ones for the W4A8 copy).
         let (e, (r1, c1), (r2, c2)) = (

@@ -91,7 +91,7 @@ pub fn deinterleave_gate_up<T: Copy>(
 /// Expands FP8 128x128 block multipliers `[ceil(rows/128), ceil(cols/128)]` to one f32 per row per
 /// [`K_STEP`] columns, `[rows, cols/64]` (`cols` must be a multiple of 64).
 pub fn expand_block_scales(scale: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>> {
-    let (rb, cb) = (rows.div_ceil(128), cols.div_ceil(128));
+    let [rb, cb] = crate::checkpoint::fp8_scale_grid(rows, cols);
     if scale.len() != rb * cb || !cols.is_multiple_of(K_STEP) {
         return Err(MegaError::Input(format!(
             "fp8 block scales: {} values for a [{rows}, {cols}] weight, expected [{rb}, {cb}] with cols % {K_STEP} == 0",
@@ -102,7 +102,7 @@ pub fn expand_block_scales(scale: &[f32], rows: usize, cols: usize) -> Result<Ve
     let mut out = Vec::with_capacity(rows * steps);
     for r in 0..rows {
         for s in 0..steps {
-            out.push(scale[(r / 128) * cb + (s * K_STEP) / 128]);
+            out.push(scale[crate::checkpoint::fp8_scale_index(r, s * K_STEP, cols)]);
         }
     }
     Ok(out)

@@ -459,11 +459,11 @@ pub fn dense_as_bf16(p: &DenseProj) -> Option<Vec<u16>> {
             if !scale.iter().all(|&s| pow2(s) && (-110.0..=110.0).contains(&s.log2())) {
                 return None;
             }
-            let cb = p.cols.div_ceil(128);
             let mut out = Vec::with_capacity(p.rows * p.cols);
             for r in 0..p.rows {
                 for c in 0..p.cols {
-                    let v = e4m3::decode(weight[r * p.cols + c]) * scale[(r / 128) * cb + c / 128];
+                    let v = e4m3::decode(weight[r * p.cols + c])
+                        * scale[crate::checkpoint::fp8_scale_index(r, c, p.cols)];
                     out.push(half::bf16::from_f32(v).to_bits());
                 }
             }
