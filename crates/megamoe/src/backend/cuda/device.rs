@@ -147,7 +147,7 @@ impl CudaDevice {
             ctx,
             stream,
             arch,
-            pdl: arch.starts_with("sm_") && std::env::var("MEGAMOE_PDL").map_or(true, |v| v.trim() != "0"),
+            pdl: arch.starts_with("sm_") && super::knobs::pdl(),
             name,
             sm_count,
             core,

@@ -30,6 +30,7 @@ pub mod ep;
 pub(crate) mod gemm;
 mod graph;
 mod io;
+pub mod knobs;
 pub mod launch;
 mod model;
 pub mod params;

@@ -116,7 +116,7 @@ impl PhaseProbe {
 
 /// Whether the diagnostic build is asked for (`MEGAMOE_PHASE_PROBE=1`).
 pub fn enabled() -> bool {
-    std::env::var("MEGAMOE_PHASE_PROBE").is_ok_and(|v| v.trim() == "1")
+    super::knobs::phase_probe()
 }
 
 #[cfg(test)]

@@ -341,17 +341,8 @@ fn upload_router(dev: &CudaDevice, layer: &MoeLayer) -> Result<RouterDev> {
         bias: r.bias.as_ref().map(|b| dev.upload(b, "gate.bias")).transpose()?,
         tid2eid: r.tid2eid.as_ref().map(|t| dev.upload(t, "gate.tid2eid")).transpose()?,
         vocab: r.tid2eid.as_ref().map_or(0, |t| t.len() / k),
-        tiled_from: router_tiled_from(),
+        tiled_from: super::knobs::router_tiled_from(),
     })
-}
-
-/// `MEGAMOE_ROUTER_TILED=<tokens>`: forwards of at least that many tokens compute the router
-/// logits with the tiled kernel (`kernels/router.cu`, over `gpu_layout::router::tiled_parts` K
-/// parts); unset (or not a number): never. Opt-in until it is measured on a GPU (written without
-/// one: the per-token kernel re-reads the whole gate weight for every token, ~57 KB a CTA, which
-/// from a few hundred tokens on costs about as much as the rank's experts).
-fn router_tiled_from() -> usize {
-    std::env::var("MEGAMOE_ROUTER_TILED").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(usize::MAX)
 }
 
 #[cfg(test)]

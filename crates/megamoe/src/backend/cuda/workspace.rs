@@ -274,15 +274,15 @@ impl Workspace {
             )));
         }
         let z = |dims: &[usize], what: &str| device.alloc(bytes(dims, what)?, what);
-        let overlap = std::env::var("MEGAMOE_OVERLAP").ok();
+        let overlap = super::knobs::shared_overlap();
         Ok(Workspace {
             device: device.clone(),
             dims,
             side: device.new_stream()?,
             fork: device.new_event(false)?,
             join: device.new_event(false)?,
-            overlap_shared: overlap.as_deref() != Some("0"),
-            shared_before_router: overlap.as_deref() == Some("early"),
+            overlap_shared: overlap != super::knobs::SharedOverlap::Off,
+            shared_before_router: overlap == super::knobs::SharedOverlap::BeforeRouter,
             scores: z(&[router::score_rows(mt, e, h), e, 4], "scores")?,
             topk_ids: z(&[s, 4], "topk_ids")?,
             topk_w: z(&[s, 4], "topk_w")?,

@@ -208,7 +208,7 @@ pub fn family_names() -> Vec<&'static str> {
 /// The family named `name` (`MEGAMOE_GEMM` when `name` is `None`), if any; an unknown name is an
 /// error listing the known ones.
 fn forced(name: Option<&str>) -> Result<Option<&'static dyn GemmFamily>> {
-    let Some(want) = name.map(String::from).or_else(|| std::env::var("MEGAMOE_GEMM").ok()) else {
+    let Some(want) = name.map(String::from).or_else(crate::backend::cuda::knobs::gemm_family) else {
         return Ok(None);
     };
     FAMILIES.into_iter().find(|f| f.name().eq_ignore_ascii_case(want.trim())).map(Some).ok_or_else(|| {
@@ -260,18 +260,4 @@ fn choose(
     }
     // The SIMT family holds every layer the backend accepts.
     &simt::SimtFamily
-}
-
-/// A token tile forced by the environment variable `var` (one of `tiles`) for every prefill launch
-/// of a family, instead of its cost model's choice: to measure the tiles against each other
-/// (`MEGAMOE_WG_TILE` for the wgmma kernels, `MEGAMOE_W4A8_TILE` for the FP8 W4A8 ones). A value
-/// that is not one of them is ignored, with a warning.
-pub(crate) fn tile_override(var: &str, tiles: &[usize]) -> Option<usize> {
-    let v: usize = std::env::var(var).ok()?.trim().parse().ok()?;
-    if tiles.contains(&v) {
-        Some(v)
-    } else {
-        tracing::warn!(var, tile = v, ?tiles, "not a token tile of these kernels: ignored");
-        None
-    }
 }

@@ -61,10 +61,8 @@ fn kind(bm: usize) -> Result<usize> {
 fn module_spec(f: SimtFormat) -> ModuleSpec {
     let mut defines = vec![f.define().to_string()];
     // Tuning override of the GEMV's load depth (`GV_U` in gemm_simt.cu), 1..=8.
-    if let Some(u) = std::env::var("MEGAMOE_GEMV_UNROLL").ok().and_then(|v| v.parse::<u32>().ok()) {
-        if (1..=8).contains(&u) {
-            defines.push(format!("GV_U={u}"));
-        }
+    if let Some(u) = crate::backend::cuda::knobs::gemv_unroll() {
+        defines.push(format!("GV_U={u}"));
     }
     ModuleSpec {
         name: format!("gemm_simt-{f:?}").to_lowercase(),

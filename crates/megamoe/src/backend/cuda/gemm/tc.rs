@@ -8,9 +8,10 @@
 use super::{FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::knobs;
 use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
-use crate::backend::cuda::probe::{self, PhaseProbe};
+use crate::backend::cuda::probe::PhaseProbe;
 use crate::backend::cuda::runtime::{self, ModuleSpec};
 use crate::backend::gpu_layout::tc::{self as layout, SLAB_ROWS};
 use crate::checkpoint::{MoeLayer, SharedExpert};
@@ -52,7 +53,7 @@ struct TcKernels {
     /// `MEGAMOE_WG_TILE` (read once): every wgmma prefill launch on this token tile.
     wg_tile: Option<usize>,
     /// Hopper weight-streaming decode kernels (sm_90a), by token tile; used for decode tiles of
-    /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_enabled`]).
+    /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_selects`]).
     ds_l1: HashMap<usize, Kernel<DsL1Params>>,
     ds_l2: HashMap<usize, Kernel<DsL2Params>>,
     /// Hopper fused decode kernels (plan, L1, L2, combine in one cooperative launch), by token
@@ -115,7 +116,7 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     let mut defines = vec![define(f).to_string()];
     if has_wgmma(arch) {
         defines.push("TC_WGMMA=1".into());
-        if probe::enabled() {
+        if knobs::phase_probe() {
             defines.push("DS_PROBE=1".into());
         }
         for c in layout::wg_configs() {
@@ -241,21 +242,14 @@ impl TcKnobs {
     fn read(dev: &CudaDevice, f: WeightFormat) -> Self {
         let wg = has_wgmma(dev.arch());
         TcKnobs {
-            chain: wg
-                && dev.programmatic_launches()
-                && std::env::var("MEGAMOE_WG_CHAIN").is_ok_and(|v| v.trim() == "1"),
-            prefetch_bytes: std::env::var("MEGAMOE_PREFETCH")
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or(layout::STREAM_PREFETCH_BYTES)
-                .min(1 << 20) as i32
-                & !15,
-            wg_consumers: std::env::var("MEGAMOE_WG_CONSUMERS").ok().and_then(|v| v.trim().parse().ok()),
-            wg_tile: super::tile_override("MEGAMOE_WG_TILE", &layout::WG_TOKEN_TILES),
-            probe: probe::enabled() && wg,
-            wgmma: wg && std::env::var("MEGAMOE_WGMMA").map_or(true, |v| v.trim() != "0"),
-            stream: wg && stream_enabled(f),
-            fused: fused_enabled(),
+            chain: wg && dev.programmatic_launches() && knobs::wg_chain(),
+            prefetch_bytes: knobs::prefetch_bytes(),
+            wg_consumers: knobs::wg_consumers(),
+            wg_tile: knobs::wg_tile(),
+            probe: knobs::phase_probe() && wg,
+            wgmma: wg && knobs::wgmma(),
+            stream: wg && stream_selects(knobs::stream().as_deref(), f),
+            fused: knobs::fused(),
         }
     }
 }
@@ -556,20 +550,11 @@ impl GemmKernels for TcKernels {
     }
 }
 
-/// Whether the fused decode kernels are used where they apply (`MEGAMOE_FUSED=0`: never; A/B runs).
-fn fused_enabled() -> bool {
-    std::env::var("MEGAMOE_FUSED").map_or(true, |v| v.trim() != "0")
-}
-
-/// Whether the streaming decode kernels serve weight format `f`: by default the FP4 formats (the
-/// bf16 shared expert stays on the mma.sync kernels: its streaming variant repeated
-/// non-bitwise on the V4-Pro-sized verify rows, under investigation, docs/PERFORMANCE.md);
-/// `MEGAMOE_STREAM=0`: none; `1`: every format; else a comma-separated list of format names.
-fn stream_enabled(f: WeightFormat) -> bool {
-    stream_selects(std::env::var("MEGAMOE_STREAM").ok().as_deref(), f)
-}
-
-/// [`stream_enabled`] for a given `MEGAMOE_STREAM` value.
+/// Whether the streaming decode kernels serve weight format `f` under `MEGAMOE_STREAM` = `setting`
+/// (`knobs::stream`): by default the FP4 formats (the bf16 shared expert stays on the mma.sync
+/// kernels: its streaming variant repeated non-bitwise on the V4-Pro-sized verify rows, under
+/// investigation, docs/PERFORMANCE.md); `0`: none; `1`: every format; else a comma-separated list
+/// of format names.
 fn stream_selects(setting: Option<&str>, f: WeightFormat) -> bool {
     match setting.map(str::trim) {
         None => f != WeightFormat::Bf16,

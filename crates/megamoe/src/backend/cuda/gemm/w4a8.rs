@@ -87,7 +87,7 @@ pub(crate) fn unsupported(dev: &CudaDevice, layer: &MoeLayer) -> Option<String> 
     if dev.arch() != "sm_90a" {
         return Some(format!("the FP8 W4A8 kernels need sm_90a (device runs {})", dev.arch()));
     }
-    if std::env::var("MEGAMOE_W4A8_FP8").map_or(true, |v| v != "1") {
+    if !crate::backend::cuda::knobs::w4a8_fp8() {
         return Some(
             "the FP8 W4A8 kernels are opt-in (MEGAMOE_W4A8_FP8=1): the bf16 path is faster today".into(),
         );
@@ -114,7 +114,7 @@ pub(crate) fn upload(
         l1: side(&l1, "w13 (W4A8 layout)")?,
         l2: side(&l2, "w2 (W4A8 layout)")?,
         kernels: kernels(dev)?,
-        tile: super::tile_override("MEGAMOE_W4A8_TILE", &layout::TOKEN_TILES),
+        tile: crate::backend::cuda::knobs::w4a8_tile(),
     }))
 }
 

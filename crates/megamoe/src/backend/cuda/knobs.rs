@@ -1,0 +1,131 @@
+//! Every `MEGAMOE_*` environment knob that changes which kernels run or how they are launched, in
+//! one place with one way of parsing (values trimmed; a flag is on for `1`, off for `0`; a
+//! number that does not parse is ignored). The defaults are the measured best; the knobs exist for
+//! A/B runs (`scripts/device/run.sh`) and for users who need to pin a path. Each is read where an
+//! engine's kernels, weights or workspace are made, never inside a forward. (Process-level
+//! settings — device, cache, NVRTC and NCCL paths, logging — stay with the code that uses them.)
+
+use crate::backend::gpu_layout::{tc, w4a8};
+
+fn value(var: &str) -> Option<String> {
+    std::env::var(var).ok().map(|v| v.trim().to_string())
+}
+
+/// On unless the variable is `0`.
+fn default_on(var: &str) -> bool {
+    value(var).as_deref() != Some("0")
+}
+
+/// Off unless the variable is `1`.
+fn default_off(var: &str) -> bool {
+    value(var).as_deref() == Some("1")
+}
+
+fn number<T: std::str::FromStr>(var: &str) -> Option<T> {
+    value(var)?.parse().ok()
+}
+
+/// A token tile forced by `var` (one of `tiles`) for every prefill launch of a family, instead of
+/// its cost model's choice; a value that is not one of them is ignored, with a warning.
+fn tile_override(var: &str, tiles: &[usize]) -> Option<usize> {
+    let v: usize = number(var)?;
+    if tiles.contains(&v) {
+        Some(v)
+    } else {
+        tracing::warn!(var, tile = v, ?tiles, "not a token tile of these kernels: ignored");
+        None
+    }
+}
+
+/// `MEGAMOE_GEMM`: the GEMM family every forward uses (`tc`, `simt`), else the best per launch.
+pub fn gemm_family() -> Option<String> {
+    value("MEGAMOE_GEMM")
+}
+
+/// `MEGAMOE_PDL=0`: no programmatic dependent launches.
+pub fn pdl() -> bool {
+    default_on("MEGAMOE_PDL")
+}
+
+/// `MEGAMOE_FUSED=0`: never the fused decode kernels.
+pub fn fused() -> bool {
+    default_on("MEGAMOE_FUSED")
+}
+
+/// `MEGAMOE_WGMMA=0`: never the wgmma prefill kernels.
+pub fn wgmma() -> bool {
+    default_on("MEGAMOE_WGMMA")
+}
+
+/// `MEGAMOE_WG_CHAIN=1`: the chained L1 -> L2 wgmma module (opt-in).
+pub fn wg_chain() -> bool {
+    default_off("MEGAMOE_WG_CHAIN")
+}
+
+/// `MEGAMOE_WG_CONSUMERS`: consumer warpgroups of every wgmma launch, else the tile model's.
+pub fn wg_consumers() -> Option<usize> {
+    number("MEGAMOE_WG_CONSUMERS")
+}
+
+/// `MEGAMOE_WG_TILE`: the wgmma kernels' token tile, else the tile model's.
+pub fn wg_tile() -> Option<usize> {
+    tile_override("MEGAMOE_WG_TILE", &tc::WG_TOKEN_TILES)
+}
+
+/// `MEGAMOE_PREFETCH`: bytes of the next weights the streaming decode kernels prefetch into L2
+/// (at most 1 MiB, a multiple of 16).
+pub fn prefetch_bytes() -> i32 {
+    number::<usize>("MEGAMOE_PREFETCH").unwrap_or(tc::STREAM_PREFETCH_BYTES).min(1 << 20) as i32 & !15
+}
+
+/// `MEGAMOE_STREAM`: which weight formats the streaming decode kernels serve (`0` none, `1` all,
+/// or a comma-separated list of format names); unset: the default (`gemm::tc::stream_selects`).
+pub fn stream() -> Option<String> {
+    value("MEGAMOE_STREAM")
+}
+
+/// `MEGAMOE_GEMV_UNROLL`: the SIMT GEMV's load depth (1..=8), else the kernel's default.
+pub fn gemv_unroll() -> Option<u32> {
+    number("MEGAMOE_GEMV_UNROLL").filter(|u| (1..=8).contains(u))
+}
+
+/// `MEGAMOE_W4A8_FP8=1`: W4A8 on MXFP4 runs on the FP8 kernels (opt-in: the bf16 path is faster).
+pub fn w4a8_fp8() -> bool {
+    default_off("MEGAMOE_W4A8_FP8")
+}
+
+/// `MEGAMOE_W4A8_TILE`: the FP8 W4A8 kernels' token tile, else their tile model's.
+pub fn w4a8_tile() -> Option<usize> {
+    tile_override("MEGAMOE_W4A8_TILE", &w4a8::TOKEN_TILES)
+}
+
+/// `MEGAMOE_ROUTER_TILED=<tokens>`: forwards of at least that many tokens compute the router's
+/// logits with the tiled kernel; unset or not a number: never.
+pub fn router_tiled_from() -> usize {
+    number("MEGAMOE_ROUTER_TILED").unwrap_or(usize::MAX)
+}
+
+/// Where a forward runs the shared expert (`MEGAMOE_OVERLAP`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedOverlap {
+    /// `0`: on the main stream, after the routed experts.
+    Off,
+    /// Default: on a side stream forked after the router.
+    AfterRouter,
+    /// `early`: on a side stream forked before the router.
+    BeforeRouter,
+}
+
+/// `MEGAMOE_OVERLAP`: see [`SharedOverlap`].
+pub fn shared_overlap() -> SharedOverlap {
+    match value("MEGAMOE_OVERLAP").as_deref() {
+        Some("0") => SharedOverlap::Off,
+        Some("early") => SharedOverlap::BeforeRouter,
+        _ => SharedOverlap::AfterRouter,
+    }
+}
+
+/// `MEGAMOE_PHASE_PROBE=1`: the fused decode kernel's diagnostic build (`probe.rs`).
+pub fn phase_probe() -> bool {
+    default_off("MEGAMOE_PHASE_PROBE")
+}
