@@ -13,6 +13,7 @@ use megamoe::backend::cuda::{
 };
 use megamoe::backend::MoeEngine;
 use megamoe::checkpoint::{MoeLayer, ProjData};
+use megamoe::config::ScoringFunc;
 use megamoe::formats::WeightFormat;
 use megamoe::forward::{ForwardInput, ForwardOutput, Mode};
 use megamoe::synthetic;
@@ -225,13 +226,21 @@ fn host_router(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> (Vec<
     let t = x.len() / h;
     let (mut ids, mut ws, mut margins) = (vec![], vec![], vec![]);
     for tok in 0..t {
-        let sc: Vec<f64> = (0..e)
-            .map(|ex| {
-                let l: f64 =
-                    (0..h).map(|q| x[tok * h + q].to_f64() * layer.router.weight[ex * h + q] as f64).sum();
-                (if l > 20.0 { l } else { l.exp().ln_1p() }).sqrt()
-            })
+        let logits: Vec<f64> = (0..e)
+            .map(|ex| (0..h).map(|q| x[tok * h + q].to_f64() * layer.router.weight[ex * h + q] as f64).sum())
             .collect();
+        // The layer's score function (megamoe::router::apply_score_func, in float64).
+        let sc: Vec<f64> = match c.scoring_func {
+            ScoringFunc::SqrtSoftplus => {
+                logits.iter().map(|&l| (if l > 20.0 { l } else { l.exp().ln_1p() }).sqrt()).collect()
+            }
+            ScoringFunc::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+            ScoringFunc::Softmax => {
+                let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = logits.iter().map(|&l| (l - m).exp()).sum();
+                logits.iter().map(|&l| (l - m).exp() / z).collect()
+            }
+        };
         let chosen: Vec<usize> = if let Some(t2e) = &layer.router.tid2eid {
             let id = input_ids.unwrap()[tok] as usize;
             margins.push(f64::INFINITY);
@@ -246,7 +255,9 @@ fn host_router(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> (Vec<
             margins.push(if k < e { key[k - 1].0 - key[k].0 } else { f64::INFINITY });
             key[..k].iter().map(|p| p.1).collect()
         };
-        let sum: f64 = chosen.iter().map(|&ex| sc[ex]).sum();
+        // Renormalised over the chosen unless softmax or !norm_topk_prob (router::weights_of).
+        let renorm = c.scoring_func != ScoringFunc::Softmax && c.norm_topk_prob;
+        let sum: f64 = if renorm { chosen.iter().map(|&ex| sc[ex]).sum() } else { 1.0 };
         for &ex in &chosen {
             ids.push(ex as i32);
             ws.push(sc[ex] / sum * c.routed_scaling_factor as f64);
@@ -301,9 +312,9 @@ fn assert_routing_matches(out: &ForwardOutput, host: (&[i32], &[f64], &[f64]), k
 #[test]
 fn tiled_router_routes_as_the_host_router() {
     for (func, seed, hidden) in [
-        (megamoe::config::ScoringFunc::SqrtSoftplus, 5, 256),
-        (megamoe::config::ScoringFunc::Softmax, 6, 256),
-        (megamoe::config::ScoringFunc::SqrtSoftplus, 7, 1024),
+        (ScoringFunc::SqrtSoftplus, 5, 256),
+        (ScoringFunc::Softmax, 6, 256),
+        (ScoringFunc::SqrtSoftplus, 7, 1024),
     ] {
         let cfg = megamoe::config::MoeConfig {
             n_routed_experts: 96,

@@ -100,9 +100,13 @@ pub fn w4a8_tile() -> Option<usize> {
 }
 
 /// `MEGAMOE_ROUTER_TILED=<tokens>`: forwards of at least that many tokens compute the router's
-/// logits with the tiled kernel; unset or not a number: never.
+/// logits with the tiled kernel (`never`: none); unset or not a number: from
+/// `gpu_layout::router::TILED_FROM_TOKENS`.
 pub fn router_tiled_from() -> usize {
-    number("MEGAMOE_ROUTER_TILED").unwrap_or(usize::MAX)
+    if value("MEGAMOE_ROUTER_TILED").as_deref() == Some("never") {
+        return usize::MAX;
+    }
+    number("MEGAMOE_ROUTER_TILED").unwrap_or(crate::backend::gpu_layout::router::TILED_FROM_TOKENS)
 }
 
 /// Where a forward runs the shared expert (`MEGAMOE_OVERLAP`).

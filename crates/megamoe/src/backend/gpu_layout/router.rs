@@ -18,6 +18,14 @@ pub const TILE_EXPERTS: usize = 64;
 /// See [`TILE_TOKENS`].
 pub const TILE_K: usize = 32;
 
+/// Forwards of at least this many tokens take the tiled kernel (`MEGAMOE_ROUTER_TILED` overrides).
+/// Measured on an H100 (twenty-second session, the whole V4-Pro layer, 384 experts, H 7168): the
+/// tiled kernel from 8 tokens on took 0.680 / 3.080 / 5.560 / 10.96 ms at T = 8 / 64 / 512 / 4096
+/// against the per-token kernel's 0.631 / 3.083 / 6.195 / 14.05 — slower at 8, even at 64, faster
+/// from 512 on (its cost grows more slowly with T); 128 lies between the measured break-even and
+/// the first clear gain.
+pub const TILED_FROM_TOKENS: usize = 128;
+
 /// CTAs a tiled launch aims at: about two waves of 256-thread CTAs at four per SM on 132 SMs
 /// would be 528; 256 already give every SM one or two at the batch sizes that need parts.
 pub const TARGET_CTAS: usize = 256;
