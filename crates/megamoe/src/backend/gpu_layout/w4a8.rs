@@ -316,12 +316,11 @@ pub const SCALE_BYTES: usize = 512;
 
 /// Token tiles the W4A8 kernels are built for. A layer holding this layout plans its prefill tiles
 /// among these (so that a plan serves both its W4A8 and its W4A16 launches: the bf16 wgmma kernels
-/// have these heights too). The cost model chooses among [`MODEL_TILES`]; 96 (three consumers)
-/// only through `MEGAMOE_W4A8_TILE=96` until it is measured.
+/// have these heights too). The cost model chooses among all of them.
 pub const TOKEN_TILES: [usize; 3] = [64, 96, 128];
 
 /// The token tiles [`choose_token_tile`] picks from.
-pub const MODEL_TILES: [usize; 2] = [64, 128];
+pub const MODEL_TILES: [usize; 3] = TOKEN_TILES;
 
 /// What a token slot of the 64-token kernel costs relative to one of the 128-token kernel's (each
 /// tile runs its full width: no narrower MMAs). Fitted on an H100 (twentieth session,
@@ -330,11 +329,23 @@ pub const MODEL_TILES: [usize; 2] = [64, 128];
 /// reproduces all six (the per-tile overhead of the bf16 model, 64 tokens, got 128 and 192 wrong).
 pub const N64_SLOT_COST: f64 = 1.12;
 
+/// What a token slot of the 96-token kernel (three consumers) costs relative to one of the
+/// 128-token kernel's. Measured on an H100 (twenty-second session, V4-Pro EP8 rank, FP8 W4A8,
+/// `MEGAMOE_W4A8_TILE=96` against the model's choice in the same call): 0.999 ms against the
+/// 64-token tiles' 1.094 at T=4096 (65 rows per expert: 1.006 per padded slot in 128-token units),
+/// 3.014 against the 128-token tiles' 3.136 at T=16384 (255 rows: 1.055); the mean of the two.
+pub const N96_SLOT_COST: f64 = 1.03;
+
 /// The token tile for experts expecting `expected` rows spread by `spread`: the least expected
-/// padded slots, a 64-token tile's weighted by [`N64_SLOT_COST`].
+/// padded slots, weighted by the kernel's cost per slot ([`N64_SLOT_COST`], [`N96_SLOT_COST`],
+/// 1 for 128).
 pub fn choose_token_tile(expected: f64, spread: f64) -> usize {
     cheapest_tile(&MODEL_TILES, |nt| {
-        let slot = if nt == 64 { N64_SLOT_COST } else { 1.0 };
+        let slot = match nt {
+            64 => N64_SLOT_COST,
+            96 => N96_SLOT_COST,
+            _ => 1.0,
+        };
         expected_over_rows(expected, spread, |r| (r.div_ceil(nt) * nt) as f64 * slot)
     })
 }
@@ -514,11 +525,14 @@ mod tests {
 
     #[test]
     fn the_token_tile_is_the_measured_faster_one() {
-        // (expected rows per expert, the tile measured faster): V4-Flash T = 2048 / 4096 / 8192 on
-        // one GPU, V4-Pro EP8 T = 4096 / 8192 / 16384 (H100, twentieth session).
-        for (rows, nt) in [(48.0, 64), (96.0, 128), (192.0, 64), (65.0, 64), (128.0, 64), (255.0, 128)] {
+        // (expected rows per expert, the tile measured faster): V4-Flash T = 2048 / 4096 on one
+        // GPU, V4-Pro EP8 T = 8192 (64 against 128, H100, twentieth session); V4-Pro EP8 T = 4096
+        // and 16384 (96 against the model's 64 and 128, H100, twenty-second session).
+        for (rows, nt) in [(48.0, 64), (96.0, 128), (128.0, 64), (65.0, 96), (255.0, 96)] {
             assert_eq!(choose_token_tile(rows, f64::sqrt(rows)), nt, "{rows} rows per expert");
         }
+        // V4-Flash T = 8192: 64 measured faster than 128 (96 not measured there).
+        assert_ne!(choose_token_tile(192.0, f64::sqrt(192.0)), 128);
         // No spread: 128 rows fill one 128-token tile (two 64-token tiles cost 1.12 x as much); 64
         // or fewer fit one 64-token tile.
         assert_eq!(choose_token_tile(128.0, 0.0), 128);

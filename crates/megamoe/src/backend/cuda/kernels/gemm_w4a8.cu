@@ -25,7 +25,7 @@
 // - NT = 64: four consumers (256 rows = two groups, blockIdx.x = group pair), 640 threads, 112
 //   registers a consumer thread (two 32-register accumulators); four warps per scheduler hide each
 //   one's serial chain (decode, QGMMAs, promote);
-// - NT = 96 (built for measuring, `MEGAMOE_W4A8_TILE=96`; not in the tile model): three consumers
+// - NT = 96 (in the tile model: faster at 65 and 255 rows per expert): three consumers
 //   (192 rows = 12 slabs, blockIdx.x = slab set: a set may straddle two groups, loaded as one bulk
 //   copy per group it meets), 512 threads, 160 registers a consumer thread (two 48-register
 //   accumulators, as NT = 64): three warps per scheduler, each weight decoded for 96 tokens;
