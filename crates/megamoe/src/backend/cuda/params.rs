@@ -33,6 +33,7 @@ macro_rules! kernel_abi {
         pub fn c_header() -> String {
             let mut s = String::from(HEADER_PREAMBLE);
             $( s.push_str(&format!("constexpr int {} = {};\n", stringify!($cname), $cval)); )*
+            s.push_str(&format!("constexpr unsigned ROW_NONE = {:#X}u;   // params.rs ROW_NONE\n", ROW_NONE));
             $(
                 s.push_str(&format!("\nstruct {} {{\n", stringify!($name)));
                 $( s.push_str(&format!("    {} {};\n", $c, stringify!($f))); )*

@@ -2,7 +2,7 @@
 // fused decode kernel (gemm_tc_fused.cu), so both add in the same order, bit for bit.
 //
 // Data layouts: l2 [rows, H] f32 in plan-row order, the token's K plan rows (`row(j)`,
-// PLAN_ROW_NONE for slots not planned here), shared_out [T, H] f32 (nullable), y [T, H] f32 or
+// ROW_NONE for slots not planned here), shared_out [T, H] f32 (nullable), y [T, H] f32 or
 // bf16 (CombineParams). y[t, h..h+3] = sum over j = 0..K-1 in order of l2[row(j), h..h+3]
 // (+ shared_out[t, h..h+3]).
 // Tiling / pipeline: one thread per 4 columns (float4 loads, H % 4 == 0 checked on the host); the
@@ -21,8 +21,8 @@ __device__ __forceinline__ void combine_cols4(const CombineParams& p, Row row, i
         bool live[COMBINE_BATCH];
         #pragma unroll
         for (int j = 0; j < COMBINE_BATCH; ++j) {
-            const unsigned r = j0 + j < K ? row(j0 + j) : 0xFFFFFFFFu;
-            live[j] = r != 0xFFFFFFFFu;
+            const unsigned r = j0 + j < K ? row(j0 + j) : ROW_NONE;
+            live[j] = r != ROW_NONE;
             v[j] = live[j] ? __ldcg((const float4*)(p.l2 + (size_t)r * H + h)) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         #pragma unroll

@@ -70,8 +70,8 @@ struct DfPlanSink {
         if (global) PlanGlobalSink{*global}.totals(rows, tiles);
     }
     __device__ __forceinline__ void slot(int s, unsigned row) const {
-        sp.row[s] = row == PLAN_ROW_NONE ? (unsigned short)0xFFFF : (unsigned short)row;
-        if (row != PLAN_ROW_NONE) sp.perm[row] = (unsigned short)s;
+        sp.row[s] = row == ROW_NONE ? (unsigned short)0xFFFF : (unsigned short)row;
+        if (row != ROW_NONE) sp.perm[row] = (unsigned short)s;
         if (global) PlanGlobalSink{*global}.slot(s, row);
     }
 };
@@ -279,7 +279,7 @@ __device__ __forceinline__ void df_kernel(const DfParams& p)
             const int t = it / cols, h = (it - t * cols) * 4;
             combine_cols4(p.combine, [&](int j) {
                 const unsigned r = sp.row[t * K + j];
-                return r == 0xFFFFu ? PLAN_ROW_NONE : r;
+                return r == 0xFFFFu ? ROW_NONE : r;
             }, t, h);
         }
     }

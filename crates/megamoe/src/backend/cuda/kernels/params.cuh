@@ -65,6 +65,7 @@ constexpr int STREAM_CTAS_PER_SM = 3;
 constexpr int W8_BLOCK_BYTES = 1088;
 constexpr int W8_CODE_BYTES = 1024;
 constexpr int W8_SCALE_BYTES = 512;
+constexpr unsigned ROW_NONE = 0xFFFFFFFFu;   // params.rs ROW_NONE
 
 struct RouterLogitsParams {
     const bf16_t* x;

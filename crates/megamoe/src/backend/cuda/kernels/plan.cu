@@ -60,7 +60,7 @@ __device__ __forceinline__ void plan_scatter_chunk(const PlanParams& p, const in
             p.perm[row] = (unsigned)s;
             p.row_of_slot[s] = row;
         } else if (s < s1) {
-            p.row_of_slot[s] = 0xFFFFFFFFu;
+            p.row_of_slot[s] = ROW_NONE;
         }
         __syncwarp();
         if (e[i] >= 0 && (m & lt) == 0) cur[e[i]] += __popc(m);

@@ -9,12 +9,10 @@
 //   sink.expert(x, count, first_row, first_tile)   every local expert x (lanes in parallel)
 //   sink.tile(t, x, first_row, end_row)            every bm-row tile of every expert with slots
 //   sink.totals(rows, tiles)                       once (lane 31)
-//   sink.slot(s, row)                              every slot s < S (PLAN_ROW_NONE: not planned here)
+//   sink.slot(s, row)                              every slot s < S (ROW_NONE: not planned here)
 // Rows are grouped by expert with slots ascending (a stable counting sort), as every plan.
 // Tiling / pipeline: one warp; every step a warp shuffle or a shared-memory access ordered by
 // __syncwarp (no CTA barrier). Integers only: exact, the same result wherever it runs.
-
-constexpr unsigned PLAN_ROW_NONE = 0xFFFFFFFFu;
 
 // The local expert of slot s's id, or -1.
 __device__ __forceinline__ int plan_local(const PlanParams& p, int id) {
@@ -94,7 +92,7 @@ __device__ __forceinline__ bool plan_tiny_warp(const PlanParams& p, unsigned* s_
     for (int i = 0; i < PLAN_TINY_GROUPS; ++i) {
         const int sl = 32 * i + lane;
         if (e[i] >= 0) sink.slot(sl, s_cnt[e[i]] + rank[i]);
-        else if (sl < p.slots) sink.slot(sl, PLAN_ROW_NONE);
+        else if (sl < p.slots) sink.slot(sl, ROW_NONE);
     }
     return __any_sync(0xffffffffu, bad);
 }
@@ -117,7 +115,7 @@ struct PlanGlobalSink {
         *p.num_tiles = (int)tiles;
     }
     __device__ __forceinline__ void slot(int s, unsigned row) const {
-        if (row != PLAN_ROW_NONE) p.perm[row] = (unsigned)s;
+        if (row != ROW_NONE) p.perm[row] = (unsigned)s;
         p.row_of_slot[s] = row;
     }
 };
