@@ -19,6 +19,7 @@ use super::device::CORE_THREADS;
 use super::gemm::w4a8::{Fp8Rows, W4a8Experts};
 use super::gemm::{GemmLaunch, PackedSide, TileDemand};
 use super::io::{check_input_ids, DType, DeviceTensor, ForwardIo, Routing, TOPK_IDS, TOPK_WEIGHTS, X, Y};
+use super::knobs::SharedOverlap;
 use super::launch::{self, LaunchCfg, StreamRef};
 use super::params::*;
 use super::weights::{router_smem, LayerWeights};
@@ -91,7 +92,7 @@ impl LayerWeights {
         // The shared expert needs only x: it runs on the workspace's side stream while the
         // routed experts run here (forked after the router, or with MEGAMOE_OVERLAP=early before
         // it), and is joined back before the combine.
-        let overlap = ws.overlap_shared && self.shared.is_some();
+        let overlap = ws.shared_overlap != SharedOverlap::Off && self.shared.is_some();
         let side = StreamRef(ws.side.cu_stream());
         let fork_shared = || -> Result<u64> {
             if overlap {
@@ -104,7 +105,8 @@ impl LayerWeights {
             }
             Ok(shared)
         };
-        let early_shared = if overlap && ws.shared_before_router { Some(fork_shared()?) } else { None };
+        let early = overlap && ws.shared_overlap == SharedOverlap::BeforeRouter;
+        let early_shared = if early { Some(fork_shared()?) } else { None };
         let (ids, wts) = match io.routing {
             Routing::Internal => {
                 let ids = io.topk_ids.map_or(ws.topk_ids.ptr(), |v| v.ptr);

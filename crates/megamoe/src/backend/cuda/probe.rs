@@ -114,11 +114,6 @@ impl PhaseProbe {
     }
 }
 
-/// Whether the diagnostic build is asked for (`MEGAMOE_PHASE_PROBE=1`).
-pub fn enabled() -> bool {
-    super::knobs::phase_probe()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

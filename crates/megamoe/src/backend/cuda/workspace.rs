@@ -180,12 +180,10 @@ pub struct Workspace {
     pub(crate) side: Arc<cudarc::driver::CudaStream>,
     pub(crate) fork: cudarc::driver::CudaEvent,
     pub(crate) join: cudarc::driver::CudaEvent,
-    /// Whether the shared expert overlaps the routed experts (`MEGAMOE_OVERLAP=0` turns it off).
-    pub(crate) overlap_shared: bool,
-    /// With `overlap_shared`: whether the shared expert forks off before the router rather than
-    /// after it (`MEGAMOE_OVERLAP=early`: its weight stream then also fills the router's and the
-    /// plan's latency; its CTAs share the SMs with theirs). Opt-in until measured.
-    pub(crate) shared_before_router: bool,
+    /// Where the shared expert runs: on the side stream forked after the router (default), before
+    /// it (`MEGAMOE_OVERLAP=early`: measured no faster at T=1 and slower at T=4096, so opt-in), or
+    /// on the main stream (`MEGAMOE_OVERLAP=0`).
+    pub(crate) shared_overlap: super::knobs::SharedOverlap,
     /// Router logits (the tiled kernel's partial logits `[parts][T, E]`), then scores `[T, E]`
     /// f32 (`gpu_layout::router::score_rows` rows).
     pub(crate) scores: DevBuf,
@@ -274,15 +272,13 @@ impl Workspace {
             )));
         }
         let z = |dims: &[usize], what: &str| device.alloc(bytes(dims, what)?, what);
-        let overlap = super::knobs::shared_overlap();
         Ok(Workspace {
             device: device.clone(),
             dims,
             side: device.new_stream()?,
             fork: device.new_event(false)?,
             join: device.new_event(false)?,
-            overlap_shared: overlap != super::knobs::SharedOverlap::Off,
-            shared_before_router: overlap == super::knobs::SharedOverlap::BeforeRouter,
+            shared_overlap: super::knobs::shared_overlap(),
             scores: z(&[router::score_rows(mt, e, h), e, 4], "scores")?,
             topk_ids: z(&[s, 4], "topk_ids")?,
             topk_w: z(&[s, 4], "topk_w")?,

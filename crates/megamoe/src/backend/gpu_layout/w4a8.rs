@@ -316,11 +316,8 @@ pub const SCALE_BYTES: usize = 512;
 
 /// Token tiles the W4A8 kernels are built for. A layer holding this layout plans its prefill tiles
 /// among these (so that a plan serves both its W4A8 and its W4A16 launches: the bf16 wgmma kernels
-/// have these heights too). The cost model chooses among all of them.
+/// have these heights too). The cost model ([`choose_token_tile`]) chooses among all of them.
 pub const TOKEN_TILES: [usize; 3] = [64, 96, 128];
-
-/// The token tiles [`choose_token_tile`] picks from.
-pub const MODEL_TILES: [usize; 3] = TOKEN_TILES;
 
 /// What a token slot of the 64-token kernel costs relative to one of the 128-token kernel's (each
 /// tile runs its full width: no narrower MMAs). Fitted on an H100 (twentieth session,
@@ -340,7 +337,7 @@ pub const N96_SLOT_COST: f64 = 1.03;
 /// padded slots, weighted by the kernel's cost per slot ([`N64_SLOT_COST`], [`N96_SLOT_COST`],
 /// 1 for 128).
 pub fn choose_token_tile(expected: f64, spread: f64) -> usize {
-    cheapest_tile(&MODEL_TILES, |nt| {
+    cheapest_tile(&TOKEN_TILES, |nt| {
         let slot = match nt {
             64 => N64_SLOT_COST,
             96 => N96_SLOT_COST,
