@@ -11,7 +11,7 @@
 # opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE[|VAR=VALUE..]"
 # (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
 # prefill tests and rows under each MEGAMOE_WG_CONSUMERS), QUANT_DECODE=1 (W4A8 / W4A4 decode rows,
-# fused against the separate stages), AB_OLD=path (an earlier binary: the AB_SPECS rows of both builds, alternated).
+# fused against the separate stages), SWEEP (bench rows under several environments, see below), AB_OLD=path (an earlier binary: the AB_SPECS rows of both builds, alternated).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
@@ -120,6 +120,19 @@ if [ -n "${BENCH_AB:-}" ]; then
     step "$tag" timeout 300 env $cfg "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
       --whole-layer --tokens "${BENCH_AB_TOKENS:-1,8,64}" --json "$OUT/$tag.json"
   done
+fi
+if [ -n "${SWEEP:-}" ]; then
+  # Bench rows under several configurations in one call: SWEEP holds lines "TAG [VAR=VALUE ..] --
+  # <bench forward options>" (e.g. "w8t96 MEGAMOE_W4A8_FP8=1 MEGAMOE_W4A8_TILE=96 -- --shape v4-pro
+  # --simulate-ep 8 --format mxfp4 --mode w4a8 --tokens 4096"); each line is a step sweep_TAG whose
+  # rows go to $OUT/sweep_TAG.json.
+  while read -r tag rest; do
+    [ -z "$tag" ] && continue
+    envs="${rest%%--*}"; opts="${rest#*-- }"
+    # shellcheck disable=SC2086
+    step "sweep_$tag" timeout "${SWEEP_TIMEOUT:-200}" env $envs "$bin" bench forward --backend cuda $opts \
+      --json "$OUT/sweep_$tag.json"
+  done <<<"$SWEEP"
 fi
 if [ "${QUANT_DECODE:-0}" != 0 ]; then
   # The quantized modes' decode rows (EP-rank): W4A8 on MXFP4 and NVFP4, W4A4 on NVFP4, the fused
