@@ -72,12 +72,6 @@ pub fn wg_tile() -> Option<usize> {
     tile_override("MEGAMOE_WG_TILE", &tc::WG_TOKEN_TILES)
 }
 
-/// `MEGAMOE_WG_GATHER=0`: the wgmma L1 reads staged (contiguous) expert inputs instead of
-/// gathering its token rows from x (one more pass over the inputs; A/B runs).
-pub fn wg_gather() -> bool {
-    default_on("MEGAMOE_WG_GATHER")
-}
-
 /// `MEGAMOE_PREFETCH`: bytes of the next weights the streaming decode kernels prefetch into L2
 /// (at most 1 MiB, a multiple of 16).
 pub fn prefetch_bytes() -> i32 {

@@ -52,9 +52,6 @@ struct TcKernels {
     wg_consumers: Option<usize>,
     /// `MEGAMOE_WG_TILE` (read once): every wgmma prefill launch on this token tile.
     wg_tile: Option<usize>,
-    /// Whether the wgmma L1 gathers its token rows from x itself (`MEGAMOE_WG_GATHER=0`: the
-    /// forward stages them contiguously first, one more pass over the expert inputs).
-    wg_gather: bool,
     /// Hopper weight-streaming decode kernels (sm_90a), by token tile; used for decode tiles of
     /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_selects`]).
     ds_l1: HashMap<usize, Kernel<DsL1Params>>,
@@ -219,18 +216,6 @@ fn wg_name(layer: u8, c: layout::WgConfig) -> String {
 fn wg_chain_name(layer: u8, c: layout::WgConfig) -> String {
     format!("moe_wg_l{layer}c_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
 }
-
-/// The tensor map the wgmma L1 reads its token rows through: the launch's `a_rows` staged rows in
-/// boxes of a whole tile, or, when the operands gather (`a_rows` given: row m of the tile is x row
-/// `a_rows[m] / a_div`), x's tokens in boxes of one row, which the producer warp copies row by row.
-fn wg_l1_map(l: &GemmLaunch, g: &GemmOperands) -> Result<TmaDesc> {
-    let h = g.h as usize;
-    if g.a_rows == 0 {
-        tma_2d_bf16(g.a, l.a_rows, h, l.block_m)
-    } else {
-        tma_2d_bf16(g.a, l.a_rows.div_ceil(g.a_div.max(1) as usize), h, 1)
-    }
-}
 fn ds_name(layer: u8, nt: usize) -> String {
     format!("moe_ds_l{layer}_n{nt}")
 }
@@ -247,7 +232,6 @@ struct TcKnobs {
     prefetch_bytes: i32,
     wg_consumers: Option<usize>,
     wg_tile: Option<usize>,
-    wg_gather: bool,
     probe: bool,
     wgmma: bool,
     stream: bool,
@@ -262,7 +246,6 @@ impl TcKnobs {
             prefetch_bytes: knobs::prefetch_bytes(),
             wg_consumers: knobs::wg_consumers(),
             wg_tile: knobs::wg_tile(),
-            wg_gather: knobs::wg_gather(),
             probe: knobs::phase_probe() && wg,
             wgmma: wg && knobs::wgmma(),
             stream: wg && stream_selects(knobs::stream().as_deref(), f),
@@ -293,7 +276,6 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             prefetch_bytes: knobs.prefetch_bytes,
             wg_consumers: knobs.wg_consumers,
             wg_tile: knobs.wg_tile,
-            wg_gather: knobs.wg_gather,
             probe: knobs.probe.then(|| m.clone()),
         };
         if knobs.stream {
@@ -423,12 +405,12 @@ impl GemmKernels for TcKernels {
         }
     }
     fn needs_contiguous_a(&self, l: &GemmLaunch) -> bool {
-        self.wgmma(l) && !self.wg_gather
+        self.wgmma(l)
     }
     fn l1_l2(&self, s: StreamRef, l: &GemmLaunch, l1: &GemmL1Params, l2: &GemmL2Params) -> Result<bool> {
         // Routed tiles (the plan's table: the scheduler counts its tiles), contiguous rows, an L2
         // over the L1's activations, and one configuration for both GEMMs.
-        if !self.wgmma(l) || l.sched == 0 || l1.g.tiles == 0 || l2.g.a != l1.act {
+        if !self.wgmma(l) || l.sched == 0 || l1.g.tiles == 0 || l1.g.a_rows != 0 || l2.g.a != l1.act {
             return Ok(false);
         }
         let (h, inter) = (l1.g.h as usize, l1.g.inter as usize);
@@ -439,7 +421,7 @@ impl GemmKernels for TcKernels {
         let Some((k1, k2)) = self.wg_l1c.get(&c).zip(self.wg_l2c.get(&key2)) else {
             return Ok(false); // the default: the two launches apart (`l1`, `l2`)
         };
-        let amap1 = wg_l1_map(l, &l1.g)?;
+        let amap1 = tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)?;
         let amap2 = tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)?;
         let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
         // Units per tile of the L1: its grid's group sets (x); tiles run along y.
@@ -455,9 +437,12 @@ impl GemmKernels for TcKernels {
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
         let rows = 2 * p.g.inter as usize;
         if trace.is_none() && self.wgmma(l) {
-            let amap = wg_l1_map(l, &p.g)?;
+            if p.g.a_rows != 0 {
+                return Err(err("internal: the wgmma kernels read A through a tensor map (no gather)"));
+            }
+            let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.h as usize, l.block_m)?;
             let (key, cfg) = self.wg_cfg(l, rows);
-            // SAFETY: as below; the tensor map covers A's rows (the staged rows, or x's tokens).
+            // SAFETY: as below; the tensor map covers A's `a_rows` rows.
             return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap, tile_done: 0 }) };
         }
         if let (None, Some([(partials, counters), _])) = (trace, self.stream(l, &p.g)) {

@@ -401,12 +401,8 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA (1024-aligned)][GPC x 8
 // weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage (empty: every
 // consumer thread arrives once its wgmma reads of the stage are done). The token rows come from a
-// 2-D tensor map over A: contiguous rows (staged expert inputs, activations: one box of NT rows;
-// rows past the tile's end belong to the next expert and are ignored by the epilogue), or, when
-// a_rows is given (the W4A16 L1 reading x itself: no staging pass), gathered — the producer warp's
-// lanes copy row r of the tile from x row a_rows[m0 + r] / a_div as a box of one row to r * 128 of
-// the tile (the 128B swizzle follows the shared address, so each row lands as the tile box would
-// put it); rows past the tile's end are not copied (the epilogue drops their columns).
+// 2-D tensor map over A (the staged expert inputs or activations; rows past the tile's end belong to
+// the next expert and are ignored by the epilogue).
 // Consumer pipeline over units u = (chunk u / MB, block u % MB): load unit u + 1's weights from
 // shared memory (its latency hides behind the next steps: ncu put ~11% of the consumers' stalls on
 // the first use of a load issued just before its decode), issue unit u's four wgmma k16 steps, wait
@@ -571,8 +567,6 @@ struct WgGridSched {
     unsigned wait_units;                 // CHAIN, L2: the L1's units per tile
     __device__ __forceinline__ const GemmOperands& ops(int) const { return g; }
     __device__ __forceinline__ const TmaDesc& map(int) const { return amap; }
-    // Whether the token rows are gathered (a_rows; `amap` then maps the rows of x one at a time).
-    __device__ __forceinline__ bool gathers() const { return g.a_rows != nullptr; }
     // The producer's n-th unit (false: none left); a chained L2 unit first waits for its tile.
     __device__ __forceinline__ bool take(unsigned n, WgUnit& u) const {
         u = WgUnit{layer, (int)(blockIdx.y + n * gridDim.y), (int)blockIdx.x};
@@ -635,11 +629,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     __syncthreads();
     if (wg == 0) {
         setmaxnreg_dec<wg_producer_regs(NC)>();
-        // Lane 0 issues the weights' copies (and a contiguous token tile); a gathered tile's rows
-        // are spread over the producer warp's lanes (rows lane, lane + 32, ..).
-        const bool gather = sched.gathers();
-        const int lane = threadIdx.x;
-        if (lane >= (gather ? 32 : 1)) return;
+        if (threadIdx.x != 0) return;
         unsigned it = 0;
         WgUnit u;
         for (unsigned n = 0; sched.take(n, u); ++n) {
@@ -653,36 +643,19 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
             // producer has 32 registers; per-group 64-bit offsets held across the loop spilled).
             const size_t group_bytes = (size_t)nch * S::W_GROUP;
             const unsigned char* csrc = g.wq + ((size_t)grp * groups + G0) * group_bytes;
-            // A gathered tile copies its mc rows only; this lane's A rows, read once per unit.
-            constexpr int RPL = (NT + 31) / 32;
-            const int mc = min(mend - m0, NT);
-            int xrow[RPL];
-            #pragma unroll
-            for (int i = 0; i < RPL; ++i) {
-                const int r = lane + 32 * i;
-                xrow[i] = gather && r < mc ? (int)(g.a_rows[m0 + r] / (unsigned)g.a_div) : -1;
-            }
-            const unsigned t_bytes = gather ? (unsigned)mc * 128u : (unsigned)S::T_BYTES;
             for (int c = 0; c < nch; ++c, ++it, csrc += S::W_GROUP) {
                 const unsigned s = it % ST, r = it / ST;
                 if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
+                if (c == 0) stage_unit[s] = u.code();
                 const unsigned fb = full0 + 8 * s;
                 const unsigned dst = base + s * S::STAGE;
-                if (lane == 0) {
-                    if (c == 0) stage_unit[s] = u.code();
-                    mbar_arrive_expect_tx(fb, t_bytes + ng * S::W_GROUP);
-                    if (!gather) tma_load_2d(dst, &sched.map(u.layer), c * 64, m0, fb);
-                    const unsigned char* src = csrc;
-                    for (int gi = 0; gi < ng; ++gi, src += group_bytes)
-                        bulk_g2s(dst + S::T_BYTES + gi * S::W_GROUP, src, S::W_GROUP, fb);
-                }
-                if (gather) __syncwarp();              // the stage's byte count posted before its rows' copies
-                #pragma unroll
-                for (int i = 0; i < RPL; ++i)
-                    if (xrow[i] >= 0) tma_load_2d(dst + (lane + 32 * i) * 128, &sched.map(u.layer), c * 64, xrow[i], fb);
+                mbar_arrive_expect_tx(fb, S::T_BYTES + ng * S::W_GROUP);
+                tma_load_2d(dst, &sched.map(u.layer), c * 64, m0, fb);
+                const unsigned char* src = csrc;
+                for (int gi = 0; gi < ng; ++gi, src += group_bytes)
+                    bulk_g2s(dst + S::T_BYTES + gi * S::W_GROUP, src, S::W_GROUP, fb);
             }
         }
-        if (lane != 0) return;
         // The end, published like a unit: a stage with no copies.
         const unsigned s = it % ST, r = it / ST;
         if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
