@@ -3,7 +3,11 @@
 // Layouts: src rows of `cols` bf16; dst [rows, cols] bf16 in plan-row order, rows = offsets[E_local]
 // (the rows planned on this layer's experts; grid sized for all S slots, later CTAs exit). With
 // gather = 1 the source row of plan row r is token perm[r] / K (the expert input), else r itself
-// (the L1 output). Parameters: QuantRowsParams, CombineParams (params.cuh).
+// (the L1 output); the grid is at most the CTAs the SMs hold at once (the host's
+// QUANT_ROWS_CTAS_PER_SM), each looping over rows blockIdx.x, + gridDim.x, ..: a grid sized for
+// all S slots spent ~25 us of a V4-Pro EP8 rank's 49 us staging at T=4096 on its ~21k CTAs
+// without a row, each waiting for the row count before it exits. Parameters: QuantRowsParams,
+// CombineParams (params.cuh).
 // QUANT_COPY (W4A16): copy. QUANT_FP8_ACT (W4A8): DeepSeek act_quant, 128-element blocks,
 // s = 2^ceil(log2(max(amax,1e-4)/448)), value = e4m3(clamp(x/s)) * s — exact in bf16.
 // QUANT_FP8_E4M3 (W4A8 on the FP8 kernels): the same act_quant kept quantized: dst [rows, cols] e4m3
@@ -18,7 +22,7 @@
 // the stored value is q*bs (exact in bf16), gs is applied later as an fp32 alpha in the GEMM.
 // NaN as torch: a NaN anywhere in a quantization block makes the whole block NaN (its amax, and so
 // its scale, is NaN); in mode 1 an Inf makes the scale inf and the whole block NaN (0 * inf, inf / inf).
-// Tiling: one CTA (256 threads) per plan row; FP8: a warp per 128-block (4 values a lane, the amax
+// Tiling: one CTA (256 threads) per plan row at a time; FP8: a warp per 128-block (4 values a lane, the amax
 // by shuffles); NVFP4: each thread owns whole 16-blocks (the block functions: quant_rows.cuh).
 //
 // moe_combine: l2 [rows, H] f32 in plan-row order, row_of_slot [S] u32, shared_out [T, H] f32
@@ -35,12 +39,13 @@ extern "C" __global__ void moe_quant_rows(const __grid_constant__ QuantRowsParam
     asm volatile("griddepcontrol.launch_dependents;" :::);
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    const int r = blockIdx.x;
-    if (r >= (int)p.offsets[p.experts]) return;
-    const unsigned slot = p.perm[r];
-    const int e = p.topk_ids[slot] - p.expert_base;
-    const int srow = p.gather ? (int)(slot / (unsigned)p.k) : r;
-    quant_row(p, p.src + (size_t)srow * p.cols, r, e, threadIdx.x, blockDim.x);
+    const int rows = (int)p.offsets[p.experts];
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const unsigned slot = p.perm[r];
+        const int e = p.topk_ids[slot] - p.expert_base;
+        const int srow = p.gather ? (int)(slot / (unsigned)p.k) : r;
+        quant_row(p, p.src + (size_t)srow * p.cols, r, e, threadIdx.x, blockDim.x);
+    }
 }
 
 // Final combine: y[t] = sum over slots j in order of l2[row_of_slot[t*K+j]] (+ shared[t]).
