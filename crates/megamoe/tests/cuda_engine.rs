@@ -474,7 +474,7 @@ fn w4a8_fp8_prefill_matches_host_model() {
             }
         }
         let layer = Arc::new(layer);
-        // The FP8 kernels are opt-in (the bf16 path is faster today): asked for around the upload
+        // The FP8 kernels are opt-in (faster, less exact than the bf16 path): asked for around the upload
         // only (the device script runs these tests on one thread).
         std::env::set_var("MEGAMOE_W4A8_FP8", "1");
         if let Some(nt) = tile {
