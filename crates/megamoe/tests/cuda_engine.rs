@@ -640,6 +640,37 @@ fn prefill_chained_launches_match_separate_launches_bitwise() {
     }
 }
 
+/// With `MEGAMOE_WG_GATHER=1` the routed wgmma L1 of W4A16 prefill copies its token rows from x
+/// itself (the producer warp's cp.async, swizzled by hand) instead of reading rows a staging pass
+/// wrote: the same values in the same shared-memory places, so the forward is bitwise equal to
+/// the staged one, forward after forward — on two- and three-consumer configurations, tiles with
+/// fewer rows than the tile (rows not copied) and experts of several tiles (T=3000).
+#[test]
+fn prefill_gathered_l1_matches_staged_l1_bitwise() {
+    let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
+    for (cfg, t, seed) in [(three, 1400, 81), (two_group_config(), 1024, 83), (two_group_config(), 3000, 85)]
+    {
+        let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
+        // The knob is read when an engine's kernels are made (one test thread on the device).
+        std::env::set_var("MEGAMOE_WG_GATHER", "1");
+        let gathered = engine_with(&layer, t, Some("tc"));
+        std::env::remove_var("MEGAMOE_WG_GATHER");
+        let staged = engine_with(&layer, t, Some("tc"));
+        let (Some(mut gathered), Some(mut staged)) = (gathered, staged) else { return };
+        let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
+        let input = ForwardInput { x: &x, input_ids: None };
+        gathered.poison(0xFF).unwrap();
+        staged.poison(0xFF).unwrap();
+        let want = staged.forward(&input, Mode::W4A16, None).unwrap();
+        let host = host_forward(&layer, &x, &want.topk_ids, &want.topk_weights, Mode::W4A16);
+        for round in 0..3 {
+            let got = gathered.forward(&input, Mode::W4A16, None).unwrap();
+            eprintln!("gathered L1 T={t} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
+            assert_eq!(got.y, want.y, "T={t} round {round}: the gathered L1 differs from the staged one");
+        }
+    }
+}
+
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
 /// evenly (Stream-K): with K = 1152 (18 chunks) and 640 (10) a (tile, group)'s K parts land in
 /// several CTAs and are summed by the last to arrive, and a CTA's range crosses units (T=8: ~23

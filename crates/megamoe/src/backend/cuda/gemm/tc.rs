@@ -46,6 +46,10 @@ struct TcKernels {
     /// launches on an H100 (docs/PERFORMANCE.md, nineteenth session).
     wg_l1c: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     wg_l2c: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
+    /// Hopper wgmma L1 kernels that gather their token rows from x (no staging pass), by
+    /// configuration. Opt-in, `MEGAMOE_WG_GATHER=1` (built, not yet measured): W4A16 prefill then
+    /// passes x and the plan's rows instead of staged inputs.
+    wg_l1g: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     /// Consumer warpgroups of every wgmma launch whose tile is built with them
     /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
     /// launch still gives every SM two CTAs.
@@ -174,6 +178,26 @@ pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     spec
 }
 
+/// The opt-in gathered wgmma L1 kernels of format `f` (sm_90a; every [`layout::wg_configs`] entry)
+/// in a module of their own, compiled only where `MEGAMOE_WG_GATHER=1` asks for them.
+pub fn gather_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
+    let mut spec = module_spec(f, arch);
+    spec.name = format!("gemm_tc_gather-{}", f.name());
+    let mut inst = String::from("\n// The gathered L1 kernels (gemm/tc.rs gather_module_spec).\n");
+    for c in layout::wg_configs() {
+        inst.push_str(&format!(
+            "WG_GATHER_KERNELS({}, {}, {}, {}, {})\n",
+            c.nt,
+            c.groups,
+            c.consumers,
+            layout::wg_stages(f, c.nt, c.groups),
+            layout::wg_narrow_steps(f, c)
+        ));
+    }
+    *spec.sources.last_mut().expect("module_spec ends with its instantiations") = inst.into();
+    spec
+}
+
 /// Every module of the family for `arch` with its entry points (for the compile test): one per
 /// format, and on sm_90a the NVFP4 L1 + L2 module (the other formats' instantiate the same
 /// templates and compile on first use).
@@ -184,6 +208,10 @@ pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
         let names =
             layout::wg_chain_configs().flat_map(|c| [wg_chain_name(1, c), wg_chain_name(2, c)]).collect();
         v.push((l1l2_module_spec(WeightFormat::Nvfp4, arch), names));
+        v.push((
+            gather_module_spec(WeightFormat::Nvfp4, arch),
+            layout::wg_configs().map(wg_gather_name).collect(),
+        ));
     }
     v
 }
@@ -216,6 +244,9 @@ fn wg_name(layer: u8, c: layout::WgConfig) -> String {
 fn wg_chain_name(layer: u8, c: layout::WgConfig) -> String {
     format!("moe_wg_l{layer}c_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
 }
+fn wg_gather_name(c: layout::WgConfig) -> String {
+    format!("moe_wg_l1g_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
+}
 fn ds_name(layer: u8, nt: usize) -> String {
     format!("moe_ds_l{layer}_n{nt}")
 }
@@ -232,6 +263,7 @@ struct TcKnobs {
     prefetch_bytes: i32,
     wg_consumers: Option<usize>,
     wg_tile: Option<usize>,
+    wg_gather: bool,
     probe: bool,
     wgmma: bool,
     stream: bool,
@@ -246,6 +278,7 @@ impl TcKnobs {
             prefetch_bytes: knobs::prefetch_bytes(),
             wg_consumers: knobs::wg_consumers(),
             wg_tile: knobs::wg_tile(),
+            wg_gather: wg && knobs::wg_gather(),
             probe: knobs::phase_probe() && wg,
             wgmma: wg && knobs::wgmma(),
             stream: wg && stream_selects(knobs::stream().as_deref(), f),
@@ -269,6 +302,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             wg_l2: HashMap::new(),
             wg_l1c: HashMap::new(),
             wg_l2c: HashMap::new(),
+            wg_l1g: HashMap::new(),
             ds_l1: HashMap::new(),
             ds_l2: HashMap::new(),
             df: HashMap::new(),
@@ -306,6 +340,13 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                     let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
                     k.wg_l1c.insert(c, Kernel::load(&cm, &wg_chain_name(1, c), c.threads(), smem)?);
                     k.wg_l2c.insert(c, Kernel::load(&cm, &wg_chain_name(2, c), c.threads(), smem)?);
+                }
+            }
+            if knobs.wg_gather {
+                let gm = dev.module(&gather_module_spec(f, dev.arch()))?;
+                for c in layout::wg_configs() {
+                    let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
+                    k.wg_l1g.insert(c, Kernel::load(&gm, &wg_gather_name(c), c.threads(), smem)?);
                 }
             }
         }
@@ -405,7 +446,7 @@ impl GemmKernels for TcKernels {
         }
     }
     fn needs_contiguous_a(&self, l: &GemmLaunch) -> bool {
-        self.wgmma(l)
+        self.wgmma(l) && self.wg_l1g.is_empty()
     }
     fn l1_l2(&self, s: StreamRef, l: &GemmLaunch, l1: &GemmL1Params, l2: &GemmL2Params) -> Result<bool> {
         // Routed tiles (the plan's table: the scheduler counts its tiles), contiguous rows, an L2
@@ -437,11 +478,18 @@ impl GemmKernels for TcKernels {
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
         let rows = 2 * p.g.inter as usize;
         if trace.is_none() && self.wgmma(l) {
+            let (key, cfg) = self.wg_cfg(l, rows);
             if p.g.a_rows != 0 {
-                return Err(err("internal: the wgmma kernels read A through a tensor map (no gather)"));
+                // The gathered L1 copies its rows itself: no tensor map.
+                let k = self.wg_l1g.get(&key).ok_or_else(|| {
+                    err("internal: the wgmma L1 got gathered rows without its gathering kernels")
+                })?;
+                // SAFETY: as below; x holds a_rows' tokens, the plan's rows index them.
+                return unsafe {
+                    k.launch(s, &cfg, &WgL1Params { l1: *p, amap: TmaDesc([0; 16]), tile_done: 0 })
+                };
             }
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.h as usize, l.block_m)?;
-            let (key, cfg) = self.wg_cfg(l, rows);
             // SAFETY: as below; the tensor map covers A's `a_rows` rows.
             return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap, tile_done: 0 }) };
         }

@@ -93,9 +93,6 @@ __device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v
     asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
 }
-// Orders this thread's prior generic-proxy shared-memory accesses before later async-proxy ones
-// (the bulk copies that will overwrite what it read).
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Cache policies of the bulk copies: the streamed weights are read once (evict first, so they do
 // not push out what is still to be read); the L2 weights prefetched during the L1 stay until the
