@@ -402,7 +402,9 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage (empty: every
 // consumer thread arrives once its wgmma reads of the stage are done). The token rows come from a
 // 2-D tensor map over A (the staged expert inputs or activations; rows past the tile's end belong to
-// the next expert and are ignored by the epilogue).
+// the next expert and are ignored by the epilogue) — or, in the opt-in gathered L1 (moe_wg_l1g_*,
+// wg_produce_gathered), straight from x by the producer warp's cp.async (full barrier: 1 + 32
+// arrivals; the consumers fence the generic-proxy writes before their wgmma reads).
 // Consumer pipeline over units u = (chunk u / MB, block u % MB): load unit u + 1's weights from
 // shared memory (its latency hides behind the next steps: ncu put ~11% of the consumers' stalls on
 // the first use of a load issued just before its decode), issue unit u's four wgmma k16 steps, wait
