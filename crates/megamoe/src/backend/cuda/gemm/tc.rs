@@ -124,14 +124,7 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
             defines.push("DS_PROBE=1".into());
         }
         for c in layout::wg_configs() {
-            let st = layout::wg_stages(f, c.nt, c.groups);
-            inst.push_str(&format!(
-                "WG_KERNELS({}, {}, {}, {st}, {})\n",
-                c.nt,
-                c.groups,
-                c.consumers,
-                layout::wg_narrow_steps(f, c)
-            ));
+            inst.push_str(&wg_instantiation("WG_KERNELS", f, c));
         }
         for nt in layout::STREAM_TOKEN_TILES {
             let (s, st) = (layout::stream_chunks_per_stage(f, nt), layout::stream_stages(f, nt));
@@ -159,40 +152,42 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
 /// module they would double its NVRTC time, and they are not measured faster than the separate
 /// launches).
 pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
-    let mut spec = module_spec(f, arch);
-    spec.name = format!("gemm_tc_l1l2-{}", f.name());
-    let mut inst = String::from("\n// The chained kernels (gemm/tc.rs l1l2_module_spec).\n");
-    for c in layout::wg_chain_configs() {
-        let args = format!(
-            "{}, {}, {}, {}, {}",
-            c.nt,
-            c.groups,
-            c.consumers,
-            layout::wg_stages(f, c.nt, c.groups),
-            layout::wg_narrow_steps(f, c)
-        );
-        inst.push_str(&format!("WG_CHAIN_KERNELS({args})\n"));
-    }
-    // The main module's instantiations are left out: only the chained entry points are built.
-    *spec.sources.last_mut().expect("module_spec ends with its instantiations") = inst.into();
-    spec
+    wg_variant_module_spec(f, arch, "gemm_tc_l1l2", "WG_CHAIN_KERNELS", layout::wg_chain_configs())
 }
 
 /// The opt-in gathered wgmma L1 kernels of format `f` (sm_90a; every [`layout::wg_configs`] entry)
 /// in a module of their own, compiled only where `MEGAMOE_WG_GATHER=1` asks for them.
 pub fn gather_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
+    wg_variant_module_spec(f, arch, "gemm_tc_gather", "WG_GATHER_KERNELS", layout::wg_configs())
+}
+
+/// One line instantiating wgmma configuration `c` of format `f` with `macro_name` (`WG_KERNELS` or
+/// a variant of it: token tile, groups, consumers, stages, narrower widths).
+fn wg_instantiation(macro_name: &str, f: WeightFormat, c: layout::WgConfig) -> String {
+    let st = layout::wg_stages(f, c.nt, c.groups);
+    format!(
+        "{macro_name}({}, {}, {}, {st}, {})\n",
+        c.nt,
+        c.groups,
+        c.consumers,
+        layout::wg_narrow_steps(f, c)
+    )
+}
+
+/// A module named `name-{format}` with the sources of [`module_spec`] whose only entry points are
+/// `macro_name` of `configs` (the main module's instantiations are left out).
+fn wg_variant_module_spec(
+    f: WeightFormat,
+    arch: &str,
+    name: &str,
+    macro_name: &str,
+    configs: impl Iterator<Item = layout::WgConfig>,
+) -> ModuleSpec {
     let mut spec = module_spec(f, arch);
-    spec.name = format!("gemm_tc_gather-{}", f.name());
-    let mut inst = String::from("\n// The gathered L1 kernels (gemm/tc.rs gather_module_spec).\n");
-    for c in layout::wg_configs() {
-        inst.push_str(&format!(
-            "WG_GATHER_KERNELS({}, {}, {}, {}, {})\n",
-            c.nt,
-            c.groups,
-            c.consumers,
-            layout::wg_stages(f, c.nt, c.groups),
-            layout::wg_narrow_steps(f, c)
-        ));
+    spec.name = format!("{name}-{}", f.name());
+    let mut inst = format!("\n// The {macro_name} instantiations (gemm/tc.rs wg_variant_module_spec).\n");
+    for c in configs {
+        inst.push_str(&wg_instantiation(macro_name, f, c));
     }
     *spec.sources.last_mut().expect("module_spec ends with its instantiations") = inst.into();
     spec

@@ -600,6 +600,30 @@ struct WgGridSched {
     }
 };
 
+// What a producer copies for unit u: its tile (expert grp, rows m0 .. mend), the groups of its set
+// that exist (ng: a CTA past the last whole set loads, and later stores, only those) and the first
+// chunk's weights of its first group (csrc; group gi's at csrc + gi * group_bytes: one running
+// pointer per chunk — the producer has 32 registers; per-group 64-bit offsets held across the
+// loop spilled).
+struct WgUnitSrc {
+    int grp, m0, mend, ng, nch;
+    size_t group_bytes;
+    const unsigned char* csrc;
+};
+template <int NT, int GPC, int W_GROUP, typename Sched, typename Groups, typename Chunks>
+__device__ __forceinline__ WgUnitSrc wg_unit_src(const Sched& sched, const WgUnit& u, Groups groups_of, Chunks chunks_of)
+{
+    WgUnitSrc w;
+    const GemmOperands& g = sched.ops(u.layer);
+    gemm_tile<NT>(g, u.tile, w.grp, w.m0, w.mend);
+    const int groups = groups_of(u.layer), G0 = u.set * GPC;
+    w.nch = chunks_of(u.layer);
+    w.ng = min(GPC, groups - G0);
+    w.group_bytes = (size_t)w.nch * W_GROUP;
+    w.csrc = g.wq + ((size_t)w.grp * groups + G0) * w.group_bytes;
+    return w;
+}
+
 // The producer of a gathered L1 (wg_gemm's GATHER), all 32 lanes of the producer warp. Per stage:
 // lane 0 posts the weight bytes and issues their bulk copies, as wg_gemm's producer; every lane
 // copies 16-byte piece j = lane % 8 of tile rows lane / 8, + 4, .. < mc from x row
@@ -619,13 +643,10 @@ __device__ __forceinline__ void wg_produce_gathered(const Sched& sched, unsigned
     WgUnit u;
     for (unsigned n = 0; sched.take(n, u); ++n) {
         const GemmOperands& g = sched.ops(u.layer);
-        int grp, m0, mend;
-        gemm_tile<NT>(g, u.tile, grp, m0, mend);
-        const int groups = groups_of(u.layer), nch = chunks_of(u.layer), G0 = u.set * GPC;
-        const int ng = min(GPC, groups - G0);
-        const size_t group_bytes = (size_t)nch * W_GROUP;
-        const unsigned char* csrc = g.wq + ((size_t)grp * groups + G0) * group_bytes;
-        const int mc = min(mend - m0, NT);
+        const WgUnitSrc w = wg_unit_src<NT, GPC, W_GROUP>(sched, u, groups_of, chunks_of);
+        const int m0 = w.m0, nch = w.nch, ng = w.ng, mc = min(w.mend - w.m0, NT);
+        const size_t group_bytes = w.group_bytes;
+        const unsigned char* csrc = w.csrc;
         __syncwarp();                          // every lane's copies of the last unit were issued
         for (int r = lane; r < mc; r += 32) xrow[r] = (int)(g.a_rows[m0 + r] / (unsigned)g.a_div);
         __syncwarp();
@@ -707,16 +728,10 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
         unsigned it = 0;
         WgUnit u;
         for (unsigned n = 0; sched.take(n, u); ++n) {
-            const GemmOperands& g = sched.ops(u.layer);
-            int grp, m0, mend;
-            gemm_tile<NT>(g, u.tile, grp, m0, mend);
-            const int groups = groups_of(u.layer), nch = chunks_of(u.layer), G0 = u.set * GPC;
-            // A CTA past the last whole set of groups loads (and later stores) only the groups that exist.
-            const int ng = min(GPC, groups - G0);
-            // Chunk c of group gi at csrc + gi * group_bytes: one running pointer per chunk (the
-            // producer has 32 registers; per-group 64-bit offsets held across the loop spilled).
-            const size_t group_bytes = (size_t)nch * S::W_GROUP;
-            const unsigned char* csrc = g.wq + ((size_t)grp * groups + G0) * group_bytes;
+            const WgUnitSrc w = wg_unit_src<NT, GPC, S::W_GROUP>(sched, u, groups_of, chunks_of);
+            const int m0 = w.m0, nch = w.nch, ng = w.ng;
+            const size_t group_bytes = w.group_bytes;
+            const unsigned char* csrc = w.csrc;
             for (int c = 0; c < nch; ++c, ++it, csrc += S::W_GROUP) {
                 const unsigned s = it % ST, r = it / ST;
                 if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
