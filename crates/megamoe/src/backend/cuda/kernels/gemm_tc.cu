@@ -639,6 +639,7 @@ __device__ __forceinline__ void wg_produce_gathered(const Sched& sched, unsigned
 {
     __shared__ int xrow[NT];
     const int lane = threadIdx.x, j = lane & 7, q = lane >> 3;
+    const unsigned sw0 = (unsigned)(j ^ q) << 4, sw1 = (unsigned)(j ^ (q + 4)) << 4;
     unsigned it = 0;
     WgUnit u;
     for (unsigned n = 0; sched.take(n, u); ++n) {
@@ -650,7 +651,7 @@ __device__ __forceinline__ void wg_produce_gathered(const Sched& sched, unsigned
         __syncwarp();                          // every lane's copies of the last unit were issued
         for (int r = lane; r < mc; r += 32) xrow[r] = (int)(g.a_rows[m0 + r] / (unsigned)g.a_div);
         __syncwarp();
-        const size_t pitch = (size_t)g.h * 2;
+        const unsigned pitch = (unsigned)g.h * 2u;      // 32-bit: the 32 producer registers hold no more
         const unsigned char* xs = (const unsigned char*)g.a + j * 16;
         for (int c = 0; c < nch; ++c, ++it, csrc += W_GROUP, xs += 128) {
             const unsigned s = it % ST, r = it / ST;
@@ -664,8 +665,13 @@ __device__ __forceinline__ void wg_produce_gathered(const Sched& sched, unsigned
                 for (int gi = 0; gi < ng; ++gi, src += group_bytes)
                     bulk_g2s(dst + T_BYTES + gi * W_GROUP, src, W_GROUP, fb);
             }
-            for (int rr = q; rr < mc; rr += 4)
-                cp_async16(dst + rr * 128 + ((j ^ (rr & 7)) << 4), xs + (size_t)xrow[rr] * pitch);
+            // Rows q + 8k sit at swizzle phase q, rows q + 4 + 8k at q + 4: two offsets, a loop kept
+            // rolled (unrolled, its per-row offsets spilled the 32 producer registers).
+            #pragma unroll 1
+            for (int rr = q; rr < mc; rr += 8) {
+                cp_async16(dst + rr * 128 + sw0, xs + (size_t)(unsigned)xrow[rr] * pitch);
+                if (rr + 4 < mc) cp_async16(dst + (rr + 4) * 128 + sw1, xs + (size_t)(unsigned)xrow[rr + 4] * pitch);
+            }
             cp_async_arrive_noinc(fb);
         }
     }
