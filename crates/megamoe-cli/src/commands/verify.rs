@@ -268,35 +268,50 @@ fn sweep(kind: BackendKind, args: &Args) -> anyhow::Result<usize> {
         "ref_ms"
     );
     let mut failures = 0;
-    let mut row = 0u64;
-    for case in all {
-        for &format in &case.formats {
-            row += 1;
-            let seed = args.seed.wrapping_add(row * 1000);
-            if !wanted(args, &case) || !format_wanted(args, format) {
-                continue; // the row counter still advances: every kept row has its whole-sweep seed
-            }
-            let layer = case_layer(&case, format, seed);
-            let max_t = *case.tokens.iter().max().unwrap();
-            let mut dut = create_engine(kind, layer.clone(), max_t)?;
-            let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
-            if row == 1 {
-                println!("backend under test: {}", dut.describe());
-            }
-            for &t in case.tokens.iter().filter(|&&t| args.tokens.is_empty() || args.tokens.contains(&t)) {
-                let x = synthetic::random_hidden(t, case.cfg.hidden_size, seed + t as u64);
-                let ids = synthetic::random_input_ids(t, case.cfg.vocab_size, seed + 1 + t as u64);
-                let input = ForwardInput { x: &x, input_ids: Some(&ids) };
-                for mode in Mode::ALL {
-                    if (mode == Mode::W4A4 && format != WeightFormat::Nvfp4) || !mode_wanted(args, mode) {
-                        continue;
-                    }
-                    failures += check_row(&case, &layer, format, t, mode, &input, dut.as_mut(), cpu.as_mut());
+    for (n, SweepRow { case, format, seed, layer, max_t }) in kept_rows(args, &all).enumerate() {
+        let mut dut = create_engine(kind, layer.clone(), max_t)?;
+        let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
+        if n == 0 {
+            println!("backend under test: {}", dut.describe());
+        }
+        for &t in case.tokens.iter().filter(|&&t| args.tokens.is_empty() || args.tokens.contains(&t)) {
+            let x = synthetic::random_hidden(t, case.cfg.hidden_size, seed + t as u64);
+            let ids = synthetic::random_input_ids(t, case.cfg.vocab_size, seed + 1 + t as u64);
+            let input = ForwardInput { x: &x, input_ids: Some(&ids) };
+            for mode in Mode::ALL {
+                if (mode == Mode::W4A4 && format != WeightFormat::Nvfp4) || !mode_wanted(args, mode) {
+                    continue;
                 }
+                failures += check_row(case, &layer, format, t, mode, &input, dut.as_mut(), cpu.as_mut());
             }
         }
     }
     Ok(failures)
+}
+
+/// One kept row of the sweep: a case in one format, its whole-sweep seed, its random layer and
+/// the most tokens it runs.
+struct SweepRow<'a> {
+    case: &'a Case,
+    format: WeightFormat,
+    seed: u64,
+    layer: Arc<MoeLayer>,
+    max_t: usize,
+}
+
+/// The rows of `all` that `args` keeps, in sweep order. The seed counts every (case, format) row,
+/// kept or not, so a filtered run reuses the whole sweep's seed for each row it keeps.
+fn kept_rows<'a>(args: &'a Args, all: &'a [Case]) -> impl Iterator<Item = SweepRow<'a>> + 'a {
+    all.iter()
+        .flat_map(|case| case.formats.iter().map(move |&format| (case, format)))
+        .zip(1u64..)
+        .filter(|&((case, format), _)| wanted(args, case) && format_wanted(args, format))
+        .map(|((case, format), row)| {
+            let seed = args.seed.wrapping_add(row * 1000);
+            let layer = case_layer(case, format, seed);
+            let max_t = *case.tokens.iter().max().expect("every sweep case has token counts");
+            SweepRow { case, format, seed, layer, max_t }
+        })
 }
 
 /// The random layer of a sweep row: `case`'s shape in `format`, hash-routed (layer 0) or scored
@@ -349,114 +364,104 @@ fn sweep_ep(kind: BackendKind, args: &Args, topo: megamoe::parallel::Topology) -
         (10.0 * tolerance(mode)).max(own)
     };
     let mut failures = 0;
-    let mut row = 0u64;
-    for case in all {
-        for &format in &case.formats {
-            row += 1;
-            let seed = args.seed.wrapping_add(row * 1000);
-            if !wanted(args, &case) || !format_wanted(args, format) {
-                continue; // the row counter still advances: every kept row has its whole-sweep seed
+    for (n, SweepRow { case, format, seed, layer, max_t }) in kept_rows(args, &all).enumerate() {
+        let mut group = match EpGroup::new(&args.par, topo, &LayerSource::Whole(&layer), cuda, max_t) {
+            Ok(g) => g,
+            Err(e) => {
+                println!("{:<11} FAIL (building the EP group: {e:#})", case.name);
+                failures += 1;
+                continue;
             }
-            let layer = case_layer(&case, format, seed);
-            let max_t = *case.tokens.iter().max().unwrap();
-            let mut group = match EpGroup::new(&args.par, topo, &LayerSource::Whole(&layer), cuda, max_t) {
-                Ok(g) => g,
-                Err(e) => {
-                    println!("{:<11} FAIL (building the EP group: {e:#})", case.name);
-                    failures += 1;
+        };
+        if n == 0 {
+            for d in group.describe() {
+                println!("  {d}");
+            }
+        }
+        let mut single = create_engine(dut_kind, layer.clone(), max_t)?;
+        let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
+        let c = &layer.config;
+        for &t in case.tokens.iter().filter(|&&t| args.tokens.is_empty() || args.tokens.contains(&t)) {
+            let x = synthetic::random_hidden(t, c.hidden_size, seed + t as u64);
+            let ids = synthetic::random_input_ids(t, c.vocab_size, seed + 1 + t as u64);
+            let input = ForwardInput { x: &x, input_ids: Some(&ids) };
+            let span = group.home_tokens(&topo, t);
+            let (h, k) = (c.hidden_size, c.num_experts_per_tok);
+            for mode in Mode::ALL {
+                if (mode == Mode::W4A4 && format != WeightFormat::Nvfp4) || !mode_wanted(args, mode) {
                     continue;
                 }
-            };
-            if row == 1 {
-                for d in group.describe() {
-                    println!("  {d}");
-                }
-            }
-            let mut single = create_engine(dut_kind, layer.clone(), max_t)?;
-            let mut cpu = create_engine(BackendKind::Cpu, layer.clone(), max_t)?;
-            let c = &layer.config;
-            for &t in case.tokens.iter().filter(|&&t| args.tokens.is_empty() || args.tokens.contains(&t)) {
-                let x = synthetic::random_hidden(t, c.hidden_size, seed + t as u64);
-                let ids = synthetic::random_input_ids(t, c.vocab_size, seed + 1 + t as u64);
-                let input = ForwardInput { x: &x, input_ids: Some(&ids) };
-                let span = group.home_tokens(&topo, t);
-                let (h, k) = (c.hidden_size, c.num_experts_per_tok);
-                for mode in Mode::ALL {
-                    if (mode == Mode::W4A4 && format != WeightFormat::Nvfp4) || !mode_wanted(args, mode) {
-                        continue;
-                    }
-                    print!(
-                        "{:<11} {:>5} {:>5} {:>5} {:>4} {:>3} {:>5} {:<6} ",
-                        case.name,
-                        t,
-                        h,
-                        c.moe_intermediate_size,
-                        c.n_routed_experts,
-                        k,
-                        mode.name(),
-                        format.name()
+                print!(
+                    "{:<11} {:>5} {:>5} {:>5} {:>4} {:>3} {:>5} {:<6} ",
+                    case.name,
+                    t,
+                    h,
+                    c.moe_intermediate_size,
+                    c.n_routed_experts,
+                    k,
+                    mode.name(),
+                    format.name()
+                );
+                if mode == Mode::W4A8 && !(c.moe_intermediate_size / topo.tp).is_multiple_of(128) {
+                    println!(
+                        "skip (--tp {} slices I into {}: not whole 128-blocks for w4a8)",
+                        topo.tp,
+                        c.moe_intermediate_size / topo.tp
                     );
-                    if mode == Mode::W4A8 && !(c.moe_intermediate_size / topo.tp).is_multiple_of(128) {
+                    continue;
+                }
+                let t0 = Instant::now();
+                let a = group.forward(Run::Eager, &topo, h, &x, Some(&ids), mode);
+                let ep_ms = t0.elapsed().as_secs_f64() * 1e3;
+                // The device exchange's repeat is a CUDA-graph replay of the whole group.
+                let b = group.forward(Run::GraphReplay, &topo, h, &x, Some(&ids), mode);
+                let t1 = Instant::now();
+                let s = single.forward(&input, mode, None);
+                let ep1_ms = t1.elapsed().as_secs_f64() * 1e3;
+                let r = cpu.forward(&input, mode, None);
+                match (a, b, s, r) {
+                    (Ok((a, _)), Ok((b, _)), Ok(s), Ok(r)) => {
+                        let ys = &s.y[span.start * h..span.end * h];
+                        let yr = &r.y[span.start * h..span.end * h];
+                        let vs_ep1 = rel_l2(&a.y, ys);
+                        let vs_ref = rel_l2(&a.y, yr);
+                        let bitwise = bits(&a.y) == bits(ys);
+                        let repeat = bits(&a.y) == bits(&b.y);
+                        let routing_same = a.topk_ids == s.topk_ids[span.start * k..span.end * k];
+                        let must_be_bitwise = !cuda && topo.tp == 1 && exact_payload(mode);
+                        let ep_tol = if exact_payload(mode) { tolerance(mode) } else { lossy_tol(mode) };
+                        let pass = repeat
+                            && routing_same
+                            && vs_ref <= ep_tol
+                            && vs_ep1 <= ep_tol
+                            && (bitwise || !must_be_bitwise)
+                            && a.y.iter().all(|v| v.is_finite());
                         println!(
-                            "skip (--tp {} slices I into {}: not whole 128-blocks for w4a8)",
-                            topo.tp,
-                            c.moe_intermediate_size / topo.tp
+                            "{:>10.3e} {:>7} {:>10.3e} {:>7} {:>8.2} {:>8.2} {}{}",
+                            vs_ep1,
+                            if bitwise { "yes" } else { "no" },
+                            vs_ref,
+                            if repeat { "yes" } else { "NO" },
+                            ep_ms,
+                            ep1_ms,
+                            if pass { "PASS" } else { "FAIL" },
+                            if routing_same { "" } else { " (routing differs)" }
                         );
-                        continue;
+                        failures += usize::from(!pass);
                     }
-                    let t0 = Instant::now();
-                    let a = group.forward(Run::Eager, &topo, h, &x, Some(&ids), mode);
-                    let ep_ms = t0.elapsed().as_secs_f64() * 1e3;
-                    // The device exchange's repeat is a CUDA-graph replay of the whole group.
-                    let b = group.forward(Run::GraphReplay, &topo, h, &x, Some(&ids), mode);
-                    let t1 = Instant::now();
-                    let s = single.forward(&input, mode, None);
-                    let ep1_ms = t1.elapsed().as_secs_f64() * 1e3;
-                    let r = cpu.forward(&input, mode, None);
-                    match (a, b, s, r) {
-                        (Ok((a, _)), Ok((b, _)), Ok(s), Ok(r)) => {
-                            let ys = &s.y[span.start * h..span.end * h];
-                            let yr = &r.y[span.start * h..span.end * h];
-                            let vs_ep1 = rel_l2(&a.y, ys);
-                            let vs_ref = rel_l2(&a.y, yr);
-                            let bitwise = bits(&a.y) == bits(ys);
-                            let repeat = bits(&a.y) == bits(&b.y);
-                            let routing_same = a.topk_ids == s.topk_ids[span.start * k..span.end * k];
-                            let must_be_bitwise = !cuda && topo.tp == 1 && exact_payload(mode);
-                            let ep_tol = if exact_payload(mode) { tolerance(mode) } else { lossy_tol(mode) };
-                            let pass = repeat
-                                && routing_same
-                                && vs_ref <= ep_tol
-                                && vs_ep1 <= ep_tol
-                                && (bitwise || !must_be_bitwise)
-                                && a.y.iter().all(|v| v.is_finite());
-                            println!(
-                                "{:>10.3e} {:>7} {:>10.3e} {:>7} {:>8.2} {:>8.2} {}{}",
-                                vs_ep1,
-                                if bitwise { "yes" } else { "no" },
-                                vs_ref,
-                                if repeat { "yes" } else { "NO" },
-                                ep_ms,
-                                ep1_ms,
-                                if pass { "PASS" } else { "FAIL" },
-                                if routing_same { "" } else { " (routing differs)" }
-                            );
-                            failures += usize::from(!pass);
-                        }
-                        (a, b, s, r) => {
-                            let msg = [
-                                a.err().map(|e| format!("ep: {e:#}")),
-                                b.err().map(|e| format!("ep repeat: {e:#}")),
-                                s.err().map(|e| format!("ep=1: {e}")),
-                                r.err().map(|e| format!("reference: {e}")),
-                            ]
-                            .into_iter()
-                            .flatten()
-                            .collect::<Vec<_>>()
-                            .join("; ");
-                            println!("FAIL ({msg})");
-                            failures += 1;
-                        }
+                    (a, b, s, r) => {
+                        let msg = [
+                            a.err().map(|e| format!("ep: {e:#}")),
+                            b.err().map(|e| format!("ep repeat: {e:#}")),
+                            s.err().map(|e| format!("ep=1: {e}")),
+                            r.err().map(|e| format!("reference: {e}")),
+                        ]
+                        .into_iter()
+                        .flatten()
+                        .collect::<Vec<_>>()
+                        .join("; ");
+                        println!("FAIL ({msg})");
+                        failures += 1;
                     }
                 }
             }
