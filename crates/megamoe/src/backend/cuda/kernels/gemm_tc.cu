@@ -353,33 +353,35 @@ __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (
     }
 }
 
-// The tiles of a launch: blockIdx.y, + gridDim.y, ... (see the tiling note at the top).
-template <int NT, int SPC, int ST, int CH, bool TRACE>
-__device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
+// The tiles of a launch: blockIdx.y, + gridDim.y, ... (see the tiling note at the top);
+// `store(acc, grp, m0, mc, gslab)` is the epilogue of a slab whose accumulators this warp holds.
+template <int NT, int SPC, int ST, int CH, bool L1, typename Store>
+__device__ __forceinline__ void tc_tiles(const GemmOperands& g, Store store)
 {
     for (int tile = blockIdx.y;; tile += gridDim.y) {
         int grp, m0, mend, gslab;
-        if (!gemm_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
+        if (!gemm_tile<NT>(g, tile, grp, m0, mend)) return;     // uniform over the CTA
         const int mc = min(mend - m0, NT);
         __syncthreads();                                      // the previous tile is done with smem
         float acc[tc_mma_cols(NT) / 8][4];
-        if (tc_mainloop<NT, SPC, ST, CH, true>(p.g, acc, grp, m0, mc, gslab))
-            tc_store_l1<tc_mma_cols(NT), TRACE>(p, acc, grp, m0, mc, gslab, gate_tr, up_tr);
+        if (tc_mainloop<NT, SPC, ST, CH, L1>(g, acc, grp, m0, mc, gslab)) store(acc, grp, m0, mc, gslab);
     }
+}
+
+template <int NT, int SPC, int ST, int CH, bool TRACE>
+__device__ __forceinline__ void tc_l1(const GemmL1Params& p, float* gate_tr, float* up_tr)
+{
+    tc_tiles<NT, SPC, ST, CH, true>(p.g, [&](const float (&acc)[tc_mma_cols(NT) / 8][4], int grp, int m0, int mc, int gs) {
+        tc_store_l1<tc_mma_cols(NT), TRACE>(p, acc, grp, m0, mc, gs, gate_tr, up_tr);
+    });
 }
 
 template <int NT, int SPC, int ST, int CH>
 __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 {
-    for (int tile = blockIdx.y;; tile += gridDim.y) {
-        int grp, m0, mend, gslab;
-        if (!gemm_tile<NT>(p.g, tile, grp, m0, mend)) return;   // uniform over the CTA
-        const int mc = min(mend - m0, NT);
-        __syncthreads();                                      // the previous tile is done with smem
-        float acc[tc_mma_cols(NT) / 8][4];
-        if (tc_mainloop<NT, SPC, ST, CH, false>(p.g, acc, grp, m0, mc, gslab))
-            tc_store_l2<tc_mma_cols(NT)>(p, acc, grp, m0, mc, gslab);
-    }
+    tc_tiles<NT, SPC, ST, CH, false>(p.g, [&](const float (&acc)[tc_mma_cols(NT) / 8][4], int grp, int m0, int mc, int gs) {
+        tc_store_l2<tc_mma_cols(NT)>(p, acc, grp, m0, mc, gs);
+    });
 }
 
 #ifdef TC_WGMMA
