@@ -78,6 +78,9 @@ pub struct CudaDevice {
     sm_count: usize,
     /// [`Self::programmatic_launches`], read once (launches ask it every forward).
     pdl: bool,
+    /// CTAs of `moe_quant_rows` the whole device holds at once (its grid, looping over the
+    /// planned rows), from the occupancy query once.
+    quant_rows_ctas: u32,
     pub(crate) core: CoreKernels,
     /// Modules and family kernel sets loaded on demand, by name.
     cache: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
@@ -143,6 +146,7 @@ impl CudaDevice {
         tracing::info!(device = %name, ordinal, cc = ?cc, arch, sm_count, "CUDA device");
         let module = load_module(&ctx, &core_spec(), arch)?;
         let core = CoreKernels::load(&module)?;
+        let quant_rows_ctas = (sm_count * core.quant_rows.ctas_per_sm(0)?.max(1)) as u32;
         let dev = Arc::new(CudaDevice {
             ctx,
             stream,
@@ -150,6 +154,7 @@ impl CudaDevice {
             pdl: arch.starts_with("sm_") && super::knobs::pdl(),
             name,
             sm_count,
+            quant_rows_ctas,
             core,
             cache: Mutex::new(HashMap::new()),
         });
@@ -177,6 +182,10 @@ impl CudaDevice {
     /// Streaming multiprocessors.
     pub fn sm_count(&self) -> usize {
         self.sm_count
+    }
+    /// CTAs of `moe_quant_rows` resident on the whole device at once.
+    pub(crate) fn quant_rows_ctas(&self) -> u32 {
+        self.quant_rows_ctas
     }
     /// `(free, total)` device memory in bytes, after this device's stream has finished: buffers
     /// are freed in stream order, and the pool returns a dropped buffer's memory only at the next

@@ -38,11 +38,6 @@ const PLAN_SMALL_SLOTS: usize = PLAN_SMALL_WARPS as usize * PLAN_SMALL_CHUNK as 
 const PLAN_TINY_SLOTS: usize = 32 * PLAN_TINY_GROUPS as usize;
 // Its u16 rows hold every plan row.
 const _: () = assert!(PLAN_SMALL_SLOTS <= 1 << 16);
-/// CTAs of `moe_quant_rows` an SM holds at once (CORE_THREADS threads of 64 registers, ptxas on
-/// sm_90a: 4 of them fill the register file): its grid per SM. The CTAs loop over the planned
-/// rows, so a grid larger than what is resident is correct, only a second round.
-const QUANT_ROWS_CTAS_PER_SM: u32 = 65536 / (64 * CORE_THREADS);
-
 // The chunk kernels run one warp per chunk, PLAN_WARPS warps per CTA.
 const _: () = assert!(PLAN_WARPS as u32 * 32 == CORE_THREADS);
 
@@ -559,7 +554,7 @@ impl LayerWeights {
         // streams its first weights while the L1 and the quantization finish, as after the L1
         // itself in W4A16.
         // CTAs loop over the planned rows (at most `slots`): no more of them than the SMs hold.
-        let ctas = slots.min(self.device.sm_count() as u32 * QUANT_ROWS_CTAS_PER_SM).max(1);
+        let ctas = slots.min(self.device.quant_rows_ctas()).max(1);
         let cfg = LaunchCfg { pdl: self.device.programmatic_launches(), ..LaunchCfg::grid((ctas, 1, 1), 0) };
         // SAFETY: src/dst (and the scales) hold the planned rows; the CTAs loop over all of them.
         unsafe { self.device.core.quant_rows.launch(s, &cfg, p) }

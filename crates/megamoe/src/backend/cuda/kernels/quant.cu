@@ -1,13 +1,12 @@
 // quant.cu — activation staging and quantization (quantize-dequantize to bf16 values).
 //
 // Layouts: src rows of `cols` bf16; dst [rows, cols] bf16 in plan-row order, rows = offsets[E_local]
-// (the rows planned on this layer's experts; grid sized for all S slots, later CTAs exit). With
-// gather = 1 the source row of plan row r is token perm[r] / K (the expert input), else r itself
-// (the L1 output); the grid is at most the CTAs the SMs hold at once (the host's
-// QUANT_ROWS_CTAS_PER_SM), each looping over rows blockIdx.x, + gridDim.x, ..: a grid sized for
-// all S slots spent ~25 us of a V4-Pro EP8 rank's 49 us staging at T=4096 on its ~21k CTAs
-// without a row, each waiting for the row count before it exits. Parameters: QuantRowsParams,
-// CombineParams (params.cuh).
+// (the rows planned on this layer's experts). With gather = 1 the source row of plan row r is token
+// perm[r] / K (the expert input), else r itself (the L1 output). The grid is at most the CTAs the
+// device holds at once (CudaDevice::quant_rows_ctas, an occupancy query), each looping over rows
+// blockIdx.x, + gridDim.x, ..: a grid of one CTA per slot (24 576 at T=4096 on a V4-Pro EP8 rank,
+// 3 123 of them with a row) had most CTAs wait for the row count only to exit. Parameters:
+// QuantRowsParams, CombineParams (params.cuh).
 // QUANT_COPY (W4A16): copy. QUANT_FP8_ACT (W4A8): DeepSeek act_quant, 128-element blocks,
 // s = 2^ceil(log2(max(amax,1e-4)/448)), value = e4m3(clamp(x/s)) * s — exact in bf16.
 // QUANT_FP8_E4M3 (W4A8 on the FP8 kernels): the same act_quant kept quantized: dst [rows, cols] e4m3
