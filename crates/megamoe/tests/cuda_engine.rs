@@ -651,16 +651,6 @@ fn knob_matches_default_bitwise(
     }
 }
 
-/// With `MEGAMOE_WG_GATHER=1` the routed wgmma L1 of W4A16 prefill copies its token rows from x
-/// itself (the producer warp's cp.async, swizzled by hand) instead of reading rows a staging pass
-/// wrote: the same values in the same shared-memory places, so the forward is bitwise equal to
-/// the staged one, forward after forward — on two- and three-consumer configurations, tiles with
-/// fewer rows than the tile (rows not copied) and experts of several tiles (T=3000).
-#[test]
-fn prefill_gathered_l1_matches_staged_l1_bitwise() {
-    knob_matches_default_bitwise("MEGAMOE_WG_GATHER", "gathered L1", 81, |_, _| String::new());
-}
-
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
 /// evenly (Stream-K): with K = 1152 (18 chunks) and 640 (10) a (tile, group)'s K parts land in
 /// several CTAs and are summed by the last to arrive, and a CTA's range crosses units (T=8: ~23

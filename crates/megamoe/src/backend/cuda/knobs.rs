@@ -72,12 +72,6 @@ pub fn wg_tile() -> Option<usize> {
     tile_override("MEGAMOE_WG_TILE", &tc::WG_TOKEN_TILES)
 }
 
-/// `MEGAMOE_WG_GATHER=1`: the wgmma L1 of W4A16 prefill gathers its token rows from x itself
-/// (the `moe_wg_l1g_*` module, opt-in: not yet measured) instead of a staging pass before it.
-pub fn wg_gather() -> bool {
-    default_off("MEGAMOE_WG_GATHER")
-}
-
 /// `MEGAMOE_PREFETCH`: bytes of the next weights the streaming decode kernels prefetch into L2
 /// (at most 1 MiB, a multiple of 16).
 pub fn prefetch_bytes() -> i32 {

@@ -46,10 +46,6 @@ struct TcKernels {
     /// launches on an H100 (docs/PERFORMANCE.md, nineteenth session).
     wg_l1c: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     wg_l2c: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
-    /// Hopper wgmma L1 kernels that gather their token rows from x (no staging pass), by
-    /// configuration. Opt-in, `MEGAMOE_WG_GATHER=1` (built, not yet measured): W4A16 prefill then
-    /// passes x and the plan's rows instead of staged inputs.
-    wg_l1g: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     /// Consumer warpgroups of every wgmma launch whose tile is built with them
     /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
     /// launch still gives every SM two CTAs.
@@ -155,12 +151,6 @@ pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     wg_variant_module_spec(f, arch, "gemm_tc_l1l2", "WG_CHAIN_KERNELS", layout::wg_chain_configs())
 }
 
-/// The opt-in gathered wgmma L1 kernels of format `f` (sm_90a; every [`layout::wg_configs`] entry)
-/// in a module of their own, compiled only where `MEGAMOE_WG_GATHER=1` asks for them.
-pub fn gather_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
-    wg_variant_module_spec(f, arch, "gemm_tc_gather", "WG_GATHER_KERNELS", layout::wg_configs())
-}
-
 /// One line instantiating wgmma configuration `c` of format `f` with `macro_name` (`WG_KERNELS` or
 /// a variant of it: token tile, groups, consumers, stages, narrower widths).
 fn wg_instantiation(macro_name: &str, f: WeightFormat, c: layout::WgConfig) -> String {
@@ -203,10 +193,6 @@ pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
         let names =
             layout::wg_chain_configs().flat_map(|c| [wg_chain_name(1, c), wg_chain_name(2, c)]).collect();
         v.push((l1l2_module_spec(WeightFormat::Nvfp4, arch), names));
-        v.push((
-            gather_module_spec(WeightFormat::Nvfp4, arch),
-            layout::wg_configs().map(wg_gather_name).collect(),
-        ));
     }
     v
 }
@@ -239,9 +225,6 @@ fn wg_name(layer: u8, c: layout::WgConfig) -> String {
 fn wg_chain_name(layer: u8, c: layout::WgConfig) -> String {
     format!("moe_wg_l{layer}c_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
 }
-fn wg_gather_name(c: layout::WgConfig) -> String {
-    format!("moe_wg_l1g_n{}_g{}_c{}", c.nt, c.groups, c.consumers)
-}
 fn ds_name(layer: u8, nt: usize) -> String {
     format!("moe_ds_l{layer}_n{nt}")
 }
@@ -258,7 +241,6 @@ struct TcKnobs {
     prefetch_bytes: i32,
     wg_consumers: Option<usize>,
     wg_tile: Option<usize>,
-    wg_gather: bool,
     probe: bool,
     wgmma: bool,
     stream: bool,
@@ -273,7 +255,6 @@ impl TcKnobs {
             prefetch_bytes: knobs::prefetch_bytes(),
             wg_consumers: knobs::wg_consumers(),
             wg_tile: knobs::wg_tile(),
-            wg_gather: wg && knobs::wg_gather(),
             probe: knobs::phase_probe() && wg,
             wgmma: wg && knobs::wgmma(),
             stream: wg && stream_selects(knobs::stream().as_deref(), f),
@@ -297,7 +278,6 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             wg_l2: HashMap::new(),
             wg_l1c: HashMap::new(),
             wg_l2c: HashMap::new(),
-            wg_l1g: HashMap::new(),
             ds_l1: HashMap::new(),
             ds_l2: HashMap::new(),
             df: HashMap::new(),
@@ -335,13 +315,6 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                     let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
                     k.wg_l1c.insert(c, Kernel::load(&cm, &wg_chain_name(1, c), c.threads(), smem)?);
                     k.wg_l2c.insert(c, Kernel::load(&cm, &wg_chain_name(2, c), c.threads(), smem)?);
-                }
-            }
-            if knobs.wg_gather {
-                let gm = dev.module(&gather_module_spec(f, dev.arch()))?;
-                for c in layout::wg_configs() {
-                    let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
-                    k.wg_l1g.insert(c, Kernel::load(&gm, &wg_gather_name(c), c.threads(), smem)?);
                 }
             }
         }
@@ -441,7 +414,7 @@ impl GemmKernels for TcKernels {
         }
     }
     fn needs_contiguous_a(&self, l: &GemmLaunch) -> bool {
-        self.wgmma(l) && self.wg_l1g.is_empty()
+        self.wgmma(l)
     }
     fn l1_l2(&self, s: StreamRef, l: &GemmLaunch, l1: &GemmL1Params, l2: &GemmL2Params) -> Result<bool> {
         // Routed tiles (the plan's table: the scheduler counts its tiles), contiguous rows, an L2
@@ -475,14 +448,7 @@ impl GemmKernels for TcKernels {
         if trace.is_none() && self.wgmma(l) {
             let (key, cfg) = self.wg_cfg(l, rows);
             if p.g.a_rows != 0 {
-                // The gathered L1 copies its rows itself: no tensor map.
-                let k = self.wg_l1g.get(&key).ok_or_else(|| {
-                    err("internal: the wgmma L1 got gathered rows without its gathering kernels")
-                })?;
-                // SAFETY: as below; x holds a_rows' tokens, the plan's rows index them.
-                return unsafe {
-                    k.launch(s, &cfg, &WgL1Params { l1: *p, amap: TmaDesc([0; 16]), tile_done: 0 })
-                };
+                return Err(err("internal: the wgmma kernels read A through a tensor map (no gather)"));
             }
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.h as usize, l.block_m)?;
             // SAFETY: as below; the tensor map covers A's `a_rows` rows.

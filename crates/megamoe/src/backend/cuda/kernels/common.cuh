@@ -191,17 +191,8 @@ __device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 // Orders this thread's generic-proxy shared-memory accesses before its later async-proxy ones
-// (bulk copies that overwrite what it read; wgmma operands that cp.async wrote).
+// (bulk copies that overwrite what it read).
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// `count` arrivals on `bar` at once.
-__device__ __forceinline__ void mbar_arrive_count(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-// One arrival on `bar` once every cp.async this thread issued so far has landed (counted among the
-// barrier's expected arrivals: .noinc).
-__device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
-}
 // One box of a 2-D tensor map at (x = inner coordinate, y = row) into shared, completing on `bar`.
 __device__ __forceinline__ void tma_load_2d(unsigned dst, const void* tmap, int x, int y, unsigned bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"

@@ -404,9 +404,7 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage (empty: every
 // consumer thread arrives once its wgmma reads of the stage are done). The token rows come from a
 // 2-D tensor map over A (the staged expert inputs or activations; rows past the tile's end belong to
-// the next expert and are ignored by the epilogue) — or, in the opt-in gathered L1 (moe_wg_l1g_*,
-// wg_produce_gathered), straight from x by the producer warp's cp.async (full barrier: 1 + 32
-// arrivals; the consumers fence the generic-proxy writes before their wgmma reads).
+// the next expert and are ignored by the epilogue).
 // Consumer pipeline over units u = (chunk u / MB, block u % MB): load unit u + 1's weights from
 // shared memory (its latency hides behind the next steps: ncu put ~11% of the consumers' stalls on
 // the first use of a load issued just before its decode), issue unit u's four wgmma k16 steps, wait
@@ -428,9 +426,7 @@ struct WgShape {
 
 // One consumer warpgroup's view of the stage ring (chunks c counted over the CTA's whole run; ST
 // stages of STAGE bytes, compile-time, so the slot and phase of a chunk cost a mask or a multiply).
-// FENCE (the gathered L1, whose token rows cp.async writes through the generic proxy): a proxy
-// fence after each wait, before the stage's wgmma reads.
-template <int ST, int STAGE, bool FENCE = false>
+template <int ST, int STAGE>
 struct WgRing {
     unsigned base;                       // shared address of stage 0 (1024-aligned)
     const unsigned char* gbase;          // the same, generic
@@ -439,7 +435,6 @@ struct WgRing {
 
     __device__ __forceinline__ void wait_full(unsigned c) const {
         mbar_wait(full0 + 8 * (c % ST), (c / ST) & 1);
-        if constexpr (FENCE) fence_proxy_async_smem();
     }
     // This thread is done with chunk c's stage (its loads consumed, its wgmma reads complete).
     __device__ __forceinline__ void release(unsigned c) const { mbar_arrive(empty0 + 8 * (c % ST)); }
@@ -626,70 +621,9 @@ __device__ __forceinline__ WgUnitSrc wg_unit_src(const Sched& sched, const WgUni
     return w;
 }
 
-// The producer of a gathered L1 (wg_gemm's GATHER), all 32 lanes of the producer warp. Per stage:
-// lane 0 posts the weight bytes and issues their bulk copies, as wg_gemm's producer; every lane
-// copies 16-byte piece j = lane % 8 of tile rows lane / 8, + 4, .. < mc from x row
-// a_rows[m0 + r] / a_div (cp.async, 16 bytes; the 128B swizzle by hand: piece j of row r at
-// (j ^ r % 8) * 16, as the TMA box puts it; each warp instruction reads four whole 128-byte row
-// slices), then arrives on the stage once its copies land (.noinc: the full barrier expects
-// 1 + 32 arrivals). Rows past mc are not copied: their columns hold stale values the epilogue drops
-// (each output column reads only its own token). The tile's x rows are read once per unit into a
-// table in shared memory (the division by a_div is not repeated per chunk).
-template <int NT, int GPC, int ST, int STAGE, int T_BYTES, int W_GROUP, typename Sched, typename Groups, typename Chunks>
-__device__ __forceinline__ void wg_produce_gathered(const Sched& sched, unsigned base, unsigned full0, unsigned empty0,
-                                                    int* stage_unit, Groups groups_of, Chunks chunks_of)
-{
-    __shared__ int xrow[NT];
-    const int lane = threadIdx.x, j = lane & 7, q = lane >> 3;
-    const unsigned sw0 = (unsigned)(j ^ q) << 4, sw1 = (unsigned)(j ^ (q + 4)) << 4;
-    unsigned it = 0;
-    WgUnit u;
-    for (unsigned n = 0; sched.take(n, u); ++n) {
-        const GemmOperands& g = sched.ops(u.layer);
-        const WgUnitSrc w = wg_unit_src<NT, GPC, W_GROUP>(sched, u, groups_of, chunks_of);
-        const int m0 = w.m0, nch = w.nch, ng = w.ng, mc = min(w.mend - w.m0, NT);
-        const size_t group_bytes = w.group_bytes;
-        const unsigned char* csrc = w.csrc;
-        __syncwarp();                          // every lane's copies of the last unit were issued
-        for (int r = lane; r < mc; r += 32) xrow[r] = (int)(g.a_rows[m0 + r] / (unsigned)g.a_div);
-        __syncwarp();
-        const unsigned pitch = (unsigned)g.h * 2u;      // 32-bit: the 32 producer registers hold no more
-        const unsigned char* xs = (const unsigned char*)g.a + j * 16;
-        for (int c = 0; c < nch; ++c, ++it, csrc += W_GROUP, xs += 128) {
-            const unsigned s = it % ST, r = it / ST;
-            if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
-            const unsigned fb = full0 + 8 * s;
-            const unsigned dst = base + s * STAGE;
-            if (lane == 0) {
-                if (c == 0) stage_unit[s] = u.code();
-                mbar_arrive_expect_tx(fb, ng * W_GROUP);
-                const unsigned char* src = csrc;
-                for (int gi = 0; gi < ng; ++gi, src += group_bytes)
-                    bulk_g2s(dst + T_BYTES + gi * W_GROUP, src, W_GROUP, fb);
-            }
-            // Rows q + 8k sit at swizzle phase q, rows q + 4 + 8k at q + 4: two offsets, a loop kept
-            // rolled (unrolled, its per-row offsets spilled the 32 producer registers).
-            #pragma unroll 1
-            for (int rr = q; rr < mc; rr += 8) {
-                cp_async16(dst + rr * 128 + sw0, xs + (size_t)(unsigned)xrow[rr] * pitch);
-                if (rr + 4 < mc) cp_async16(dst + (rr + 4) * 128 + sw1, xs + (size_t)(unsigned)xrow[rr + 4] * pitch);
-            }
-            cp_async_arrive_noinc(fb);
-        }
-    }
-    if (lane != 0) return;
-    // The end, published like a unit: a stage with no copies (all of its arrivals at once).
-    const unsigned s = it % ST, r = it / ST;
-    if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
-    stage_unit[s] = WgUnit::END;
-    mbar_arrive_count(full0 + 8 * s, 1 + 32);
-    sched.producer_done();
-}
-
 // Runs every unit the schedule gives this CTA; `store(layer, acc, grp, m0, mc, gslab)` is the
-// epilogue of one m64 block. GATHER (moe_wg_l1g_*, opt-in: MEGAMOE_WG_GATHER=1): the token rows of
-// a tile are gathered from x (a_rows) by the producer warp instead of one TMA box of staged rows.
-template <int NT, int GPC, int NC, int ST, int NS, bool GATHER = false, typename Sched, typename Store>
+// epilogue of one m64 block.
+template <int NT, int GPC, int NC, int ST, int NS, typename Sched, typename Store>
 __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
 {
     static_assert((2 * GPC) % NC == 0, "every consumer warpgroup owns whole m64 blocks");
@@ -715,21 +649,12 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     const int wg = threadIdx.x >> 7;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
-            mbar_init(full0 + 8 * s, GATHER ? 1 + 32 : 1);   // GATHER: + the producer lanes' copies
+            mbar_init(full0 + 8 * s, 1);
             mbar_init(empty0 + 8 * s, 128 * NC);
         }
         fence_mbar_init();
     }
     __syncthreads();
-    if constexpr (GATHER) {
-        if (wg == 0) {
-            setmaxnreg_dec<wg_producer_regs(NC)>();
-            if (threadIdx.x >= 32) return;
-            wg_produce_gathered<NT, GPC, ST, S::STAGE, S::T_BYTES, S::W_GROUP>(sched, base, full0, empty0, stage_unit,
-                                                                          groups_of, chunks_of);
-            return;
-        }
-    }
     if (wg == 0) {
         setmaxnreg_dec<wg_producer_regs(NC)>();
         if (threadIdx.x != 0) return;
@@ -767,7 +692,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     // uniform registers (read from threadIdx / shared memory directly, the K loop gained an R2UR per
     // wgmma and 15 instructions per two units: 3-7% slower on the H200).
     const int cw = __shfl_sync(0xffffffffu, wg - 1, 0), warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    WgRing<ST, S::STAGE, GATHER> ring{base, gbase, full0, empty0, {0, 0}, {0, 0}};
+    WgRing<ST, S::STAGE> ring{base, gbase, full0, empty0, {0, 0}, {0, 0}};
     #pragma unroll
     for (int b = 0; b < MB; ++b) {
         const int slab = 4 * (cw * MB + b) + warp;    // slab of the CTA = its block in the stage
@@ -867,17 +792,6 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
         });                                                                                               \
     }
 #define WG_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(, false, NT, G, C, ST, NS)
-// The gathered L1 of a configuration (opt-in module, gemm/tc.rs gather_module_spec): its token rows
-// copied from x by the producer warp (wg_produce_gathered), no staging pass before it.
-#define WG_GATHER_KERNELS(NT, G, C, ST, NS)                                                                \
-    extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
-    moe_wg_l1g_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                                 \
-    {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS, true>(WgGridSched<NT, false>{p.l1.g, p.amap, 0, p.tile_done, 0u},         \
-                                        [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
-            tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
-        });                                                                                               \
-    }
 // The chained L1 / L2 of a configuration (opt-in module, gpu_layout::tc::wg_chain_configs).
 #define WG_CHAIN_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(c, true, NT, G, C, ST, NS)
 #endif
