@@ -609,26 +609,12 @@ fn chain_config_of(cfg: &megamoe::config::MoeConfig, t: usize) -> megamoe::backe
 /// ~280 rows per expert).
 #[test]
 fn prefill_chained_launches_match_separate_launches_bitwise() {
-    knob_matches_default_bitwise("MEGAMOE_WG_CHAIN", "chained", 71, |cfg, t| {
-        format!("{:?}", chain_config_of(cfg, t))
-    });
-}
-
-/// An engine made with `var=1` against one made without it, on W4A16 prefill batches of the
-/// wgmma kernels (a three-consumer configuration at T=1400 over 128 experts, two-group ones at
-/// T=1024 and 3000: ~280 rows per expert, several tiles each): the same bits forward after
-/// forward. `describe` names (and may check) the configuration of a case.
-fn knob_matches_default_bitwise(
-    var: &str,
-    what: &str,
-    seed0: u64,
-    describe: impl Fn(&megamoe::config::MoeConfig, usize) -> String,
-) {
+    let (var, what, seed0) = ("MEGAMOE_WG_CHAIN", "chained", 71);
     let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
     for (cfg, t, seed) in
         [(three, 1400, seed0), (two_group_config(), 1024, seed0 + 2), (two_group_config(), 3000, seed0 + 4)]
     {
-        let config = describe(&cfg, t);
+        let config = chain_config_of(&cfg, t);
         let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
         // The knob is read when an engine's kernels and workspace are made (the device script runs
         // these tests on one thread).
@@ -645,8 +631,11 @@ fn knob_matches_default_bitwise(
         let host = host_forward(&layer, &x, &want.topk_ids, &want.topk_weights, Mode::W4A16);
         for round in 0..3 {
             let got = with.forward(&input, Mode::W4A16, None).unwrap();
-            eprintln!("{what} T={t} {config} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
-            assert_eq!(got.y, want.y, "T={t} round {round}: the {what} forward differs from the default one");
+            eprintln!("{what} T={t} {config:?} round {round}: rel L2 {:.2e}", rel_l2(&got.y, &host));
+            assert_eq!(
+                got.y, want.y,
+                "T={t} round {round}: the {what} launches differ from the separate ones"
+            );
         }
     }
 }

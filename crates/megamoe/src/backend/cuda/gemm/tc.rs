@@ -148,11 +148,19 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
 /// module they would double its NVRTC time, and they are not measured faster than the separate
 /// launches).
 pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
-    wg_variant_module_spec(f, arch, "gemm_tc_l1l2", "WG_CHAIN_KERNELS", layout::wg_chain_configs())
+    let mut spec = module_spec(f, arch);
+    spec.name = format!("gemm_tc_l1l2-{}", f.name());
+    let mut inst = String::from("\n// The chained kernels (gemm/tc.rs l1l2_module_spec).\n");
+    for c in layout::wg_chain_configs() {
+        inst.push_str(&wg_instantiation("WG_CHAIN_KERNELS", f, c));
+    }
+    // The main module's instantiations are left out: only the chained entry points are built.
+    *spec.sources.last_mut().expect("module_spec ends with its instantiations") = inst.into();
+    spec
 }
 
 /// One line instantiating wgmma configuration `c` of format `f` with `macro_name` (`WG_KERNELS` or
-/// a variant of it: token tile, groups, consumers, stages, narrower widths).
+/// `WG_CHAIN_KERNELS`: token tile, groups, consumers, stages, narrower widths).
 fn wg_instantiation(macro_name: &str, f: WeightFormat, c: layout::WgConfig) -> String {
     let st = layout::wg_stages(f, c.nt, c.groups);
     format!(
@@ -162,25 +170,6 @@ fn wg_instantiation(macro_name: &str, f: WeightFormat, c: layout::WgConfig) -> S
         c.consumers,
         layout::wg_narrow_steps(f, c)
     )
-}
-
-/// A module named `name-{format}` with the sources of [`module_spec`] whose only entry points are
-/// `macro_name` of `configs` (the main module's instantiations are left out).
-fn wg_variant_module_spec(
-    f: WeightFormat,
-    arch: &str,
-    name: &str,
-    macro_name: &str,
-    configs: impl Iterator<Item = layout::WgConfig>,
-) -> ModuleSpec {
-    let mut spec = module_spec(f, arch);
-    spec.name = format!("{name}-{}", f.name());
-    let mut inst = format!("\n// The {macro_name} instantiations (gemm/tc.rs wg_variant_module_spec).\n");
-    for c in configs {
-        inst.push_str(&wg_instantiation(macro_name, f, c));
-    }
-    *spec.sources.last_mut().expect("module_spec ends with its instantiations") = inst.into();
-    spec
 }
 
 /// Every module of the family for `arch` with its entry points (for the compile test): one per
@@ -446,11 +435,11 @@ impl GemmKernels for TcKernels {
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
         let rows = 2 * p.g.inter as usize;
         if trace.is_none() && self.wgmma(l) {
-            let (key, cfg) = self.wg_cfg(l, rows);
             if p.g.a_rows != 0 {
                 return Err(err("internal: the wgmma kernels read A through a tensor map (no gather)"));
             }
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.h as usize, l.block_m)?;
+            let (key, cfg) = self.wg_cfg(l, rows);
             // SAFETY: as below; the tensor map covers A's `a_rows` rows.
             return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap, tile_done: 0 }) };
         }

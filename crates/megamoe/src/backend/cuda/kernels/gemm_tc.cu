@@ -433,9 +433,7 @@ struct WgRing {
     unsigned full0, empty0;              // shared addresses of the full / empty barriers
     int wl_off[2], sc_off[2];            // this lane's slice of block b inside a stage
 
-    __device__ __forceinline__ void wait_full(unsigned c) const {
-        mbar_wait(full0 + 8 * (c % ST), (c / ST) & 1);
-    }
+    __device__ __forceinline__ void wait_full(unsigned c) const { mbar_wait(full0 + 8 * (c % ST), (c / ST) & 1); }
     // This thread is done with chunk c's stage (its loads consumed, its wgmma reads complete).
     __device__ __forceinline__ void release(unsigned c) const { mbar_arrive(empty0 + 8 * (c % ST)); }
     // This lane's slice of block b of chunk c (whose stage has landed), from shared memory.
@@ -597,30 +595,6 @@ struct WgGridSched {
     }
 };
 
-// What a producer copies for unit u: its tile (expert grp, rows m0 .. mend), the groups of its set
-// that exist (ng: a CTA past the last whole set loads, and later stores, only those) and the first
-// chunk's weights of its first group (csrc; group gi's at csrc + gi * group_bytes: one running
-// pointer per chunk — the producer has 32 registers; per-group 64-bit offsets held across the
-// loop spilled).
-struct WgUnitSrc {
-    int grp, m0, mend, ng, nch;
-    size_t group_bytes;
-    const unsigned char* csrc;
-};
-template <int NT, int GPC, int W_GROUP, typename Sched, typename Groups, typename Chunks>
-__device__ __forceinline__ WgUnitSrc wg_unit_src(const Sched& sched, const WgUnit& u, Groups groups_of, Chunks chunks_of)
-{
-    WgUnitSrc w;
-    const GemmOperands& g = sched.ops(u.layer);
-    gemm_tile<NT>(g, u.tile, w.grp, w.m0, w.mend);
-    const int groups = groups_of(u.layer), G0 = u.set * GPC;
-    w.nch = chunks_of(u.layer);
-    w.ng = min(GPC, groups - G0);
-    w.group_bytes = (size_t)w.nch * W_GROUP;
-    w.csrc = g.wq + ((size_t)w.grp * groups + G0) * w.group_bytes;
-    return w;
-}
-
 // Runs every unit the schedule gives this CTA; `store(layer, acc, grp, m0, mc, gslab)` is the
 // epilogue of one m64 block.
 template <int NT, int GPC, int NC, int ST, int NS, typename Sched, typename Store>
@@ -661,10 +635,16 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
         unsigned it = 0;
         WgUnit u;
         for (unsigned n = 0; sched.take(n, u); ++n) {
-            const WgUnitSrc w = wg_unit_src<NT, GPC, S::W_GROUP>(sched, u, groups_of, chunks_of);
-            const int m0 = w.m0, nch = w.nch, ng = w.ng;
-            const size_t group_bytes = w.group_bytes;
-            const unsigned char* csrc = w.csrc;
+            const GemmOperands& g = sched.ops(u.layer);
+            int grp, m0, mend;
+            gemm_tile<NT>(g, u.tile, grp, m0, mend);
+            const int groups = groups_of(u.layer), nch = chunks_of(u.layer), G0 = u.set * GPC;
+            // A CTA past the last whole set of groups loads (and later stores) only the groups that exist.
+            const int ng = min(GPC, groups - G0);
+            // Chunk c of group gi at csrc + gi * group_bytes: one running pointer per chunk (the
+            // producer has 32 registers; per-group 64-bit offsets held across the loop spilled).
+            const size_t group_bytes = (size_t)nch * S::W_GROUP;
+            const unsigned char* csrc = g.wq + ((size_t)grp * groups + G0) * group_bytes;
             for (int c = 0; c < nch; ++c, ++it, csrc += S::W_GROUP) {
                 const unsigned s = it % ST, r = it / ST;
                 if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
