@@ -130,11 +130,12 @@ impl LayerWeights {
             return self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, &io.y, shared, s);
         }
         self.launch_plan(ws, &plan, s)?;
-        self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, s)?;
+        let fold = if trace { None } else { Fold::into(ws, &io.y, shared) };
+        let folded = self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, fold, s)?;
         if overlap {
             launch::wait(s, &ws.join)?;
         }
-        self.combine_raw(ws, &plan, &io.y, shared, s)
+        self.combine_raw(ws, &plan, &io.y, shared, folded, s)
     }
 
     /// Enqueues the routed part of a forward on `topk_ids` `[T, k]` (global ids, as
@@ -171,8 +172,17 @@ impl LayerWeights {
             return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, y, shared, stream);
         }
         self.launch_plan(ws, &plan, stream)?;
-        self.experts_raw(ws, &plan, x.ptr, topk_weights.ptr, mode, false, stream)?;
-        self.combine_raw(ws, &plan, y, shared, stream)
+        let folded = self.experts_raw(
+            ws,
+            &plan,
+            x.ptr,
+            topk_weights.ptr,
+            mode,
+            false,
+            Fold::into(ws, y, shared),
+            stream,
+        )?;
+        self.combine_raw(ws, &plan, y, shared, folded, stream)
     }
 
     /// Enqueues the router: `x` `[T, H]` bf16 (and `input_ids` `[T, 1]` i32/i64 on hash layers)
@@ -238,7 +248,7 @@ impl LayerWeights {
             return Ok(());
         }
         self.device.bind()?;
-        self.experts_raw(ws, plan, x.ptr, topk_weights.ptr, mode, false, stream)
+        self.experts_raw(ws, plan, x.ptr, topk_weights.ptr, mode, false, None, stream).map(|_| ())
     }
 
     /// Enqueues the shared expert over `x` `[T, H]` (a no-op on layers without one).
@@ -269,7 +279,7 @@ impl LayerWeights {
         }
         self.device.bind()?;
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
-        self.combine_raw(ws, plan, y, shared, stream)
+        self.combine_raw(ws, plan, y, shared, false, stream)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -529,11 +539,12 @@ impl LayerWeights {
                 self.routed_operands(ws, a1, a1_rows, &ex.l1, self.act_global_scales(mode, true)),
                 topk_w,
             ),
-            l2: GemmL2Params {
-                g: self.routed_operands(ws, a2, 0, &ex.l2, self.act_global_scales(mode, false)),
-                out: ws.l2.ptr(),
-            },
-            combine: self.combine_params(ws, plan, y, shared)?,
+            l2: self.routed_l2(
+                ws,
+                self.routed_operands(ws, a2, 0, &ex.l2, self.act_global_scales(mode, false)),
+                None,
+            ),
+            combine: self.combine_params(ws, plan, y, shared, false)?,
             quant_in,
             quant_act,
             partials1: split.partials1,
@@ -598,6 +609,8 @@ impl LayerWeights {
             scale_pitch: fp8.map_or(0, |f| f.pitch as i32),
             tile_start: if fp8.is_some() { ws.tile_start.ptr() } else { 0 },
             tile_rows: plan.launch.block_m as i32,
+            direct: 0,
+            row_of_slot: ws.row_of_slot.ptr(),
         }
     }
 
@@ -646,6 +659,20 @@ impl LayerWeights {
         GemmL1Params { g, perm: ws.perm.ptr(), topk_w, limit: self.config.swiglu_limit, act: ws.act.ptr() }
     }
 
+    /// The routed L2 GEMM's parameters over `g`: into the workspace's L2 rows, and with `fold` the
+    /// rows the staging pass marked (their token's only planned slot) into y instead.
+    fn routed_l2(&self, ws: &Workspace, g: GemmOperands, fold: Option<Fold>) -> GemmL2Params {
+        GemmL2Params {
+            g,
+            out: ws.l2.ptr(),
+            direct: if fold.is_some() { ws.direct.ptr() } else { 0 },
+            y: fold.map_or(0, |f| f.y),
+        }
+    }
+
+    /// The routed experts into the workspace's L2 rows; with `fold`, where the inputs are staged,
+    /// the rows of single-slot tokens into `fold`'s y instead. Returns whether it folded (the
+    /// combine must then skip those tokens).
     #[allow(clippy::too_many_arguments)]
     fn experts_raw(
         &self,
@@ -655,23 +682,25 @@ impl LayerWeights {
         topk_w: u64,
         mode: Mode,
         trace: bool,
+        fold: Option<Fold>,
         s: StreamRef,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let ex = &self.experts;
         if mode == Mode::W4A8 && !trace {
             if let Some(w8) = self.w4a8.as_ref().filter(|w| w.applies(&plan.launch)) {
-                return self.experts_fp8(ws, plan, x, topk_w, w8, s);
+                return self.experts_fp8(ws, plan, x, topk_w, w8, fold, s).map(|_| fold.is_some());
             }
         }
         // W4A16 gathers the token rows straight from x in the L1 producer (unless the kernel needs
         // contiguous rows, as the TMA-fed prefill kernels do); quantized modes stage the
-        // quantize-dequantized rows first.
-        let (a, a_rows) = if mode == Mode::W4A16 && !ex.kernels.needs_contiguous_a(&plan.launch) {
-            (x, ws.perm.ptr())
+        // quantize-dequantized rows first. Only a staging pass marks the rows a fold needs.
+        let (a, a_rows, fold) = if mode == Mode::W4A16 && !ex.kernels.needs_contiguous_a(&plan.launch) {
+            (x, ws.perm.ptr(), None)
         } else {
             let xin = lazy(&ws.xin, "quantized expert inputs")?.ptr();
-            self.quant_rows(plan, &self.quant_params(ws, plan, x, xin, true, mode, None), s)?;
-            (xin, 0)
+            let p = self.quant_params(ws, plan, x, xin, true, mode, None);
+            self.quant_rows(plan, &Fold::mark(ws, fold, p), s)?;
+            (xin, 0, fold)
         };
         let l1 = self.routed_l1(
             ws,
@@ -683,14 +712,17 @@ impl LayerWeights {
         } else {
             None
         };
-        let l2 = |a: u64| GemmL2Params {
-            g: self.routed_operands(ws, a, 0, &ex.l2, self.act_global_scales(mode, false)),
-            out: ws.l2.ptr(),
+        let l2 = |a: u64| {
+            self.routed_l2(
+                ws,
+                self.routed_operands(ws, a, 0, &ex.l2, self.act_global_scales(mode, false)),
+                fold,
+            )
         };
         // W4A16's L2 reads the L1's activations as they are: the two launches chained where the
         // family has chained kernels (wgmma, MEGAMOE_WG_CHAIN=1).
         if mode == Mode::W4A16 && tr.is_none() && ex.kernels.l1_l2(s, &plan.launch, &l1, &l2(ws.act.ptr()))? {
-            return Ok(());
+            return Ok(fold.is_some());
         }
         ex.kernels.l1(s, &plan.launch, &l1, tr)?;
         let l2_in = if mode == Mode::W4A16 {
@@ -700,12 +732,14 @@ impl LayerWeights {
             self.quant_rows(plan, &self.quant_params(ws, plan, ws.act.ptr(), actq, false, mode, None), s)?;
             actq
         };
-        ex.kernels.l2(s, &plan.launch, &l2(l2_in))
+        ex.kernels.l2(s, &plan.launch, &l2(l2_in))?;
+        Ok(fold.is_some())
     }
 
     /// The routed experts of a W4A8 prefill forward on the FP8 kernels: act_quant of the gathered
     /// inputs into e4m3 rows + block scales (in the staged-input buffer), L1, act_quant of its
     /// output (in the quantized-activation buffer), L2.
+    #[allow(clippy::too_many_arguments)]
     fn experts_fp8(
         &self,
         ws: &Workspace,
@@ -713,6 +747,7 @@ impl LayerWeights {
         x: u64,
         topk_w: u64,
         w8: &W4a8Experts,
+        fold: Option<Fold>,
         s: StreamRef,
     ) -> Result<()> {
         let c = &self.config;
@@ -733,7 +768,8 @@ impl LayerWeights {
             Ok(Fp8Rows { codes: buf.ptr(), scales: buf.ptr() + (slots * k) as u64, pitch })
         };
         let xin = rows_in(&ws.xin, "quantized expert inputs", c.hidden_size)?;
-        self.quant_rows(plan, &self.quant_params(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin)), s)?;
+        let qin = self.quant_params(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin));
+        self.quant_rows(plan, &Fold::mark(ws, fold, qin), s)?;
         let l1 = self.routed_l1(ws, self.routed_operands(ws, xin.codes, 0, &w8.l1, 0), topk_w);
         w8.l1(s, &plan.launch, &l1, &xin)?;
         let actq = rows_in(&ws.actq, "quantized activations", c.moe_intermediate_size)?;
@@ -742,7 +778,7 @@ impl LayerWeights {
             &self.quant_params(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq)),
             s,
         )?;
-        let l2 = GemmL2Params { g: self.routed_operands(ws, actq.codes, 0, &w8.l2, 0), out: ws.l2.ptr() };
+        let l2 = self.routed_l2(ws, self.routed_operands(ws, actq.codes, 0, &w8.l2, 0), fold);
         w8.l2(s, &plan.launch, &l2, &actq)
     }
 
@@ -785,20 +821,23 @@ impl LayerWeights {
             act: ws.sact.ptr(),
         };
         sh.kernels.l1(s, &launch, &l1, None)?;
-        let l2 = GemmL2Params { g: dense(ws.sact.ptr(), &sh.l2), out: ws.shared_out.ptr() };
+        let l2 =
+            GemmL2Params { g: dense(ws.sact.ptr(), &sh.l2), out: ws.shared_out.ptr(), ..Default::default() };
         sh.kernels.l2(s, &launch, &l2)?;
         Ok(ws.shared_out.ptr())
     }
 
+    /// The combine into `y` (+ `shared`); `folded`: the L2 already wrote the single-slot tokens.
     fn combine_raw(
         &self,
         ws: &Workspace,
         plan: &Plan,
         y: &DeviceTensor,
         shared: u64,
+        folded: bool,
         s: StreamRef,
     ) -> Result<()> {
-        let p = self.combine_params(ws, plan, y, shared)?;
+        let p = self.combine_params(ws, plan, y, shared, folded)?;
         let col_blocks = self.config.hidden_size.div_ceil(4 * CORE_THREADS as usize) as u32;
         // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows (16-byte
         // aligned rows: H % 4 == 0 and device allocations are 256-aligned).
@@ -807,13 +846,15 @@ impl LayerWeights {
         }
     }
 
-    /// The combine's parameters: `plan`'s L2 rows into `y`, plus `shared` (0: none).
+    /// The combine's parameters: `plan`'s L2 rows into `y`, plus `shared` (0: none); `folded`:
+    /// skipping the tokens the L2 wrote (never with a shared expert to add: [`Fold::into`]).
     fn combine_params(
         &self,
         ws: &Workspace,
         plan: &Plan,
         y: &DeviceTensor,
         shared: u64,
+        folded: bool,
     ) -> Result<CombineParams> {
         let c = &self.config;
         let p = CombineParams {
@@ -825,7 +866,11 @@ impl LayerWeights {
             k: c.num_experts_per_tok as i32,
             y: y.ptr,
             y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },
+            folded: folded as i32,
         };
+        if folded && shared != 0 {
+            return Err(err("internal: a folded combine cannot add the shared expert"));
+        }
         if !c.hidden_size.is_multiple_of(4) {
             return Err(MegaError::Input(format!(
                 "combine: hidden size {} is not a multiple of 4 (the kernel adds 4 columns per thread)",
@@ -833,5 +878,31 @@ impl LayerWeights {
             )));
         }
         Ok(p)
+    }
+}
+
+/// A combine folded into the L2: the rows that are their token's only planned slot (most of an EP
+/// rank's rows: with 48 of 384 experts and top-6, ~51% of the planned rows) go straight from the
+/// L2 epilogue into y, as the combine would write them (`0 + v`), so the combine skips those
+/// tokens instead of reading their rows back (ncu, V4-Pro EP8 rank at T=4096: the combine moved
+/// ~190 MB in 75 us). Needs a staging pass to mark the rows (`moe_quant_rows`' `direct`).
+#[derive(Clone, Copy, Debug)]
+struct Fold {
+    y: u64,
+}
+
+impl Fold {
+    /// The fold into `y`, when allowed: the workspace's knob on (`MEGAMOE_FOLD`), an f32 output
+    /// (a bf16 one would need a second store path in every L2 epilogue: generic stores and twice
+    /// the code in the wgmma L2's, SASS) and no shared expert to add (its rows would need the
+    /// combine anyway).
+    fn into(ws: &Workspace, y: &DeviceTensor, shared: u64) -> Option<Fold> {
+        (ws.fold_combine && y.dtype == DType::F32 && shared == 0).then_some(Fold { y: y.ptr })
+    }
+
+    /// The staging pass `p` (gathering the expert inputs) marking the single-slot rows when folding.
+    fn mark(ws: &Workspace, fold: Option<Fold>, p: QuantRowsParams) -> QuantRowsParams {
+        debug_assert!(p.gather == 1, "only the expert inputs' staging knows the rows' tokens");
+        QuantRowsParams { direct: if fold.is_some() { ws.direct.ptr() } else { 0 }, ..p }
     }
 }

@@ -52,6 +52,13 @@ pub fn fused() -> bool {
     default_on("MEGAMOE_FUSED")
 }
 
+/// `MEGAMOE_FOLD=0`: the combine always sums every token's L2 rows (by default a forward whose
+/// expert inputs are staged, whose y is f32 and that adds no shared expert has its L2 write the
+/// tokens with one planned slot straight into y).
+pub fn fold_combine() -> bool {
+    default_on("MEGAMOE_FOLD")
+}
+
 /// `MEGAMOE_WGMMA=0`: never the wgmma prefill kernels.
 pub fn wgmma() -> bool {
     default_on("MEGAMOE_WGMMA")

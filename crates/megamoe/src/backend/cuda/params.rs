@@ -315,6 +315,12 @@ kernel_abi! {
         tile_start: DevPtr => "const int*",
         /// QUANT_FP8_E4M3: rows per token tile (the plan's tile height).
         tile_rows: i32 => "int",
+        /// Nullable (gather only): `[rows]` u32 written per staged row: its token when that row is
+        /// the token's only planned slot (its L2 row may go straight to y: `GemmL2Params::direct`),
+        /// else `ROW_NONE`.
+        direct: DevPtr => "unsigned*",
+        /// `[S]` slot -> plan row (read when `direct` is set).
+        row_of_slot: DevPtr => "const unsigned*",
     }
 
     /// `moe_combine`: per token the sum of its planned slots in slot order, plus the shared expert.
@@ -335,6 +341,9 @@ kernel_abi! {
         y: DevPtr => "void*",
         /// One of `OUT_*`.
         y_dtype: i32 => "int",
+        /// 1: the L2 wrote the tokens with exactly one planned slot straight into y
+        /// (`GemmL2Params::direct`), so they are skipped here; requires `shared_out` null.
+        folded: i32 => "int",
     }
 
     /// `moe_residual_norm`: `h += y; x = bf16(h / rms(h))` per token (between a model's layers).
@@ -501,6 +510,12 @@ kernel_abi! {
         g: GemmOperands => "GemmOperands",
         /// Output `[rows, H]` f32.
         out: DevPtr => "float*",
+        /// Nullable: `[rows]` u32, a plan row's token when it is the token's only planned slot
+        /// (`QuantRowsParams::direct`): that row goes to `y[token]` as the combine would write it
+        /// (`0 + v`), not to `out`; `ROW_NONE`: to `out`.
+        direct: DevPtr => "const unsigned*",
+        /// `[T, H]` f32: the forward's output, with `direct`.
+        y: DevPtr => "float*",
     }
 
     /// The Hopper weight-streaming decode L1 kernel (`gemm_tc_stream.cu`): the L1 parameters and
@@ -642,6 +657,7 @@ mod tests {
     fn nested_structs_keep_c_layout() {
         // GemmOperands: 9 pointers, then 4 ints (no padding).
         assert_eq!(std::mem::size_of::<GemmOperands>(), 9 * 8 + 4 * 4);
-        assert_eq!(std::mem::size_of::<GemmL2Params>(), std::mem::size_of::<GemmOperands>() + 8);
+        // GemmL2Params: the operands, then out, direct and y.
+        assert_eq!(std::mem::size_of::<GemmL2Params>(), std::mem::size_of::<GemmOperands>() + 3 * 8);
     }
 }

@@ -111,7 +111,7 @@ impl WorkspaceDims {
         let (h, i, e, el, mt) = (d.hidden, d.inter, d.experts, d.local_experts, d.max_tokens);
         let parts = [
             bytes(&[router::score_rows(mt, e, h), e, 4], "scores")?,
-            bytes(&[s, 4 * 4], "slots")?,
+            bytes(&[s, 5 * 4], "slots")?,
             bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8 + 4], "tiles and their pair counters")?,
             bytes(&[plan_chunks(s), el, 4], "plan chunk rows")?,
             bytes(&[s, i, 2], "activations")?,
@@ -207,6 +207,11 @@ pub struct Workspace {
     pub(crate) perm: DevBuf,
     /// Slot -> plan row `[S]` u32.
     pub(crate) row_of_slot: DevBuf,
+    /// Plan row -> its token when it is the token's only planned slot, else `ROW_NONE` `[S]` u32
+    /// (written by the staging pass of a forward that folds the combine into its L2).
+    pub(crate) direct: DevBuf,
+    /// Whether forwards may fold the combine of single-slot tokens into the L2 (`MEGAMOE_FOLD`).
+    pub(crate) fold_combine: bool,
     /// L1 output `silu(gate) * up * w` `[S, I]` bf16 in plan-row order.
     pub(crate) act: DevBuf,
     /// L2 output rows `[S, H]` f32 in plan-row order.
@@ -290,6 +295,8 @@ impl Workspace {
             num_tiles: z(&[4], "num_tiles")?,
             perm: z(&[s, 4], "perm")?,
             row_of_slot: z(&[s, 4], "row_of_slot")?,
+            direct: z(&[s, 4], "direct rows")?,
+            fold_combine: super::knobs::fold_combine(),
             act: z(&[s, i, 2], "activations")?,
             l2: z(&[s, h, 4], "l2 rows")?,
             sact: z(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
@@ -410,6 +417,7 @@ impl Workspace {
             &self.num_tiles,
             &self.perm,
             &self.row_of_slot,
+            &self.direct,
             &self.act,
             &self.l2,
             &self.sact,

@@ -70,6 +70,43 @@ __device__ __forceinline__ void l1_epilogue_tokens(const GemmL1Params& p, int m0
     }
 }
 
+// Where L2 output row m goes: `out` row m, or, when the launch folds the combine (p.direct) and m
+// is its token's only planned slot, y's row of that token (f32; `l2_dest` gives the token or
+// ROW_NONE). Every value is stored as 0 + v, the combine's first add (a -0 becomes +0), so a folded
+// row holds the bits the combine would have written and an `out` row sums to them.
+struct L2Row {
+    float* f;
+    __device__ __forceinline__ void put(int h, float v) const { f[h] = 0.f + v; }
+};
+__device__ __forceinline__ unsigned l2_dest(const GemmL2Params& p, int m) { return p.direct ? p.direct[m] : ROW_NONE; }
+__device__ __forceinline__ L2Row l2_row(const GemmL2Params& p, int m, unsigned tok)
+{
+    return L2Row{tok == ROW_NONE ? p.out + (size_t)m * p.g.h : p.y + (size_t)tok * p.g.h};
+}
+
+// Calls f(jn, e, row) for each of this lane's L2 epilogue tokens 8 jn + 2 t + e (jn < NJ, e < 2)
+// inside the tile's rows [m0, m0 + mc), row = its destination (l2_row). Called by whole warps. A
+// folded launch's row destinations are loaded by the warp together (lane l: rows l, l + 32, ..;
+// one coalesced round trip) and passed to the lanes that store them by shuffles: loaded per lane
+// they cost the V4-Pro EP8 rank's wgmma L2 ~3.6% at T=4096 (ncu, three round trips per unit).
+template <int NJ, class F>
+__device__ __forceinline__ void l2_epilogue_tokens(const GemmL2Params& p, int m0, int mc, F f)
+{
+    constexpr int NW = (8 * NJ + 31) / 32;
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    unsigned d[NW];
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) d[i] = p.direct && 32 * i + lane < mc ? p.direct[m0 + 32 * i + lane] : ROW_NONE;
+    #pragma unroll
+    for (int jn = 0; jn < NJ; ++jn)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = jn * 8 + 2 * t + e;       // in word jn / 4 of lane tok % 32
+            const unsigned dest = __shfl_sync(0xffffffffu, d[jn / 4], tok & 31);
+            if (tok < mc) f(jn, e, l2_row(p, m0 + tok, dest));
+        }
+}
+
 // Programmatic dependent launch: wait for the predecessor grid's memory; let this grid's dependent
 // launch (once every CTA of this grid has said so or exited).
 #ifdef TC_WGMMA

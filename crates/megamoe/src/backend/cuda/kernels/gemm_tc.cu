@@ -329,28 +329,22 @@ __device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (
     tc_store_l1<NM, TRACE>(p, acc, grp, m0, mc, gslab, gate_tr, up_tr, [&](int m) { return p.perm[m]; });
 }
 
-// L2 epilogue of one slab's accumulators: output rows 16*gslab + g and + 8 for the tile's tokens, f32.
+// L2 epilogue of one slab's accumulators: output rows 16*gslab + g and + 8 for the tile's tokens, f32
+// (l2_row: to `out`, or a folded token's y row).
 template <int NM>
 __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (&acc)[NM / 8][4], int grp, int m0,
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
-    const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
+    const int gi = (threadIdx.x & 31) >> 2;
     const int H = g.h;
     const int h0 = gslab * 16 + gi;
     float a = g.alpha_w ? g.alpha_w[grp] : 1.f;
     if (g.alpha_in) a *= g.alpha_in[grp];
-    #pragma unroll
-    for (int jn = 0; jn < NM / 8; ++jn) {
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int tok = jn * 8 + 2 * t + e;
-            if (tok >= mc) continue;
-            float* o = p.out + (size_t)(m0 + tok) * H;
-            if (h0 < H) o[h0] = acc[jn][e] * a;
-            if (h0 + 8 < H) o[h0 + 8] = acc[jn][2 + e] * a;
-        }
-    }
+    l2_epilogue_tokens<NM / 8>(p, m0, mc, [&](int jn, int e, const L2Row& o) {
+        if (h0 < H) o.put(h0, acc[jn][e] * a);
+        if (h0 + 8 < H) o.put(h0 + 8, acc[jn][2 + e] * a);
+    });
 }
 
 // The tiles of a launch: blockIdx.y, + gridDim.y, ... (see the tiling note at the top);

@@ -373,26 +373,21 @@ __device__ __forceinline__ void w8_store_l1(const GemmL1Params& p, const float (
     });
 }
 
-// L2 epilogue of one slab: output rows 16 gslab + g and + 8 times their row alphas, f32.
+// L2 epilogue of one slab: output rows 16 gslab + g and + 8 times their row alphas, f32 (l2_row: to
+// `out`, or a folded token's y row).
 template <int NJ>
 __device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (&acc)[NJ][4], int grp, int m0,
                                             int mc, int gslab)
 {
     const GemmOperands& g = p.g;
-    const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
+    const int gi = (threadIdx.x & 31) >> 2;
     const int H = g.h, h0 = gslab * 16 + gi;
     const float* ra = g.alpha_w + (size_t)grp * ((H + 127) / 128 * 128) + h0;
     const float a0 = h0 < H ? ra[0] : 0.f, a1 = h0 + 8 < H ? ra[8] : 0.f;
-    #pragma unroll
-    for (int jn = 0; jn < NJ; ++jn)
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int tok = jn * 8 + 2 * t + e;
-            if (tok >= mc) continue;
-            float* o = p.out + (size_t)(m0 + tok) * H;
-            if (h0 < H) o[h0] = acc[jn][e] * a0;
-            if (h0 + 8 < H) o[h0 + 8] = acc[jn][2 + e] * a1;
-        }
+    l2_epilogue_tokens<NJ>(p, m0, mc, [&](int jn, int e, const L2Row& o) {
+        if (h0 < H) o.put(h0, acc[jn][e] * a0);
+        if (h0 + 8 < H) o.put(h0 + 8, acc[jn][2 + e] * a1);
+    });
 }
 
 // Entry points of token tile NT over NC consumers with ST stages (appended by the host, gemm/w4a8.rs).

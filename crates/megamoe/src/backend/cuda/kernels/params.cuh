@@ -134,8 +134,10 @@ struct QuantRowsParams {
     int scale_pitch;
     const int* tile_start;
     int tile_rows;
+    unsigned* direct;
+    const unsigned* row_of_slot;
 };
-static_assert(sizeof(QuantRowsParams) == 112, "QuantRowsParams mirrors params.rs");
+static_assert(sizeof(QuantRowsParams) == 128, "QuantRowsParams mirrors params.rs");
 
 struct CombineParams {
     const float* l2;
@@ -146,6 +148,7 @@ struct CombineParams {
     int k;
     void* y;
     int y_dtype;
+    int folded;
 };
 static_assert(sizeof(CombineParams) == 56, "CombineParams mirrors params.rs");
 
@@ -245,8 +248,10 @@ static_assert(sizeof(GemmL1TraceParams) == 136, "GemmL1TraceParams mirrors param
 struct GemmL2Params {
     GemmOperands g;
     float* out;
+    const unsigned* direct;
+    float* y;
 };
-static_assert(sizeof(GemmL2Params) == 96, "GemmL2Params mirrors params.rs");
+static_assert(sizeof(GemmL2Params) == 112, "GemmL2Params mirrors params.rs");
 
 struct DsL1Params {
     GemmL1Params l1;
@@ -262,7 +267,7 @@ struct DsL2Params {
     float* partials;
     unsigned* counters;
 };
-static_assert(sizeof(DsL2Params) == 112, "DsL2Params mirrors params.rs");
+static_assert(sizeof(DsL2Params) == 128, "DsL2Params mirrors params.rs");
 
 struct DfParams {
     PlanParams plan;
@@ -278,7 +283,7 @@ struct DfParams {
     unsigned* sync;
     int prefetch_bytes;
 };
-static_assert(sizeof(DfParams) == 648, "DfParams mirrors params.rs");
+static_assert(sizeof(DfParams) == 696, "DfParams mirrors params.rs");
 
 struct WgL1Params {
     GemmL1Params l1;

@@ -24,12 +24,17 @@
 // Tiling: one CTA (256 threads) per plan row at a time; FP8: a warp per 128-block (4 values a lane, the amax
 // by shuffles); NVFP4: each thread owns whole 16-blocks (the block functions: quant_rows.cuh).
 //
+// With `direct` (gather only) each staged row also records whether it is its token's only planned
+// slot (direct[r] = token, else ROW_NONE): the L2 then writes that row straight into y.
+//
 // moe_combine: l2 [rows, H] f32 in plan-row order, row_of_slot [S] u32, shared_out [T, H] f32
 // (nullable), y [T, H] f32 or bf16. y[t] = sum over j = 0..K-1 in order of l2[row_of_slot[t*K + j]]
-// for the slots planned here (ROW_NONE adds nothing) (+ shared_out[t]).
+// for the slots planned here (ROW_NONE adds nothing) (+ shared_out[t]). `folded`: tokens with one
+// planned slot are skipped (the L2 wrote their y rows, as 0 + v: the same bits).
 // Tiling: one CTA per (token, 1024 columns), 4 columns per thread; fixed fp32 add order, no atomics.
 
-extern "C" __global__ void moe_quant_rows(const __grid_constant__ QuantRowsParams p)
+// 4 CTAs of 256 threads per SM (<= 64 registers): the copy is latency-bound, so occupancy is its depth.
+extern "C" __global__ void __launch_bounds__(256, 4) moe_quant_rows(const __grid_constant__ QuantRowsParams p)
 {
 #if __CUDA_ARCH__ >= 900
     // Launched as a programmatic dependent: its own dependent (a streaming GEMM, which waits for
@@ -43,7 +48,15 @@ extern "C" __global__ void moe_quant_rows(const __grid_constant__ QuantRowsParam
         const unsigned slot = p.perm[r];
         const int e = p.topk_ids[slot] - p.expert_base;
         const int srow = p.gather ? (int)(slot / (unsigned)p.k) : r;
+        // p.direct (uniform): is this row its token's only planned slot? Thread j < K reads slot j
+        // of the token (issued here, used after the copy, so its latency hides behind the row's).
+        const unsigned tok = slot / (unsigned)p.k;
+        const bool planned = p.direct && (int)threadIdx.x < p.k && p.row_of_slot[tok * p.k + threadIdx.x] != ROW_NONE;
         quant_row(p, p.src + (size_t)srow * p.cols, r, e, threadIdx.x, blockDim.x);
+        if (p.direct) {
+            const int live = __syncthreads_count(planned);
+            if (threadIdx.x == 0) p.direct[r] = live == 1 ? tok : ROW_NONE;
+        }
     }
 }
 
@@ -55,8 +68,9 @@ extern "C" __global__ void moe_combine(const __grid_constant__ CombineParams p)
     const int t = blockIdx.x;
     if (t >= p.t) return;
     __shared__ unsigned rows[MAX_TOPK];               // K <= MAX_TOPK (checked on the host)
-    if (threadIdx.x < p.k) rows[threadIdx.x] = p.row_of_slot[t * p.k + threadIdx.x];
-    __syncthreads();
+    const bool live = threadIdx.x < p.k && (rows[threadIdx.x] = p.row_of_slot[t * p.k + threadIdx.x]) != ROW_NONE;
+    // Folded: a token with one planned slot got its y row from the L2 (GemmL2Params::direct).
+    if (__syncthreads_count(live) == 1 && p.folded) return;
     const int h = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
     if (h >= p.h) return;
     combine_cols4(p, [&](int j) { return rows[j]; }, t, h);
