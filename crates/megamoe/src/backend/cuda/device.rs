@@ -45,7 +45,7 @@ core_kernels! {
     /// One warp per token (a wider CTA only held idle warps' slots).
     router_topk: RouterTopkParams = "moe_router", 32;
     plan_count: PlanParams = "moe_plan_count", CORE_THREADS;
-    plan_offsets: PlanParams = "moe_plan_offsets", 32 * PLAN_SMALL_WARPS as u32;
+    plan_offsets: PlanParams = "moe_plan_offsets", (PLAN_OFF_EXPERTS * PLAN_OFF_RANGES) as u32;
     plan_scatter: PlanParams = "moe_plan_scatter", CORE_THREADS;
     /// The three plan steps in one CTA (decode-sized batches).
     plan_small: PlanParams = "moe_plan_small", 32 * PLAN_SMALL_WARPS as u32;

@@ -448,9 +448,12 @@ impl LayerWeights {
             } else {
                 let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;
                 let smem = PLAN_WARPS as usize * el * 4;
+                // Offsets and scatter as programmatic dependents (each waits for its predecessor
+                // before its first read): their launches overlap the kernel before.
+                let pdl = self.device.programmatic_launches();
                 core.plan_count.launch(s, &LaunchCfg::grid((ctas, 1, 1), smem), &p)?;
-                core.plan_offsets.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
-                core.plan_scatter.launch(s, &LaunchCfg::grid((ctas, 1, 1), smem), &p)?;
+                core.plan_offsets.launch(s, &LaunchCfg { pdl, ..LaunchCfg::grid((1, 1, 1), 0) }, &p)?;
+                core.plan_scatter.launch(s, &LaunchCfg { pdl, ..LaunchCfg::grid((ctas, 1, 1), smem) }, &p)?;
             }
         }
         Ok(())

@@ -92,12 +92,17 @@ kernel_abi! {
         STATUS_BAD_TOKEN_ID = 1;
         /// Status bit: a caller's top-k id was outside -1..E (the slot is ignored).
         STATUS_BAD_EXPERT_ID = 2;
-        /// Slots per warp chunk of the large plan (`moe_plan_count` / `moe_plan_scatter`).
-        PLAN_CHUNK = 512;
+        /// Slots per warp chunk of the large plan (`moe_plan_count` / `moe_plan_scatter`: 4 groups
+        /// of 32 per warp; 512 left a V4-Pro EP8 rank's T=4096 plan 48 warps of 16 serial groups).
+        PLAN_CHUNK = 128;
         /// Warps per CTA of `moe_plan_count` / `moe_plan_scatter` (each one chunk).
         PLAN_WARPS = 8;
-        /// Warps of `moe_plan_small` (one chunk each) and threads / 32 of `moe_plan_offsets`.
+        /// Warps of `moe_plan_small` (one chunk each).
         PLAN_SMALL_WARPS = 32;
+        /// Experts per pass of `moe_plan_offsets` (its threads: this x `PLAN_OFF_RANGES`).
+        PLAN_OFF_EXPERTS = 64;
+        /// Chunk ranges per expert of `moe_plan_offsets`.
+        PLAN_OFF_RANGES = 16;
         /// Slots per warp chunk of `moe_plan_small` (32 warps: up to 8192 slots).
         PLAN_SMALL_CHUNK = 256;
         /// Local experts `moe_plan_small` holds in shared memory: 32 x 512 u16 chunk rows (32 KB)
