@@ -191,34 +191,24 @@ extern "C" __global__ void __launch_bounds__(PLAN_OFF_EXPERTS * PLAN_OFF_RANGES)
         __syncthreads();
     }
     plan_offsets_cta(p, p.counts, p.offsets, p.tile_start);
-    // Pass 2: chunk c's first row of expert e = offsets[e] + the rows of e in the chunks before c
-    // (one pass of experts: pass 1's range sums are still in shared memory).
+    // Pass 2: chunk c's first row of expert e = offsets[e] + the rows of e in the chunks before c.
     for (int e0 = 0; e0 < E; e0 += PLAN_OFF_EXPERTS) {
         const int e = e0 + x;
-        if (E > PLAN_OFF_EXPERTS) {
-            unsigned sum = 0;
-            if (e < E) {
-                #pragma unroll 8
-                for (int c = c0; c < c1; ++c) sum += p.chunk_rows[(size_t)c * E + e];
-            }
-            range_rows[y][x] = sum;
-            __syncthreads();
+        unsigned sum = 0;
+        if (e < E) {
+            #pragma unroll 8
+            for (int c = c0; c < c1; ++c) sum += p.chunk_rows[(size_t)c * E + e];
         }
+        range_rows[y][x] = sum;
+        __syncthreads();
         if (e < E) {
             unsigned r = p.offsets[e];
             for (int q = 0; q < y; ++q) r += range_rows[q][x];
-            // 8 loads in flight, then their 8 stores (a load after a store to the same array
-            // would wait for it: one L2 round trip per chunk).
-            for (int c = c0; c < c1; c += 8) {
-                unsigned n[8];
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) n[j] = c + j < c1 ? p.chunk_rows[(size_t)(c + j) * E + e] : 0u;
-                #pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    if (c + j < c1) {
-                        p.chunk_rows[(size_t)(c + j) * E + e] = r;
-                        r += n[j];
-                    }
+            for (int c = c0; c < c1; ++c) {
+                const size_t i = (size_t)c * E + e;
+                const unsigned n = p.chunk_rows[i];
+                p.chunk_rows[i] = r;
+                r += n;
             }
         }
         __syncthreads();
