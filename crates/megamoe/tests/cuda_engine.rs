@@ -602,7 +602,7 @@ fn chain_config_of(cfg: &megamoe::config::MoeConfig, t: usize) -> megamoe::backe
 
 /// With `MEGAMOE_WG_CHAIN=1` a routed wgmma L1 and its L2 run as a programmatic dependent pair
 /// whose L2 units wait on per-tile counts the L1 leaves in the workspace (no grid boundary between
-/// them): against an engine made without it (the separate launches), on large W4A16 batches whose
+/// them): against an engine made with `MEGAMOE_WG_CHAIN=0` (the separate launches), on large W4A16 batches whose
 /// configurations have the chained kernels, bitwise equal forward after forward (the counters back
 /// at zero each time), with L1 and L2 group sets that leave idle consumers (10 and 9 groups in
 /// sets of 3), two- and three-consumer configurations, and experts of several tiles each (T=3000:
@@ -620,8 +620,9 @@ fn prefill_chained_launches_match_separate_launches_bitwise() {
         // these tests on one thread).
         std::env::set_var(var, "1");
         let with = engine_with(&layer, t, Some("tc"));
-        std::env::remove_var(var);
+        std::env::set_var(var, "0");
         let apart = engine_with(&layer, t, Some("tc"));
+        std::env::remove_var(var);
         let (Some(mut with), Some(mut apart)) = (with, apart) else { return };
         let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
         let input = ForwardInput { x: &x, input_ids: None };

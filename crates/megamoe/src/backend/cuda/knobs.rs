@@ -64,9 +64,25 @@ pub fn wgmma() -> bool {
     default_on("MEGAMOE_WGMMA")
 }
 
-/// `MEGAMOE_WG_CHAIN=1`: the chained L1 -> L2 wgmma module (opt-in).
-pub fn wg_chain() -> bool {
-    default_off("MEGAMOE_WG_CHAIN")
+/// When a routed W4A16 wgmma prefill runs its L1 and L2 as the chained pair (`gemm_tc_l1l2-*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WgChain {
+    /// `MEGAMOE_WG_CHAIN=0`: never (the chained module is not loaded).
+    Never,
+    /// Default: NVFP4 experts, where the L1's units fill few waves of the GPU
+    /// (`gpu_layout::tc::chain_pays`).
+    Auto,
+    /// `MEGAMOE_WG_CHAIN=1`: wherever the kernels have a chained pair.
+    Always,
+}
+
+/// `MEGAMOE_WG_CHAIN`: see [`WgChain`].
+pub fn wg_chain() -> WgChain {
+    match value("MEGAMOE_WG_CHAIN").as_deref() {
+        Some("0") => WgChain::Never,
+        Some("1") => WgChain::Always,
+        _ => WgChain::Auto,
+    }
 }
 
 /// `MEGAMOE_WG_CONSUMERS`: consumer warpgroups of every wgmma launch, else the tile model's.

@@ -683,6 +683,17 @@ pub fn wg_chain_configs() -> impl Iterator<Item = WgConfig> {
     wg_configs().filter(|c| c.groups >= 2)
 }
 
+/// Up to this many waves of L1 units (one wgmma CTA per SM) a routed W4A16 prefill runs its L1 and
+/// L2 as the chained pair by default. Measured on a V4-Pro EP8 rank (H100, NVFP4): ~6 waves at
+/// T=4096, chained 2.0-2.4% faster; ~20 at T=16384, 2.4-4.4% slower (docs/PERFORMANCE.md).
+pub const CHAIN_MAX_WAVES: f64 = 10.0;
+
+/// Whether the chained L1 -> L2 pays for a launch whose L1 expects `units` (tiles x group sets) on
+/// `sm_count` SMs: its L2's first CTAs fill the L1's last wave, which matters while the waves are few.
+pub fn chain_pays(units: usize, sm_count: usize) -> bool {
+    units as f64 <= CHAIN_MAX_WAVES * sm_count.max(1) as f64
+}
+
 /// Groups per CTA of a two-consumer wgmma launch over `groups` 128-row groups and `tiles` expected
 /// token tiles: two while that still gives every SM two CTAs, else one.
 pub fn choose_wg_groups(groups: usize, tiles: usize, sm_count: usize) -> usize {
@@ -929,6 +940,26 @@ pub fn stream_range_fits_ring(per: usize, nch: usize, s: usize, st: usize) -> bo
 mod tests {
     use super::*;
     use crate::formats::e2m1;
+
+    /// The L1 units (tiles x group sets) a routed wgmma prefill of `t` tokens expects on a V4-Pro
+    /// EP8 rank (48 of 384 experts, top-6, I 3072) on 132 SMs, as the host plans it.
+    fn v4_pro_rank_l1_units(t: usize) -> usize {
+        let rows = (t * 6) as f64 / 384.0;
+        let nt = choose_wg_tile(&WG_TOKEN_TILES, rows, rows.sqrt(), WG_NARROW_STEPS);
+        let tiles = 48 * (rows / nt as f64).ceil() as usize;
+        let groups = padded_rows(2 * 3072) / GROUP_ROWS;
+        tiles * groups.div_ceil(choose_wg_config(nt, groups, tiles, 132, 3).groups)
+    }
+
+    #[test]
+    fn chained_launches_run_where_the_l1_fills_few_waves() {
+        // T=4096: 48 tiles of 80 x 16 group sets = 768 units, 5.8 waves (chained measured 2.0-2.4%
+        // faster); T=16384: 96 tiles of 144 x 24 sets, 17.5 waves (2.4-4.4% slower).
+        assert_eq!(v4_pro_rank_l1_units(4096), 768);
+        assert!(chain_pays(v4_pro_rank_l1_units(4096), 132));
+        assert!(!chain_pays(v4_pro_rank_l1_units(16384), 132));
+        assert!(chain_pays(1320, 132) && !chain_pays(1321, 132));
+    }
 
     fn bf16_value(bits: u16) -> f64 {
         half::bf16::from_bits(bits).to_f64()

@@ -8,7 +8,7 @@
 use super::{FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
-use crate::backend::cuda::knobs;
+use crate::backend::cuda::knobs::{self, WgChain};
 use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::probe::PhaseProbe;
@@ -41,11 +41,15 @@ struct TcKernels {
     wg_l1: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     wg_l2: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
     /// Hopper wgmma L1 / L2 kernels for chained launches (the L2 a programmatic dependent whose
-    /// units wait per tile on the L1's counts), by configuration ([`layout::wg_chain_configs`]).
-    /// Opt-in, `MEGAMOE_WG_CHAIN=1` (and not `MEGAMOE_PDL=0`): within +-2.5% of the separate
-    /// launches on an H100 (docs/PERFORMANCE.md, nineteenth session).
+    /// units wait per tile on the L1's counts), by configuration ([`layout::wg_chain_configs`]);
+    /// none with `MEGAMOE_WG_CHAIN=0` or `MEGAMOE_PDL=0`.
     wg_l1c: HashMap<layout::WgConfig, Kernel<WgL1Params>>,
     wg_l2c: HashMap<layout::WgConfig, Kernel<WgL2Params>>,
+    /// When a launch takes the chained pair ([`WgChain`]): by default (NVFP4) where its L1 fills few
+    /// waves ([`layout::chain_pays`]: the L2's first CTAs fill the L1's last wave, 2.0-2.4% at
+    /// T=4096 on a V4-Pro EP8 rank; with many waves they take SMs from the L1, +2.4-4.4% at
+    /// T=16384: docs/PERFORMANCE.md, nineteenth and twenty-fifth sessions).
+    chain: WgChain,
     /// Consumer warpgroups of every wgmma launch whose tile is built with them
     /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
     /// launch still gives every SM two CTAs.
@@ -143,10 +147,10 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     }
 }
 
-/// The opt-in chained L1 / L2 kernels of format `f` (sm_90a; [`layout::wg_chain_configs`]) in a
-/// module of their own, compiled only where `MEGAMOE_WG_CHAIN=1` asks for them (inside the main
-/// module they would double its NVRTC time, and they are not measured faster than the separate
-/// launches).
+/// The chained L1 / L2 kernels of format `f` (sm_90a; [`layout::wg_chain_configs`]) in a module of
+/// their own (inside the main module they would double its NVRTC time for every launch that never
+/// chains), compiled for NVFP4 by default and for the other formats where `MEGAMOE_WG_CHAIN=1`
+/// asks for them.
 pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     let mut spec = module_spec(f, arch);
     spec.name = format!("gemm_tc_l1l2-{}", f.name());
@@ -226,7 +230,7 @@ fn df_name(nt: usize) -> String {
 /// modules are cached on their own sources and defines).
 #[derive(Debug)]
 struct TcKnobs {
-    chain: bool,
+    chain: WgChain,
     prefetch_bytes: i32,
     wg_consumers: Option<usize>,
     wg_tile: Option<usize>,
@@ -240,7 +244,13 @@ impl TcKnobs {
     fn read(dev: &CudaDevice, f: WeightFormat) -> Self {
         let wg = has_wgmma(dev.arch());
         TcKnobs {
-            chain: wg && dev.programmatic_launches() && knobs::wg_chain(),
+            // By default only NVFP4 (the format measured chained; its module is the one the
+            // `kernels` command precompiles).
+            chain: match knobs::wg_chain() {
+                _ if !wg || !dev.programmatic_launches() => WgChain::Never,
+                WgChain::Auto if f != WeightFormat::Nvfp4 => WgChain::Never,
+                c => c,
+            },
             prefetch_bytes: knobs::prefetch_bytes(),
             wg_consumers: knobs::wg_consumers(),
             wg_tile: knobs::wg_tile(),
@@ -274,6 +284,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             prefetch_bytes: knobs.prefetch_bytes,
             wg_consumers: knobs.wg_consumers,
             wg_tile: knobs.wg_tile,
+            chain: knobs.chain,
             probe: knobs.probe.then(|| m.clone()),
         };
         if knobs.stream {
@@ -298,7 +309,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 k.wg_l1.insert(c, Kernel::load(&m, &wg_name(1, c), c.threads(), smem)?);
                 k.wg_l2.insert(c, Kernel::load(&m, &wg_name(2, c), c.threads(), smem)?);
             }
-            if knobs.chain {
+            if knobs.chain != WgChain::Never {
                 let cm = dev.module(&l1l2_module_spec(f, dev.arch()))?;
                 for c in layout::wg_chain_configs() {
                     let smem = layout::wg_smem_bytes(f, c.nt, c.groups);
@@ -417,8 +428,12 @@ impl GemmKernels for TcKernels {
         // Chained: the L1 counts each tile's stored units in `l.sched`, the L2 (a programmatic
         // dependent) waits per tile on them (`gemm_tc.cu` WgGridSched).
         let Some((k1, k2)) = self.wg_l1c.get(&c).zip(self.wg_l2c.get(&key2)) else {
-            return Ok(false); // the default: the two launches apart (`l1`, `l2`)
+            return Ok(false); // no chained pair: the two launches apart (`l1`, `l2`)
         };
+        let units = l.expected_tiles.max(1) * cfg1.grid.0 as usize;
+        if self.chain == WgChain::Auto && !layout::chain_pays(units, self.sm_count) {
+            return Ok(false);
+        }
         let amap1 = tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)?;
         let amap2 = tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)?;
         let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
