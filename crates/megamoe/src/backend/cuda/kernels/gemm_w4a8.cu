@@ -384,7 +384,7 @@ __device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (
     const int H = g.h, h0 = gslab * 16 + gi;
     const float* ra = g.alpha_w + (size_t)grp * ((H + 127) / 128 * 128) + h0;
     const float a0 = h0 < H ? ra[0] : 0.f, a1 = h0 + 8 < H ? ra[8] : 0.f;
-    l2_epilogue_tokens<NJ>(p, m0, mc, [&](int jn, int e, const L2Row& o) {
+    l2_epilogue_tokens<NJ, true>(p, m0, mc, [&](int jn, int e, const L2Row& o) {
         if (h0 < H) o.put(h0, acc[jn][e] * a0);
         if (h0 + 8 < H) o.put(h0 + 8, acc[jn][2 + e] * a1);
     });
