@@ -8,8 +8,8 @@
 
 use half::bf16;
 use megamoe::backend::cuda::{
-    CudaDevice, CudaEngine, DType, DeviceTensor, ForwardIo, LayerWeights, Routing, StreamRef, Workspace,
-    WorkspaceDims,
+    CudaDevice, CudaEngine, DType, DevBuf, DeviceTensor, ForwardIo, LayerWeights, Routing, StreamRef,
+    Workspace, WorkspaceDims,
 };
 use megamoe::backend::MoeEngine;
 use megamoe::checkpoint::{MoeLayer, ProjData};
@@ -1525,6 +1525,48 @@ fn layers_in_one_workspace_capture_as_one_graph_bitwise_equal_to_eager() {
     }
 }
 
+/// The tiny layer with 24 routed experts, for the tests of a rank owning experts 8..16 of them.
+fn rank24_config() -> megamoe::config::MoeConfig {
+    megamoe::config::MoeConfig { n_routed_experts: 24, ..synthetic::tiny_config() }
+}
+
+/// Rank 1 of 3 (experts 8..16) of the random `cfg` layer `layer_index` in `format`, uploaded.
+fn rank24_weights(
+    dev: &Arc<CudaDevice>,
+    cfg: &megamoe::config::MoeConfig,
+    format: WeightFormat,
+    layer_index: usize,
+    seed: u64,
+) -> LayerWeights {
+    let full = synthetic::random_layer(cfg, format, layer_index, false, seed);
+    let rank = megamoe::parallel::ExpertShard::new(24, 3, 1).unwrap().slice_layer(&full).unwrap();
+    LayerWeights::upload(dev, &rank).unwrap()
+}
+
+/// Writes a routed forward's inputs (x `[T, H]` bf16, ids and weights `[T, K]`) at the start of
+/// `arena`; returns their tensors and the first 256-aligned offset after them (for outputs).
+fn stage_routed_inputs(
+    dev: &Arc<CudaDevice>,
+    arena: &DevBuf,
+    x: &[bf16],
+    ids: &[i32],
+    wts: &[f32],
+    h: usize,
+    k: usize,
+) -> (DeviceTensor, DeviceTensor, DeviceTensor, usize) {
+    let t = ids.len() / k;
+    let (xo, io, wo) = (0usize, 2 * t * h, 2 * t * h + 4 * t * k);
+    arena.write(dev.stream(), xo, &bf16_bits(x)).unwrap();
+    arena.write(dev.stream(), io, ids).unwrap();
+    arena.write(dev.stream(), wo, wts).unwrap();
+    (
+        DeviceTensor::new(arena.ptr() + xo as u64, t, h, DType::Bf16),
+        DeviceTensor::new(arena.ptr() + io as u64, t, k, DType::I32),
+        DeviceTensor::new(arena.ptr() + wo as u64, t, k, DType::F32),
+        (2 * t * h + 8 * t * k).next_multiple_of(256),
+    )
+}
+
 /// The fused decode launch (Hopper `moe_df_*`: plan, L1, L2 and combine in one cooperative kernel,
 /// `enqueue_routed`) against the separate stages (`enqueue_plan` + `enqueue_experts` +
 /// `enqueue_combine`) on the same poisoned workspace: bitwise equal output (same grid, same split,
@@ -1537,16 +1579,13 @@ fn layers_in_one_workspace_capture_as_one_graph_bitwise_equal_to_eager() {
 #[test]
 fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
     let Some(dev) = device() else { return };
-    let cfg = megamoe::config::MoeConfig { n_routed_experts: 24, ..synthetic::tiny_config() };
-    let shard = megamoe::parallel::ExpertShard::new(24, 3, 1).unwrap();
+    let cfg = rank24_config();
     let stream = dev.new_stream().unwrap();
     // SAFETY: the stream lives until the end of the test.
     let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
     for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
-        let full = synthetic::random_layer(&cfg, format, 1, false, 131);
-        let rank = shard.slice_layer(&full).unwrap();
+        let w = rank24_weights(&dev, &cfg, format, 1, 131);
         let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
-        let w = LayerWeights::upload(&dev, &rank).unwrap();
         let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, 42)).unwrap();
         let arena = dev.alloc(8 << 20, "arena").unwrap();
         let modes: Vec<Mode> =
@@ -1564,14 +1603,7 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
                 }
             }
             let x = synthetic::random_hidden(t, h, 140 + t as u64);
-            let (xo, io_, wo, yo) = (0usize, 2 * t * h, 2 * t * h + 4 * t * k, 2 * t * h + 8 * t * k);
-            let yo = yo.next_multiple_of(256);
-            arena.write(dev.stream(), xo, &bf16_bits(&x)).unwrap();
-            arena.write(dev.stream(), io_, &ids).unwrap();
-            arena.write(dev.stream(), wo, &wts).unwrap();
-            let xt = DeviceTensor::new(arena.ptr() + xo as u64, t, h, DType::Bf16);
-            let it = DeviceTensor::new(arena.ptr() + io_ as u64, t, k, DType::I32);
-            let wt = DeviceTensor::new(arena.ptr() + wo as u64, t, k, DType::F32);
+            let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &ids, &wts, h, k);
             for (ydt, shared) in [(DType::F32, false), (DType::Bf16, true)] {
                 let ybytes = t * h * ydt.size();
                 let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));
@@ -1647,17 +1679,14 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
 #[test]
 fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
     let Some(dev) = device() else { return };
-    let cfg = megamoe::config::MoeConfig { n_routed_experts: 24, ..synthetic::tiny_config() };
-    let shard = megamoe::parallel::ExpertShard::new(24, 3, 1).unwrap();
+    let cfg = rank24_config();
     let stream = dev.new_stream().unwrap();
     // SAFETY: the stream lives until the end of the test.
     let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
     let max_t = 700;
     for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
-        let full = synthetic::random_layer(&cfg, format, 0, false, 151);
-        let rank = shard.slice_layer(&full).unwrap();
+        let w = rank24_weights(&dev, &cfg, format, 0, 151);
         let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
-        let w = LayerWeights::upload(&dev, &rank).unwrap();
         let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, max_t)).unwrap();
         let arena = dev.alloc(16 << 20, "arena").unwrap();
         let modes: Vec<Mode> =
@@ -1678,14 +1707,7 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
             }
             assert!(single > 0 && single < t, "T={t}: tokens with one slot here and others");
             let x = synthetic::random_hidden(t, h, 160 + t as u64);
-            let (xo, io_, wo) = (0usize, 2 * t * h, 2 * t * h + 4 * t * k);
-            let yo = (2 * t * h + 8 * t * k).next_multiple_of(256);
-            arena.write(dev.stream(), xo, &bf16_bits(&x)).unwrap();
-            arena.write(dev.stream(), io_, &ids).unwrap();
-            arena.write(dev.stream(), wo, &wts).unwrap();
-            let xt = DeviceTensor::new(arena.ptr() + xo as u64, t, h, DType::Bf16);
-            let it = DeviceTensor::new(arena.ptr() + io_ as u64, t, k, DType::I32);
-            let wt = DeviceTensor::new(arena.ptr() + wo as u64, t, k, DType::F32);
+            let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &ids, &wts, h, k);
             for ydt in [DType::F32, DType::Bf16] {
                 let ybytes = t * h * ydt.size();
                 let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));

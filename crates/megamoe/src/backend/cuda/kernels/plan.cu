@@ -173,8 +173,8 @@ extern "C" __global__ void __launch_bounds__(PLAN_OFF_EXPERTS * PLAN_OFF_RANGES)
     const int x = threadIdx.x % PLAN_OFF_EXPERTS, y = threadIdx.x / PLAN_OFF_EXPERTS;
     const int per = (chunks + PLAN_OFF_RANGES - 1) / PLAN_OFF_RANGES;
     const int c0 = min(y * per, chunks), c1 = min(c0 + per, chunks);
-    // Pass 1: each expert's count (its ranges' sums added in range order by the y = 0 thread).
-    for (int e0 = 0; e0 < E; e0 += PLAN_OFF_EXPERTS) {
+    // range_rows[y][x] = the rows of expert e0 + x in chunk range y, for every thread.
+    auto range_sums = [&](int e0) {
         const int e = e0 + x;
         unsigned sum = 0;
         if (e < E) {
@@ -183,6 +183,11 @@ extern "C" __global__ void __launch_bounds__(PLAN_OFF_EXPERTS * PLAN_OFF_RANGES)
         }
         range_rows[y][x] = sum;
         __syncthreads();
+    };
+    // Pass 1: each expert's count (its ranges' sums added in range order by the y = 0 thread).
+    for (int e0 = 0; e0 < E; e0 += PLAN_OFF_EXPERTS) {
+        const int e = e0 + x;
+        range_sums(e0);
         if (y == 0 && e < E) {
             unsigned total = 0;
             for (int r = 0; r < PLAN_OFF_RANGES; ++r) total += range_rows[r][x];
@@ -194,13 +199,7 @@ extern "C" __global__ void __launch_bounds__(PLAN_OFF_EXPERTS * PLAN_OFF_RANGES)
     // Pass 2: chunk c's first row of expert e = offsets[e] + the rows of e in the chunks before c.
     for (int e0 = 0; e0 < E; e0 += PLAN_OFF_EXPERTS) {
         const int e = e0 + x;
-        unsigned sum = 0;
-        if (e < E) {
-            #pragma unroll 8
-            for (int c = c0; c < c1; ++c) sum += p.chunk_rows[(size_t)c * E + e];
-        }
-        range_rows[y][x] = sum;
-        __syncthreads();
+        range_sums(e0);
         if (e < E) {
             unsigned r = p.offsets[e];
             for (int q = 0; q < y; ++q) r += range_rows[q][x];
