@@ -1,6 +1,8 @@
 // gemm_common.cuh — device code shared by the grouped-GEMM families that read the plan's tile table
 // (prepended after params.cuh to gemm_tc.cu, gemm_w4a8.cu and gemm_simt.cu).
 //
+// Also the L1 / L2 epilogues' token loops and where an L2 row goes (its plan row, or a folded
+// token's y row).
 // Data layouts: the tile table of the plan (`GemmOperands::tiles`, `[*][2]` = (local expert, first
 // row), `num_tiles` on the device) or, for a dense GEMM, tiles of NT consecutive rows.
 // Tiling / pipeline: none (device functions only).

@@ -19,7 +19,8 @@
 // alpha_in [G] f32 activation global scales (W4A4), nullable; tiles [num_tiles][2] i32 = (group,
 // first row) and offsets [G+1] u32 from plan.cu; perm [rows] u32 and topk_w [S] f32 give each row's
 // routing weight (L1); outputs act [rows, I] bf16 (and gate_tr / up_tr [rows, I] f32 in the trace
-// variants), out [rows, H] f32 (L2).
+// variants), out [rows, H] f32 (L2; a folded launch writes its single-slot tokens' rows into y
+// instead: gemm_common.cuh l2_row).
 // The trace variants (moe_*_l1_trace*) also store the gate / up pre-activations; the others have
 // no trace operands at all.
 // Grid: x = tile (sized for the worst case, CTAs past num_tiles exit), y = block of 64 weight rows

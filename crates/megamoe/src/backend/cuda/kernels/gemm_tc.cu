@@ -19,7 +19,7 @@
 // - A: bf16 rows [rows, K]; row m of the tile is A[a_rows[m] / a_div] when a_rows is given (the L1
 //   input gathered straight from x by the plan's permutation), else A[m].
 // - Outputs as the SIMT family (gemm_simt.cu): L1 act [rows, I] bf16 (+ gate/up f32 in the trace
-//   variant), L2 out [rows, H] f32; alpha_w [G][2] (L1: gate, up) / [G] (L2), alpha_in [G] (W4A4).
+//   variant), L2 out [rows, H] f32 (or y rows of single-slot tokens: gemm_common.cuh l2_row); alpha_w [G][2] (L1: gate, up) / [G] (L2), alpha_in [G] (W4A4).
 //
 // Tiling (moe_tc_*): CTA = 8 warps = SPC slabs x KS = 8/SPC K parts. A CTA owns 16*SPC weight rows of one
 // expert and tiles of NT tokens (grid: x = 16*SPC-row block, y = tiles blockIdx.y, +gridDim.y, ...:

@@ -16,7 +16,8 @@
 //   scales at columns t NT .., in w8_scale_slot order inside each 16 rows; TMA needs a box's start
 //   16-byte aligned, which a tile's first row is not) through a second map, one box of NT floats
 //   per chunk: the tile's scales of its block.
-// - Outputs as gemm_tc.cu: L1 act [rows, I] bf16 (clamped SwiGLU x routing weight), L2 [rows, H] f32.
+// - Outputs as gemm_tc.cu: L1 act [rows, I] bf16 (clamped SwiGLU x routing weight), L2 [rows, H] f32 (or y rows:
+//   gemm_common.cuh l2_row).
 //
 // Tiling: warpgroup 0 is the producer (one thread issues every copy; setmaxnreg gives its registers
 // away), the others are consumers, each owning one m64 weight block (4 slabs: a half 128-row group)
