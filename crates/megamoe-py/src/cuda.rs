@@ -147,18 +147,16 @@ impl CudaBackend {
     }
 
     /// Enqueues plan, routed experts and combine (no shared expert) of layer `pos` under the
-    /// caller's routing.
+    /// caller's routing: `enqueue_routed`, so a decode step runs the fused kernel and a staged
+    /// prefill into an f32 y folds its single-slot tokens' combine into the L2 (both bitwise equal
+    /// to the separate stages).
     pub fn experts(&self, pos: usize, c: &ExpertsCall<'_>, mode: Mode, stream: u64) -> PyResult<()> {
         let w = &self.model.layers()[pos];
         let (t, h, k) = (c.tokens, w.config().hidden_size, w.config().num_experts_per_tok);
         let (x, ti, tw, y) =
             (dev(c.x, t, h), dev(c.topk_ids, t, k), dev(c.topk_weights, t, k), dev(c.y, t, h));
         let ws = self.model.workspace();
-        self.ordered(stream, |s| {
-            let plan = w.enqueue_plan(ws, &ti, mode, s)?;
-            w.enqueue_experts(ws, &plan, &x, &tw, mode, s)?;
-            w.enqueue_combine(ws, &plan, &y, false, s)
-        })
+        self.ordered(stream, |s| w.enqueue_routed(ws, &ti, &x, &tw, &y, false, mode, s))
     }
 
     /// Reads a device `expert_map` (`n` int32 at `ptr`) once per buffer for `check`: a blocking
