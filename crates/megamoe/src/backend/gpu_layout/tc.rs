@@ -684,8 +684,9 @@ pub fn wg_chain_configs() -> impl Iterator<Item = WgConfig> {
 }
 
 /// Up to this many waves of L1 units (one wgmma CTA per SM) a routed W4A16 prefill runs its L1 and
-/// L2 as the chained pair by default. Measured on a V4-Pro EP8 rank (H100, NVFP4): ~6 waves at
-/// T=4096, chained 2.0-2.4% faster; ~20 at T=16384, 2.4-4.4% slower (docs/PERFORMANCE.md).
+/// L2 as the chained pair by default. Measured on a V4-Pro EP8 rank (NVFP4): ~6 waves at T=4096,
+/// chained 2.0-2.4% faster (H100, H200), ~8.7 at T=8192 2.9% faster (H200); ~17.5 at T=16384 2.4-4.4%
+/// slower on the H100 (docs/PERFORMANCE.md, twenty-fifth session).
 pub const CHAIN_MAX_WAVES: f64 = 10.0;
 
 /// Whether the chained L1 -> L2 pays for a launch whose L1 expects `units` (tiles x group sets) on
@@ -957,6 +958,8 @@ mod tests {
         // faster); T=16384: 96 tiles of 144 x 24 sets, 17.5 waves (2.4-4.4% slower).
         assert_eq!(v4_pro_rank_l1_units(4096), 768);
         assert!(chain_pays(v4_pro_rank_l1_units(4096), 132));
+        // T=8192: 48 tiles of 144 x 24 sets = 1152 units, 8.7 waves (2.9% faster, H200).
+        assert!(chain_pays(v4_pro_rank_l1_units(8192), 132));
         assert!(!chain_pays(v4_pro_rank_l1_units(16384), 132));
         assert!(chain_pays(1320, 132) && !chain_pays(1321, 132));
     }

@@ -73,17 +73,21 @@ __device__ __forceinline__ void l1_epilogue_tokens(const GemmL1Params& p, int m0
 }
 
 // Where L2 output row m goes: `out` row m, or, when the launch folds the combine (p.direct) and m
-// is its token's only planned slot, y's row of that token (f32; `l2_dest` gives the token or
+// is its token's only planned slot, y's row of that token (f32; `tok`: the token, or
 // ROW_NONE). Every value is stored as 0 + v, the combine's first add (a -0 becomes +0), so a folded
 // row holds the bits the combine would have written and an `out` row sums to them.
 struct L2Row {
     float* f;
     __device__ __forceinline__ void put(int h, float v) const { f[h] = 0.f + v; }
 };
-__device__ __forceinline__ unsigned l2_dest(const GemmL2Params& p, int m) { return p.direct ? p.direct[m] : ROW_NONE; }
 __device__ __forceinline__ L2Row l2_row(const GemmL2Params& p, int m, unsigned tok)
 {
     return L2Row{tok == ROW_NONE ? p.out + (size_t)m * p.g.h : p.y + (size_t)tok * p.g.h};
+}
+// The same, its token read here (one load per row).
+__device__ __forceinline__ L2Row l2_row(const GemmL2Params& p, int m)
+{
+    return l2_row(p, m, p.direct ? p.direct[m] : ROW_NONE);
 }
 
 // Calls f(jn, e, row) for each of this lane's L2 epilogue tokens 8 jn + 2 t + e (jn < NJ, e < 2)
@@ -107,7 +111,7 @@ __device__ __forceinline__ void l2_epilogue_tokens(const GemmL2Params& p, int m0
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;       // in word jn / 4 of lane tok % 32
             if constexpr (PER_LANE) {
-                if (tok < mc) f(jn, e, l2_row(p, m0 + tok, l2_dest(p, m0 + tok)));
+                if (tok < mc) f(jn, e, l2_row(p, m0 + tok));
             } else {
                 const unsigned dest = __shfl_sync(0xffffffffu, d[jn / 4], tok & 31);
                 if (tok < mc) f(jn, e, l2_row(p, m0 + tok, dest));

@@ -210,7 +210,7 @@ __device__ void gemm_l2(const GemmL2Params& p)
     for (int i = 0; i < BM / 16; ++i) {
         const int m = m0 + ty + 16 * i;
         if (m >= mend) continue;
-        const L2Row o = l2_row(p, m, l2_dest(p, m));
+        const L2Row o = l2_row(p, m);
         #pragma unroll
         for (int j = 0; j < 4; ++j) o.put(blockIdx.y * BN + tx + 16 * j, acc[i][j] * a);
     }
@@ -439,7 +439,7 @@ __device__ void gemv_l2(const GemmL2Params& p)
         if (m >= mc) break;
         #pragma unroll
         for (int r = 0; r < GV_RW; ++r)
-            if (lane == GV_RW * m + r) l2_row(p, m0 + m, l2_dest(p, m0 + m)).put(n0 + r, acc[r][m] * a);
+            if (lane == GV_RW * m + r) l2_row(p, m0 + m).put(n0 + r, acc[r][m] * a);
     }
 }
 
