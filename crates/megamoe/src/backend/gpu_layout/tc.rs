@@ -661,8 +661,12 @@ pub const WG_SHAPES: [(usize, usize); 2] = [(1, 2), (2, 2)];
 /// (two m64 blocks each, 160 registers). More consumer warps per scheduler hide the FP4 decode's
 /// latencies (ncu: ~0.5 eligible warps of 2.2 with two consumers). Measured on a V4-Pro EP8 rank at
 /// T=4096 (80-token tiles, H200): two consumers 1.116 ms, three 1.060, two groups over four
-/// consumers (one block each, 112 registers) 1.103 — the kernel takes any such shape
-/// (`gemm_tc.cu`), only the best one is built.
+/// consumers (one block each, 112 registers) 1.103; again on an H100 in the twenty-sixth session
+/// (after the K loop's trim, one width per tile for want of registers): three 0.924, four 1.005,
+/// although with no memory traffic four consumers of one block run the FP4 decode loop ~9% faster
+/// (scripts/device/wgmma_rate_probe.cu: the token tile per two groups instead of three costs more
+/// than the extra warps give). The kernel takes any such shape (`gemm_tc.cu`), only the best one is
+/// built.
 pub const WG_WIDE_SHAPES: [(usize, usize); 1] = [(3, 3)];
 
 /// The largest token tile built with [`WG_WIDE_SHAPES`].

@@ -90,33 +90,58 @@ __device__ __forceinline__ L2Row l2_row(const GemmL2Params& p, int m)
     return l2_row(p, m, p.direct ? p.direct[m] : ROW_NONE);
 }
 
-// Calls f(jn, e, row) for each of this lane's L2 epilogue tokens 8 jn + 2 t + e (jn < NJ, e < 2)
-// inside the tile's rows [m0, m0 + mc), row = its destination (l2_row). Called by whole warps. A
-// folded launch's row destinations are loaded by the warp together (lane l: rows l, l + 32, ..;
-// coalesced, one round trip) and passed to the lanes that store them by shuffles: loaded per lane
-// they cost the V4-Pro EP8 rank's wgmma L2 ~3.6% at T=4096 (ncu, three round trips per unit).
-// PER_LANE: each lane loads its own just before the store (no words held: the opt-in FP8 L2 of
-// 128-token tiles spilled 4 bytes with the shuffled words).
-template <int NJ, bool PER_LANE = false, class F>
-__device__ __forceinline__ void l2_epilogue_tokens(const GemmL2Params& p, int m0, int mc, F f)
-{
-    constexpr int NW = PER_LANE ? 1 : (8 * NJ + 31) / 32;
-    const int lane = threadIdx.x & 31, t = lane & 3;
+// The row destinations of an L2 tile's tokens as its epilogue reads them: a folded launch's
+// `direct` words loaded by the warp together (lane l: rows l, l + 32, ..; coalesced, one round
+// trip), ROW_NONE elsewhere. Loadable ahead of the epilogue (the wgmma L2 loads them before its K
+// loop, so the stores do not wait for them).
+template <int NJ>
+struct L2TileDests {
+    static constexpr int NW = (8 * NJ + 31) / 32;
     unsigned d[NW];
-    #pragma unroll
-    for (int i = 0; i < NW; ++i) d[i] = !PER_LANE && p.direct && 32 * i + lane < mc ? p.direct[m0 + 32 * i + lane] : ROW_NONE;
+    __device__ __forceinline__ void load(const GemmL2Params& p, int m0, int mc) {
+        const int lane = threadIdx.x & 31;
+        #pragma unroll
+        for (int i = 0; i < NW; ++i) d[i] = p.direct && 32 * i + lane < mc ? p.direct[m0 + 32 * i + lane] : ROW_NONE;
+    }
+};
+
+// Calls f(jn, e, row) for each of this lane's L2 epilogue tokens 8 jn + 2 t + e (jn < NJ, e < 2)
+// inside the tile's rows [m0, m0 + mc), row = its destination (l2_row, the warp's words `dst`
+// passed to the lanes that store them by shuffles: loaded per lane they cost the V4-Pro EP8 rank's
+// wgmma L2 ~3.6% at T=4096, ncu, three round trips per unit). Called by whole warps.
+template <int NJ, class F>
+__device__ __forceinline__ void l2_epilogue_tokens(const GemmL2Params& p, const L2TileDests<NJ>& dst, int m0, int mc, F f)
+{
+    const int t = threadIdx.x & 3;
     #pragma unroll
     for (int jn = 0; jn < NJ; ++jn)
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;       // in word jn / 4 of lane tok % 32
-            if constexpr (PER_LANE) {
-                if (tok < mc) f(jn, e, l2_row(p, m0 + tok));
-            } else {
-                const unsigned dest = __shfl_sync(0xffffffffu, d[jn / 4], tok & 31);
-                if (tok < mc) f(jn, e, l2_row(p, m0 + tok, dest));
-            }
+            const unsigned dest = __shfl_sync(0xffffffffu, dst.d[jn / 4], tok & 31);
+            if (tok < mc) f(jn, e, l2_row(p, m0 + tok, dest));
         }
+}
+
+// The same, the destinations loaded here; PER_LANE: each lane loads its own just before the store
+// (no words held: the opt-in FP8 L2 of 128-token tiles spilled 4 bytes with the shuffled words).
+template <int NJ, bool PER_LANE = false, class F>
+__device__ __forceinline__ void l2_epilogue_tokens(const GemmL2Params& p, int m0, int mc, F f)
+{
+    if constexpr (PER_LANE) {
+        const int t = threadIdx.x & 3;
+        #pragma unroll
+        for (int jn = 0; jn < NJ; ++jn)
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int tok = jn * 8 + 2 * t + e;
+                if (tok < mc) f(jn, e, l2_row(p, m0 + tok));
+            }
+    } else {
+        L2TileDests<NJ> dst;
+        dst.load(p, m0, mc);
+        l2_epilogue_tokens<NJ>(p, dst, m0, mc, f);
+    }
 }
 
 // Programmatic dependent launch: wait for the predecessor grid's memory; let this grid's dependent

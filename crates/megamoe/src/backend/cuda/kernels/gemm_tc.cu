@@ -85,6 +85,24 @@ __device__ __forceinline__ TcLane tc_load_lane(const unsigned char* wl, const un
     return l;
 }
 
+#ifdef TC_WGMMA
+// The same from 32-bit shared addresses (the wgmma consumers: the stage's address is a uniform
+// value plus the lane's offset, one LDS each without a generic-to-shared conversion). Volatile: a
+// load stays after the barrier wait that makes its stage valid.
+__device__ __forceinline__ TcLane tc_load_lane_shared(unsigned wl, unsigned scl)
+{
+    TcLane l;
+    #pragma unroll
+    for (int i = 0; i < (MM_WF == WF_BF16 ? 4 : 1); ++i)
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(l.w[i].x), "=r"(l.w[i].y), "=r"(l.w[i].z), "=r"(l.w[i].w) : "r"(wl + 16 * i));
+    if constexpr (MM_WF == WF_NVFP4) asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(l.sc.x), "=r"(l.sc.y) : "r"(scl));
+    else if constexpr (MM_WF == WF_MXFP4) { asm volatile("ld.shared.u32 %0, [%1];" : "=r"(l.sc.x) : "r"(scl)); l.sc.y = 0u; }
+    else l.sc = make_uint2(0u, 0u);
+    return l;
+}
+#endif
+
 // bf16x2 exponent bias of an NVFP4 scale byte shifted left by 4 (= gpu_layout::tc::NVFP4_SCALE_BF16_BIAS
 // in both halves): exponent field E5 + 218 for the value 2^(E5 - 9) * 2^NVFP4_K2.
 constexpr unsigned NVFP4_SCALE_BIAS2 = 0x6D006D00u;
@@ -329,22 +347,86 @@ __device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (
     tc_store_l1<NM, TRACE>(p, acc, grp, m0, mc, gslab, gate_tr, up_tr, [&](int m) { return p.perm[m]; });
 }
 
+// What the wgmma L1's epilogue reads besides the accumulators, loaded before its K loop: the
+// expert's gate / up alphas and the routing weights of the tile's tokens (lane l: tokens l, l + 32,
+// ..; passed to the lanes that need them by shuffles), so the end of a unit does not wait on the
+// plan's perm -> topk_w round trips.
+template <int NJ>
+struct TcL1Pre {
+    static constexpr int NW = (8 * NJ + 31) / 32;
+    float ag, au, w[NW];
+    __device__ __forceinline__ void load(const GemmL1Params& p, int grp, int m0, int mc) {
+        const GemmOperands& g = p.g;
+        ag = au = 1.f;
+        if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
+        if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
+        const int lane = threadIdx.x & 31;
+        int slot[NW];
+        #pragma unroll
+        for (int i = 0; i < NW; ++i) slot[i] = p.perm && 32 * i + lane < mc ? (int)p.perm[m0 + 32 * i + lane] : -1;
+        #pragma unroll
+        for (int i = 0; i < NW; ++i) w[i] = slot[i] >= 0 ? p.topk_w[slot[i]] : 1.f;
+    }
+};
+
+// The L1 epilogue (no trace) from a TcL1Pre.
+template <int NM>
+__device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (&acc)[NM / 8][4], const TcL1Pre<NM / 8>& pre,
+                                            int m0, int mc, int gslab)
+{
+    const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
+    const int I = p.g.inter;
+    const int col = gslab * 8 + gi;
+    #pragma unroll
+    for (int jn = 0; jn < NM / 8; ++jn)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = jn * 8 + 2 * t + e;       // in word jn / 4 of lane tok % 32
+            const float w = __shfl_sync(0xffffffffu, pre.w[jn / 4], tok & 31);
+            if (tok < mc && col < I) {
+                const float gt = acc[jn][e] * pre.ag, u = acc[jn][2 + e] * pre.au;
+                p.act[(size_t)(m0 + tok) * I + col] = f2bf(swiglu(gt, u, w, p.limit));
+            }
+        }
+}
+
+// What an L2 epilogue reads besides the accumulators: the expert's alpha and the tile's row
+// destinations (L2TileDests). The wgmma L2 loads them before its K loop (their round trips had
+// the tile's stores wait, every consumer at once, the tensor pipe idle); the others just before.
+template <int NJ>
+struct TcL2Pre {
+    float alpha;
+    L2TileDests<NJ> dst;
+    __device__ __forceinline__ void load(const GemmL2Params& p, int grp, int m0, int mc) {
+        const GemmOperands& g = p.g;
+        alpha = g.alpha_w ? g.alpha_w[grp] : 1.f;
+        if (g.alpha_in) alpha *= g.alpha_in[grp];
+        dst.load(p, m0, mc);
+    }
+};
+
 // L2 epilogue of one slab's accumulators: output rows 16*gslab + g and + 8 for the tile's tokens, f32
 // (l2_row: to `out`, or a folded token's y row).
+template <int NM>
+__device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (&acc)[NM / 8][4], const TcL2Pre<NM / 8>& pre,
+                                            int m0, int mc, int gslab)
+{
+    const int gi = (threadIdx.x & 31) >> 2;
+    const int H = p.g.h;
+    const int h0 = gslab * 16 + gi;
+    const float a = pre.alpha;
+    l2_epilogue_tokens<NM / 8>(p, pre.dst, m0, mc, [&](int jn, int e, const L2Row& o) {
+        if (h0 < H) o.put(h0, acc[jn][e] * a);
+        if (h0 + 8 < H) o.put(h0 + 8, acc[jn][2 + e] * a);
+    });
+}
 template <int NM>
 __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (&acc)[NM / 8][4], int grp, int m0,
                                             int mc, int gslab)
 {
-    const GemmOperands& g = p.g;
-    const int gi = (threadIdx.x & 31) >> 2;
-    const int H = g.h;
-    const int h0 = gslab * 16 + gi;
-    float a = g.alpha_w ? g.alpha_w[grp] : 1.f;
-    if (g.alpha_in) a *= g.alpha_in[grp];
-    l2_epilogue_tokens<NM / 8>(p, m0, mc, [&](int jn, int e, const L2Row& o) {
-        if (h0 < H) o.put(h0, acc[jn][e] * a);
-        if (h0 + 8 < H) o.put(h0 + 8, acc[jn][2 + e] * a);
-    });
+    TcL2Pre<NM / 8> pre;
+    pre.load(p, grp, m0, mc);
+    tc_store_l2<NM>(p, acc, pre, m0, mc, gslab);
 }
 
 // The tiles of a launch: blockIdx.y, + gridDim.y, ... (see the tiling note at the top);
@@ -404,6 +486,13 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // the first use of a load issued just before its decode), issue unit u's four wgmma k16 steps, wait
 // until only unit u is in flight (u - 1 done), release a finished chunk's stage, decode unit u + 1's
 // A registers while unit u runs. Results are bitwise reproducible (a fixed k order per output).
+// The consumers' issue slots bound this loop at ~72-column tiles (scripts/device/wgmma_rate_probe.cu:
+// the same loop with no memory traffic reaches ~99% of the tensor pipe at n144 but ~76% at n72 with
+// the FP4 decode, ~98% without it), so it keeps the instructions besides the decode few: a chunk's
+// B descriptors are made once for its m64 blocks (32-bit adds), shared memory is read at 32-bit
+// offsets from the stage, and what the epilogues read besides the accumulators (alphas, routing
+// weights, L2 row destinations: TcL1Pre / TcL2Pre) is loaded before the K loop, so the stores at
+// the end of a unit, every consumer at once, do not wait on round trips.
 // Launches: one GEMM per launch (moe_wg_l1_* / moe_wg_l2_*, CTAs over (group set, tile)), or the
 // opt-in chained L1 / L2 (moe_wg_l{1,2}c_*, WgGridSched<NT, true> below): the same K loop and
 // epilogues, so both give the same bits.
@@ -420,11 +509,13 @@ struct WgShape {
 
 // One consumer warpgroup's view of the stage ring (chunks c counted over the CTA's whole run; ST
 // stages of STAGE bytes, compile-time, so the slot and phase of a chunk cost a mask or a multiply).
+// Shared memory is addressed with 32-bit offsets from the chunk's stage, and a chunk's four B
+// descriptors are made once for both of its m64 blocks.
 template <int ST, int STAGE>
 struct WgRing {
     unsigned base;                       // shared address of stage 0 (1024-aligned)
-    const unsigned char* gbase;          // the same, generic
     unsigned full0, empty0;              // shared addresses of the full / empty barriers
+    unsigned long long desc0;            // the B descriptor of stage 0's token tile
     int wl_off[2], sc_off[2];            // this lane's slice of block b inside a stage
 
     __device__ __forceinline__ void wait_full(unsigned c) const { mbar_wait(full0 + 8 * (c % ST), (c / ST) & 1); }
@@ -432,12 +523,16 @@ struct WgRing {
     __device__ __forceinline__ void release(unsigned c) const { mbar_arrive(empty0 + 8 * (c % ST)); }
     // This lane's slice of block b of chunk c (whose stage has landed), from shared memory.
     __device__ __forceinline__ TcLane load(unsigned c, int b) const {
-        const unsigned char* st = gbase + (c % ST) * STAGE;
-        return tc_load_lane(st + wl_off[b], st + sc_off[b]);
+        const unsigned st = base + (c % ST) * STAGE;
+        return tc_load_lane_shared(st + wl_off[b], st + sc_off[b]);
     }
-    // The B descriptor of chunk c's token tile.
-    __device__ __forceinline__ unsigned long long desc(unsigned c) const {
-        return wgmma_desc_add(wgmma_desc_k128(base), (c % ST) * STAGE);
+    // The B descriptors of chunk c's four k16 steps (+32 bytes a step): 32-bit adds to the low word
+    // (the address field, bits 0-13: a shared address stays under 256 KB, so nothing carries out
+    // of it), the high word passed through, so ptxas keeps it in place (no 64-bit add per step).
+    __device__ __forceinline__ void descs(unsigned c, unsigned long long (&d)[4]) const {
+        const unsigned lo = (unsigned)desc0 + (c % ST) * (STAGE >> 4), hi = (unsigned)(desc0 >> 32);
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) asm("mov.b64 %0, {%1, %2};" : "=l"(d[q]) : "r"(lo + 2 * q), "r"(hi));
     }
     // Its A registers.
     static __device__ __forceinline__ void decode(const TcLane& ln, unsigned (&a)[4][4]) {
@@ -449,13 +544,14 @@ struct WgRing {
 };
 
 // Unit u of a tile whose first chunk is c0, its A registers in a[BUF] (BUF = u & 1; with MB = 2
-// the block is BUF too): when NEXT (every unit but the tile's last), load unit u + 1's weights from
-// shared memory; issue unit u's four wgmma k16 steps; then wait for unit u - 1, release the chunk
-// it finished and decode unit u + 1 while unit u runs.
+// the block is BUF too) and its chunk's descriptors in d: when NEXT (every unit but the tile's
+// last), load unit u + 1's weights from shared memory (and, at a chunk's end, that chunk's
+// descriptors into d once this unit's wgmmas are issued); issue unit u's four wgmma k16 steps; then
+// wait for unit u - 1, release the chunk it finished and decode unit u + 1 while unit u runs.
 // (No wgmma sits under a run-time branch: ptxas would drain the pipe at the join.)
 template <int NT, int N, int MB, int BUF, bool NEXT, typename Ring>
 __device__ __forceinline__ void wg_unit(const Ring& r, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
-                                        unsigned c0, int u)
+                                        unsigned long long (&d)[4], unsigned c0, int u)
 {
     constexpr int B = (MB == 2) ? BUF : 0, BN = (MB == 2) ? (BUF ^ 1) : 0;
     // bf16 weights are loaded after the wait, straight into the A registers the wait frees: held
@@ -469,12 +565,12 @@ __device__ __forceinline__ void wg_unit(const Ring& r, float (&acc)[MB][NT / 8][
         if (BN == 0) r.wait_full(cn);
         if constexpr (!LATE_LOAD) ln = r.load(cn, BN);
     }
-    const unsigned long long desc = r.desc(c);
     wgmma_fence();
     #pragma unroll
-    for (int q = 0; q < 4; ++q) WgmmaBf16<N>::mma(acc[B], a[BUF][q], desc + 2 * q);    // +32 bytes per k16 step
+    for (int q = 0; q < 4; ++q) WgmmaBf16<N>::mma(acc[B], a[BUF][q], d[q]);
     wgmma_commit();
     if constexpr (NEXT) {
+        if (BN == 0) r.descs(cn, d);
         wgmma_wait<1>();                       // unit u - 1 is done: its registers and, at a chunk's
         wgmma_fence_a(a[BUF ^ 1]);             // end, its stage are free
         if (B == 0 && u > 0) r.release(c - 1);
@@ -489,16 +585,18 @@ template <int NT, int N, int MB, typename Ring>
 __device__ __forceinline__ void wg_k_loop(const Ring& ring, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
                                           unsigned c0, int U)
 {
+    unsigned long long d[4];
+    ring.descs(c0, d);
     int u = 0;
     for (; u + 2 < U; u += 2) {
-        wg_unit<NT, N, MB, 0, true>(ring, acc, a, c0, u);
-        wg_unit<NT, N, MB, 1, true>(ring, acc, a, c0, u + 1);
+        wg_unit<NT, N, MB, 0, true>(ring, acc, a, d, c0, u);
+        wg_unit<NT, N, MB, 1, true>(ring, acc, a, d, c0, u + 1);
     }
     if (u + 2 == U) {                          // the last pair (always, with MB = 2)
-        wg_unit<NT, N, MB, 0, true>(ring, acc, a, c0, u);
-        wg_unit<NT, N, MB, 1, false>(ring, acc, a, c0, u + 1);
+        wg_unit<NT, N, MB, 0, true>(ring, acc, a, d, c0, u);
+        wg_unit<NT, N, MB, 1, false>(ring, acc, a, d, c0, u + 1);
     } else {
-        wg_unit<NT, N, MB, 0, false>(ring, acc, a, c0, u);
+        wg_unit<NT, N, MB, 0, false>(ring, acc, a, d, c0, u);
     }
     wgmma_wait<0>();
 }
@@ -589,10 +687,11 @@ struct WgGridSched {
     }
 };
 
-// Runs every unit the schedule gives this CTA; `store(layer, acc, grp, m0, mc, gslab)` is the
-// epilogue of one m64 block.
-template <int NT, int GPC, int NC, int ST, int NS, typename Sched, typename Store>
-__device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
+// Runs every unit the schedule gives this CTA; `pre = prefetch(layer, grp, m0, mc)` is what the
+// epilogue of a unit reads besides its accumulators, loaded before the unit's K loop, and
+// `store(layer, acc, pre, grp, m0, mc, gslab)` the epilogue of one m64 block.
+template <int NT, int GPC, int NC, int ST, int NS, typename Sched, typename Prefetch, typename Store>
+__device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, Store store)
 {
     static_assert((2 * GPC) % NC == 0, "every consumer warpgroup owns whole m64 blocks");
     constexpr int MB = 2 * GPC / NC;
@@ -603,7 +702,6 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
     __shared__ int stage_unit[ST];       // the unit whose first chunk the stage holds (WgUnit code)
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const unsigned char* gbase = smem_raw + (base - smem_u32(smem_raw));
     const unsigned full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
     // Rows (groups) and K chunks of a layer's GEMM.
     auto groups_of = [&](int layer) {
@@ -666,7 +764,9 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     // uniform registers (read from threadIdx / shared memory directly, the K loop gained an R2UR per
     // wgmma and 15 instructions per two units: 3-7% slower on the H200).
     const int cw = __shfl_sync(0xffffffffu, wg - 1, 0), warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    WgRing<ST, S::STAGE> ring{base, gbase, full0, empty0, {0, 0}, {0, 0}};
+    const unsigned long long desc0 = wgmma_desc_k128(base);
+    using Ring = WgRing<ST, S::STAGE>;
+    Ring ring{base, full0, empty0, desc0, {0, 0}, {0, 0}};
     #pragma unroll
     for (int b = 0; b < MB; ++b) {
         const int slab = 4 * (cw * MB + b) + warp;    // slab of the CTA = its block in the stage
@@ -693,6 +793,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
         int grp, m0, mend;
         gemm_tile<NT>(sched.ops(u.layer), u.tile, grp, m0, mend);
         const int mc = min(mend - m0, NT);
+        const auto pre = prefetch(u.layer, grp, m0, mc);
         float acc[MB][NT / 8][4];
         #pragma unroll
         for (int b = 0; b < MB; ++b)
@@ -701,7 +802,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
                 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[b][i][v] = 0.f;
         unsigned a[2][4][4];
-        decltype(ring)::decode(ring.load(it, 0), a[0]);
+        Ring::decode(ring.load(it, 0), a[0]);
         #pragma unroll
         for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
         wg_tile_k_loop<NT, NS>(ring, acc, a, it, nch * MB, mc);
@@ -713,7 +814,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
         if (MB == 1 && nch > 1) ring.release(it - 2);   // the last unit's predecessor's chunk
         ring.release(it - 1);
         #pragma unroll
-        for (int b = 0; b < MB; ++b) store(u.layer, acc[b], grp, m0, mc, G0 * 8 + 4 * (cw * MB + b) + warp);
+        for (int b = 0; b < MB; ++b) store(u.layer, acc[b], pre, grp, m0, mc, G0 * 8 + 4 * (cw * MB + b) + warp);
         sched.unit_stored(u, NC);
     }
 }
@@ -753,17 +854,25 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Store store)
     {                                                                                                     \
         if (CHAIN && threadIdx.x == 0) griddep_launch_dependents();   /* its L2 may launch */             \
         wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, 0, p.tile_done, 0u},                 \
-                                  [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
-            tc_store_l1<NT, false>(p.l1, acc, grp, m0, mc, gs, nullptr, nullptr);                         \
-        });                                                                                               \
+                                  [&](int, int grp, int m0, int mc) {                                     \
+                                      TcL1Pre<NT / 8> pre;                                                \
+                                      pre.load(p.l1, grp, m0, mc);                                        \
+                                      return pre;                                                         \
+                                  },                                                                      \
+                                  [&](int, const float (&acc)[NT / 8][4], const TcL1Pre<NT / 8>& pre, int, int m0, int mc, \
+                                      int gs) { tc_store_l1<NT>(p.l1, acc, pre, m0, mc, gs); });          \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l2##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                        \
     {                                                                                                     \
         wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, 1, p.tile_done, (unsigned)p.wait_units}, \
-                                  [&](int, const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
-            tc_store_l2<NT>(p.l2, acc, grp, m0, mc, gs);                                                  \
-        });                                                                                               \
+                                  [&](int, int grp, int m0, int mc) {                                     \
+                                      TcL2Pre<NT / 8> pre;                                                \
+                                      pre.load(p.l2, grp, m0, mc);                                        \
+                                      return pre;                                                         \
+                                  },                                                                      \
+                                  [&](int, const float (&acc)[NT / 8][4], const TcL2Pre<NT / 8>& pre, int, int m0, int mc, \
+                                      int gs) { tc_store_l2<NT>(p.l2, acc, pre, m0, mc, gs); });          \
     }
 #define WG_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(, false, NT, G, C, ST, NS)
 // The chained L1 / L2 of a configuration (opt-in module, gpu_layout::tc::wg_chain_configs).
