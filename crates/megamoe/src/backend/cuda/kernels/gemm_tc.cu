@@ -420,13 +420,19 @@ __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (
         if (h0 + 8 < H) o.put(h0 + 8, acc[jn][2 + e] * a);
     });
 }
+// An epilogue's inputs (TcL1Pre / TcL2Pre) of tile (expert grp, rows m0 .. m0 + mc), loaded.
+template <class Pre, class P>
+__device__ __forceinline__ Pre wg_pre(const P& p, int grp, int m0, int mc)
+{
+    Pre pre;
+    pre.load(p, grp, m0, mc);
+    return pre;
+}
 template <int NM>
 __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (&acc)[NM / 8][4], int grp, int m0,
                                             int mc, int gslab)
 {
-    TcL2Pre<NM / 8> pre;
-    pre.load(p, grp, m0, mc);
-    tc_store_l2<NM>(p, acc, pre, m0, mc, gslab);
+    tc_store_l2<NM>(p, acc, wg_pre<TcL2Pre<NM / 8>>(p, grp, m0, mc), m0, mc, gslab);
 }
 
 // The tiles of a launch: blockIdx.y, + gridDim.y, ... (see the tiling note at the top);
@@ -854,11 +860,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     {                                                                                                     \
         if (CHAIN && threadIdx.x == 0) griddep_launch_dependents();   /* its L2 may launch */             \
         wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, 0, p.tile_done, 0u},                 \
-                                  [&](int, int grp, int m0, int mc) {                                     \
-                                      TcL1Pre<NT / 8> pre;                                                \
-                                      pre.load(p.l1, grp, m0, mc);                                        \
-                                      return pre;                                                         \
-                                  },                                                                      \
+                                  [&](int, int grp, int m0, int mc) { return wg_pre<TcL1Pre<NT / 8>>(p.l1, grp, m0, mc); }, \
                                   [&](int, const float (&acc)[NT / 8][4], const TcL1Pre<NT / 8>& pre, int, int m0, int mc, \
                                       int gs) { tc_store_l1<NT>(p.l1, acc, pre, m0, mc, gs); });          \
     }                                                                                                     \
@@ -866,11 +868,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     moe_wg_l2##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                        \
     {                                                                                                     \
         wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, 1, p.tile_done, (unsigned)p.wait_units}, \
-                                  [&](int, int grp, int m0, int mc) {                                     \
-                                      TcL2Pre<NT / 8> pre;                                                \
-                                      pre.load(p.l2, grp, m0, mc);                                        \
-                                      return pre;                                                         \
-                                  },                                                                      \
+                                  [&](int, int grp, int m0, int mc) { return wg_pre<TcL2Pre<NT / 8>>(p.l2, grp, m0, mc); }, \
                                   [&](int, const float (&acc)[NT / 8][4], const TcL2Pre<NT / 8>& pre, int, int m0, int mc, \
                                       int gs) { tc_store_l2<NT>(p.l2, acc, pre, m0, mc, gs); });          \
     }
