@@ -6,7 +6,9 @@
 // the lane's 24 bytes of weights and scales loaded from shared memory and decoded into the next
 // unit's A registers (NVFP4: the 9-op e2m1 placement, the scale pair, four bf16x2 multiplies per
 // k16 step, as tc_decode). The question it answers: whether the consumers' instruction stream or
-// the wgmma pipe bounds the tensor pipe at ~72-column MMAs (a V4-Pro EP8 rank at T=4096).
+// the wgmma pipe bounds the tensor pipe at ~72-column MMAs (a V4-Pro EP8 rank at T=4096). DEC = 2..4
+// split the decode's cost into its parts (added after the twenty-sixth session's runs, not run yet:
+// docs/PERFORMANCE.md has the DEC 0 / 1 figures).
 // Built and run THERE (the GPU machine):
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -o /tmp/wgmma_probe scripts/device/wgmma_rate_probe.cu && /tmp/wgmma_probe
 // Prints per configuration: TFLOP/s of issued MMA work over the whole GPU (best of 3 launches).
@@ -20,15 +22,28 @@ constexpr int UNITS = 24000;   // units per consumer warpgroup per launch
 // The weights region: 8 unit slots of 2 KB (codes at lane * 16, scales 1 KB further) and a lane's reach past the last.
 constexpr int PROBE_W_BYTES = 8 * 2048 + 1024 + 2048;
 
-// The NVFP4 decode of tc_decode (gemm_tc.cu) for step Q of word w with scale words sc.
-template <int Q>
+// The NVFP4 decode of tc_decode (gemm_tc.cu) for step Q of word w with scale words sc (DEC = 1);
+// for the cost of its parts, DEC = 2 only the e2m1 placement (9 integer ops), DEC = 3 only the scale
+// (byte permute, shift-add, four bf16x2 multiplies of the raw word), DEC = 4 a 7-op placement (four
+// rotations and masks: what a layout admitting them would cost; wrong values, same issue count).
+template <int Q, int DEC>
 __device__ __forceinline__ void probe_decode(unsigned (&a)[4], unsigned w, uint2 sc)
 {
     const unsigned M = 0x81C081C0u;
-    a[0] = w & M;
-    a[1] = (w << 4) & M;
-    a[2] = __funnelshift_l(w, w, 10) & M;
-    a[3] = ((w << 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
+    if constexpr (DEC == 3) {
+        a[0] = a[1] = a[2] = a[3] = w;
+    } else if constexpr (DEC == 4) {
+        a[0] = w & M;
+        a[1] = __funnelshift_l(w, w, 4) & M;
+        a[2] = __funnelshift_l(w, w, 10) & M;
+        a[3] = __funnelshift_l(w, w, 22) & M;
+    } else {
+        a[0] = w & M;
+        a[1] = (w << 4) & M;
+        a[2] = __funnelshift_l(w, w, 10) & M;
+        a[3] = ((w << 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
+    }
+    if constexpr (DEC == 2) return;
     const unsigned word = (Q < 2) ? sc.x : sc.y;
     constexpr unsigned SEL = (Q & 1) ? 0x4342u : 0x4140u;
     const unsigned s2 = (__byte_perm(word, 0u, SEL) << 4) + 0x6D006D00u;
@@ -57,10 +72,10 @@ __device__ __forceinline__ void probe_unit(float (&acc)[MB][N / 8][4], unsigned 
     wgmma_wait<NB - 1>();
     wgmma_fence_a(a[NEXT]);
     if constexpr (DEC) {
-        probe_decode<0>(a[NEXT][0], w.x, sc);
-        probe_decode<1>(a[NEXT][1], w.y, sc);
-        probe_decode<2>(a[NEXT][2], w.z, sc);
-        probe_decode<3>(a[NEXT][3], w.w, sc);
+        probe_decode<0, DEC>(a[NEXT][0], w.x, sc);
+        probe_decode<1, DEC>(a[NEXT][1], w.y, sc);
+        probe_decode<2, DEC>(a[NEXT][2], w.z, sc);
+        probe_decode<3, DEC>(a[NEXT][3], w.w, sc);
     }
 }
 
@@ -159,6 +174,10 @@ int main()
     run<64, 3, 2, 0>("n64 three consumers, MMA only", sms, out);
     run<64, 3, 2, 1>("n64 three consumers + FP4 decode", sms, out);
     run<72, 3, 2, 1, 3>("n72 three consumers + decode, 3 A bufs", sms, out);
+    run<72, 3, 2, 2>("n72 three consumers, e2m1 placement only", sms, out);
+    run<72, 3, 2, 3>("n72 three consumers, scale only", sms, out);
+    run<72, 3, 2, 4>("n72 three consumers, 7-op placement + scale", sms, out);
+    run<80, 3, 2, 4>("n80 three consumers, 7-op placement + scale", sms, out);
     run<80, 3, 2, 1, 3>("n80 three consumers + decode, 3 A bufs", sms, out);
     run<72, 4, 1, 1, 3>("n72 four consumers + decode, 3 A bufs", sms, out);
     run<72, 2, 2, 1, 3>("n72 two consumers + decode, 3 A bufs", sms, out);
