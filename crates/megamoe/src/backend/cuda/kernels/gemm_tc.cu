@@ -317,6 +317,14 @@ __device__ __forceinline__ bool tc_mainloop(const GemmOperands& g, float (&acc)[
     return wp == 0;
 }
 
+// The gate / up alphas of expert grp's L1 (weights' global scales, times the activations' on W4A4).
+__device__ __forceinline__ void tc_l1_alphas(const GemmOperands& g, int grp, float& ag, float& au)
+{
+    ag = au = 1.f;
+    if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
+    if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
+}
+
 // L1 epilogue of one slab's accumulators: gate/up of column 8*gslab + g for the tile's tokens, fused
 // clamped SwiGLU x routing weight (and the pre-activations in the trace variant). The routing weight
 // of plan row m is topk_w[perm[m]] (1 for a dense GEMM); `slot_of(m)`, when given, stands for
@@ -330,9 +338,8 @@ __device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (
     const int I = g.inter;
     const int col = gslab * 8 + gi;
     if (col >= I) return;
-    float ag = 1.f, au = 1.f;
-    if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
-    if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
+    float ag, au;
+    tc_l1_alphas(g, grp, ag, au);
     l1_epilogue_tokens<NM / 8>(p, m0, mc, slot_of, [&](int jn, int e, int m, float w) {
         const float gt = acc[jn][e] * ag, u = acc[jn][2 + e] * au;
         if constexpr (TRACE) { gate_tr[(size_t)m * I + col] = gt; up_tr[(size_t)m * I + col] = u; }
@@ -356,10 +363,7 @@ struct TcL1Pre {
     static constexpr int NW = (8 * NJ + 31) / 32;
     float ag, au, w[NW];
     __device__ __forceinline__ void load(const GemmL1Params& p, int grp, int m0, int mc) {
-        const GemmOperands& g = p.g;
-        ag = au = 1.f;
-        if (g.alpha_w) { ag = g.alpha_w[2 * grp]; au = g.alpha_w[2 * grp + 1]; }
-        if (g.alpha_in) { ag *= g.alpha_in[grp]; au *= g.alpha_in[grp]; }
+        tc_l1_alphas(p.g, grp, ag, au);
         const int lane = threadIdx.x & 31;
         int slot[NW];
         #pragma unroll
