@@ -7,8 +7,8 @@
 // unit's A registers (NVFP4: the 9-op e2m1 placement, the scale pair, four bf16x2 multiplies per
 // k16 step, as tc_decode). The question it answers: whether the consumers' instruction stream or
 // the wgmma pipe bounds the tensor pipe at ~72-column MMAs (a V4-Pro EP8 rank at T=4096). DEC = 2..4
-// split the decode's cost into its parts (added after the twenty-sixth session's runs, not run yet:
-// docs/PERFORMANCE.md has the DEC 0 / 1 figures).
+// split the decode's cost into its parts; DEC = 5..7 put 15 instructions of one pipe per k16 step in
+// its place (ALU LOP3, FMA-pipe HMUL2, FMA-pipe IMAD): which pipe, if any, the tensor pipe waits on.
 // Built and run THERE (the GPU machine):
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -o /tmp/wgmma_probe scripts/device/wgmma_rate_probe.cu && /tmp/wgmma_probe
 // Prints per configuration: TFLOP/s of issued MMA work over the whole GPU (best of 3 launches).
@@ -24,24 +24,41 @@ constexpr int PROBE_W_BYTES = 8 * 2048 + 1024 + 2048;
 
 // The NVFP4 decode of tc_decode (gemm_tc.cu) for step Q of word w with scale words sc (DEC = 1);
 // for the cost of its parts, DEC = 2 only the e2m1 placement (9 integer ops), DEC = 3 only the scale
-// (byte permute, shift-add, four bf16x2 multiplies of the raw word), DEC = 4 a 7-op placement (four
-// rotations and masks: what a layout admitting them would cost; wrong values, same issue count).
+// (byte permute, shift-add, four bf16x2 multiplies of the raw word), DEC = 4 the placement before
+// the twenty-seventh session (the same values from plain shifts, which ptxas makes IMAD.SHL on the
+// FMA pipe). Measured on an H100 (docs/PERFORMANCE.md, twenty-seventh session): the FMA-pipe
+// instructions (IMAD, HMUL2) are what slows the wgmmas beside them, integer ones hardly.
 template <int Q, int DEC>
 __device__ __forceinline__ void probe_decode(unsigned (&a)[4], unsigned w, uint2 sc)
 {
     const unsigned M = 0x81C081C0u;
+    if constexpr (DEC >= 5) {
+        // Pipe tests: 15 instructions per step into the A registers, of one kind (5: integer LOP3
+        // on the ALU pipe, 6: HMUL2 on the FMA pipe, 7: IMAD on the FMA pipe), a dependent chain
+        // per register as the decode's.
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = w ^ (r * 0x01010101u);
+        #pragma unroll
+        for (int i = 0; i < 11; ++i) {
+            const int r = i & 3;
+            if constexpr (DEC == 5) a[r] = (a[r] & M) ^ (sc.x | i);
+            else if constexpr (DEC == 6) a[r] = bf16x2_mul_lo(a[r], sc.x);
+            else a[r] = a[r] * 0x00010001u + sc.y;
+        }
+        return;
+    }
     if constexpr (DEC == 3) {
         a[0] = a[1] = a[2] = a[3] = w;
     } else if constexpr (DEC == 4) {
         a[0] = w & M;
-        a[1] = __funnelshift_l(w, w, 4) & M;
-        a[2] = __funnelshift_l(w, w, 10) & M;
-        a[3] = __funnelshift_l(w, w, 22) & M;
-    } else {
-        a[0] = w & M;
         a[1] = (w << 4) & M;
         a[2] = __funnelshift_l(w, w, 10) & M;
         a[3] = ((w << 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
+    } else {
+        a[0] = w & M;
+        a[1] = __funnelshift_l(w, w, 4) & M;
+        a[2] = __funnelshift_l(w, w, 10) & M;
+        a[3] = (__funnelshift_l(w, w, 6) & 0x80C080C0u) | (__funnelshift_r(w, w, 2) & 0x01000100u);
     }
     if constexpr (DEC == 2) return;
     const unsigned word = (Q < 2) ? sc.x : sc.y;
@@ -176,11 +193,16 @@ int main()
     run<72, 3, 2, 1, 3>("n72 three consumers + decode, 3 A bufs", sms, out);
     run<72, 3, 2, 2>("n72 three consumers, e2m1 placement only", sms, out);
     run<72, 3, 2, 3>("n72 three consumers, scale only", sms, out);
-    run<72, 3, 2, 4>("n72 three consumers, 7-op placement + scale", sms, out);
-    run<80, 3, 2, 4>("n80 three consumers, 7-op placement + scale", sms, out);
+    run<72, 3, 2, 4>("n72 three consumers, decode with IMAD.SHL", sms, out);
+    run<80, 3, 2, 4>("n80 three consumers, decode with IMAD.SHL", sms, out);
     run<80, 3, 2, 1, 3>("n80 three consumers + decode, 3 A bufs", sms, out);
     run<72, 4, 1, 1, 3>("n72 four consumers + decode, 3 A bufs", sms, out);
     run<72, 2, 2, 1, 3>("n72 two consumers + decode, 3 A bufs", sms, out);
+    run<72, 3, 2, 5>("n72 three consumers, 15 LOP3 per step", sms, out);
+    run<72, 3, 2, 6>("n72 three consumers, 15 HMUL2 per step", sms, out);
+    run<72, 3, 2, 7>("n72 three consumers, 15 IMAD per step", sms, out);
+    run<144, 2, 2, 5>("n144 two consumers, 15 LOP3 per step", sms, out);
+    run<144, 2, 2, 6>("n144 two consumers, 15 HMUL2 per step", sms, out);
     cudaFree(out);
     return 0;
 }
