@@ -11,9 +11,11 @@
 // its place (ALU LOP3, FMA-pipe HMUL2, FMA-pipe IMAD): which pipe, if any, the tensor pipe waits on.
 // Built and run THERE (the GPU machine):
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -o /tmp/wgmma_probe scripts/device/wgmma_rate_probe.cu && /tmp/wgmma_probe
-// Prints per configuration: TFLOP/s of issued MMA work over the whole GPU (best of 3 launches).
+// Prints per configuration: TFLOP/s of issued MMA work over the whole GPU (best of 3 launches after a
+// warm-up; PROBE_LAUNCHES=1: one launch per configuration, for a profiler).
 #include <cuda_runtime.h>
 #include <cstdio>
+#include <cstdlib>
 
 #define TC_WGMMA 1
 #include "../../crates/megamoe/src/backend/cuda/kernels/common.cuh"
@@ -24,10 +26,11 @@ constexpr int PROBE_W_BYTES = 8 * 2048 + 1024 + 2048;
 
 // The NVFP4 decode of tc_decode (gemm_tc.cu) for step Q of word w with scale words sc (DEC = 1);
 // for the cost of its parts, DEC = 2 only the e2m1 placement (9 integer ops), DEC = 3 only the scale
-// (byte permute, shift-add, four bf16x2 multiplies of the raw word), DEC = 4 the placement before
-// the twenty-seventh session (the same values from plain shifts, which ptxas makes IMAD.SHL on the
-// FMA pipe). Measured on an H100 (docs/PERFORMANCE.md, twenty-seventh session): the FMA-pipe
-// instructions (IMAD, HMUL2) are what slows the wgmmas beside them, integer ones hardly.
+// (byte permute, shift-add, four bf16x2 multiplies of the raw word), DEC = 4 the same values with
+// every shift a rotation (SHF on the integer pipe where ptxas makes the plain left shifts IMAD.SHL
+// on the FMA pipe). Measured on an H100 (docs/PERFORMANCE.md, twenty-seventh session): DEC 4 is
+// slower than DEC 1 (the kernels built with it were 2.5% slower at T=4096): the decode is balanced
+// between the two pipes, and moving its shifts onto the integer pipe unbalances it.
 template <int Q, int DEC>
 __device__ __forceinline__ void probe_decode(unsigned (&a)[4], unsigned w, uint2 sc)
 {
@@ -51,14 +54,14 @@ __device__ __forceinline__ void probe_decode(unsigned (&a)[4], unsigned w, uint2
         a[0] = a[1] = a[2] = a[3] = w;
     } else if constexpr (DEC == 4) {
         a[0] = w & M;
-        a[1] = (w << 4) & M;
-        a[2] = __funnelshift_l(w, w, 10) & M;
-        a[3] = ((w << 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
-    } else {
-        a[0] = w & M;
         a[1] = __funnelshift_l(w, w, 4) & M;
         a[2] = __funnelshift_l(w, w, 10) & M;
         a[3] = (__funnelshift_l(w, w, 6) & 0x80C080C0u) | (__funnelshift_r(w, w, 2) & 0x01000100u);
+    } else {
+        a[0] = w & M;
+        a[1] = (w << 4) & M;
+        a[2] = __funnelshift_l(w, w, 10) & M;
+        a[3] = ((w << 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
     }
     if constexpr (DEC == 2) return;
     const unsigned word = (Q < 2) ? sc.x : sc.y;
@@ -154,15 +157,19 @@ void run(const char* name, int sms, float* out)
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
+    // PROBE_LAUNCHES (environment, default 4): launches per configuration, the first a warm-up
+    // unless it is the only one (1: one launch each, for ncu).
+    const char* env = getenv("PROBE_LAUNCHES");
+    const int launches = env ? atoi(env) : 4;
     float best = 1e30f;
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < launches; ++r) {
         cudaEventRecord(e0);
         k<<<sms, 128 * NC, smem>>>(out);
         cudaEventRecord(e1);
         cudaEventSynchronize(e1);
         float ms;
         cudaEventElapsedTime(&ms, e0, e1);
-        if (r > 0 && ms < best) best = ms;
+        if ((r > 0 || launches == 1) && ms < best) best = ms;
     }
     const cudaError_t err = cudaGetLastError();
     const double flop = 2.0 * 64 * N * 16 * 4 * (double)UNITS * NC * sms;
@@ -193,8 +200,8 @@ int main()
     run<72, 3, 2, 1, 3>("n72 three consumers + decode, 3 A bufs", sms, out);
     run<72, 3, 2, 2>("n72 three consumers, e2m1 placement only", sms, out);
     run<72, 3, 2, 3>("n72 three consumers, scale only", sms, out);
-    run<72, 3, 2, 4>("n72 three consumers, decode with IMAD.SHL", sms, out);
-    run<80, 3, 2, 4>("n80 three consumers, decode with IMAD.SHL", sms, out);
+    run<72, 3, 2, 4>("n72 three consumers, decode all SHF", sms, out);
+    run<80, 3, 2, 4>("n80 three consumers, decode all SHF", sms, out);
     run<80, 3, 2, 1, 3>("n80 three consumers + decode, 3 A bufs", sms, out);
     run<72, 4, 1, 1, 3>("n72 four consumers + decode, 3 A bufs", sms, out);
     run<72, 2, 2, 1, 3>("n72 two consumers + decode, 3 A bufs", sms, out);

@@ -117,16 +117,13 @@ __device__ __forceinline__ void tc_decode(unsigned (&a)[4], const TcLane& l)
         a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
     } else {
         const unsigned w = (Q == 0) ? l.w[0].x : (Q == 1) ? l.w[0].y : (Q == 2) ? l.w[0].z : l.w[0].w;
-        // Every shift is a rotation (the masks drop the bits a rotation wraps, so the values are
-        // those of plain shifts): SHF on the integer pipe. A plain left shift becomes IMAD.SHL on
-        // the FMA pipe, whose instructions slow the wgmmas beside them far more than integer ones
-        // (scripts/device/wgmma_rate_probe.cu, H100: 15 IMAD or HMUL2 per k16 step cost an n72
-        // loop 20-23% of its MMA rate, 15 LOP3 6%).
+        // Rotations whose masked bits do not wrap are plain shifts (w << 4, w << 6): ptxas may put
+        // those on the FMA pipe (IMAD.SHL) beside the HMUL2s, off the busier integer pipe.
         const unsigned M = 0x81C081C0u;
         a[0] = w & M;
-        a[1] = __funnelshift_l(w, w, 4) & M;
+        a[1] = (w << 4) & M;
         a[2] = __funnelshift_l(w, w, 10) & M;
-        a[3] = (__funnelshift_l(w, w, 6) & 0x80C080C0u) | (__funnelshift_r(w, w, 2) & 0x01000100u);
+        a[3] = ((w << 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
         // s2 = the bf16 scales of rows g (low half) and g+8 (high half) at step Q: one byte permute
         // and one shift(-add); the multiplies take each half through HMUL2's operand swizzle.
         // NVFP4: e5m3 bytes (gpu_layout::tc::nvfp4_scale_byte: |e4m3| with a 5-bit exponent, so

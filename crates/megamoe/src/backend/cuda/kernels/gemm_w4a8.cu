@@ -61,30 +61,17 @@ struct W8Shape {
     static constexpr int STAGE = (T_BYTES + W8_SCALE_BYTES + SLABS * W8_BLK + 1023) / 1024 * 1024;   // = w4a8::stage_bytes
 };
 
-// The lookup table (t0, t1) of exponent byte I of word xw (gpu_layout::w4a8::table: x * 0x08080800
-// + 0x0C080000, x * 0x08080808 + 0x1C181410): the byte replicated by a byte permute (0 in t0's low
-// byte), then shifted and added (LEA) on the integer pipe. Written as multiplies they were IMADs on
-// the FMA pipe, whose instructions slow the QGMMAs beside them far more than integer ones
-// (scripts/device/wgmma_rate_probe.cu, twenty-seventh session).
-template <int I>
-__device__ __forceinline__ void w8_table(unsigned xw, unsigned& t0, unsigned& t1)
+// Two e4m3 registers (lo, hi) of one code word under exponent byte x (gpu_layout::w4a8::decode_word).
+__device__ __forceinline__ void w8_decode_word(unsigned w, unsigned x, unsigned& lo, unsigned& hi)
 {
-    t0 = (__byte_perm(xw, 0u, I * 0x1110u + 4u) << 3) + 0x0C080000u;
-    t1 = (__byte_perm(xw, 0u, I * 0x1111u) << 3) + 0x1C181410u;
-}
-
-// Two e4m3 registers (lo, hi) of one code word under the table of its exponent byte
-// (gpu_layout::w4a8::decode_word). The sign of lo's codes moves up by a rotation (SHF), not a
-// left shift (IMAD.SHL): the mask drops the wrapped bits.
-__device__ __forceinline__ void w8_decode_word(unsigned w, unsigned t0, unsigned t1, unsigned& lo, unsigned& hi)
-{
+    const unsigned t0 = x * 0x08080800u + 0x0C080000u, t1 = x * 0x08080808u + 0x1C181410u;
     const unsigned m = w & 0x77777777u;
     unsigned pl, ph;
     // prmt as asm: through __byte_perm the compiler saw that only m's low 16 bits are read and
     // masked w twice (0x7777, then 0x77770000 before the shift): one instruction more per word.
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pl) : "r"(t0), "r"(t1), "r"(m));
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(ph) : "r"(t0), "r"(t1), "r"(m >> 16));
-    lo = pl | (__funnelshift_l(w, w, 4) & 0x80808080u);
+    lo = pl | ((w << 4) & 0x80808080u);
     hi = ph | (w & 0x80808080u);
 }
 
@@ -107,11 +94,9 @@ __device__ __forceinline__ void w8_decode(const W8Raw& r, unsigned (&a)[4][4])
     #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const unsigned xw = p < 2 ? xs.x : xs.y;
-        unsigned g0, g1, h0, h1;
-        if (p & 1) { w8_table<2>(xw, g0, g1); w8_table<3>(xw, h0, h1); }
-        else { w8_table<0>(xw, g0, g1); w8_table<1>(xw, h0, h1); }
-        w8_decode_word(w[2 * p], g0, g1, a[p][0], a[p][2]);
-        w8_decode_word(w[2 * p + 1], h0, h1, a[p][1], a[p][3]);
+        const unsigned xg = __byte_perm(xw, 0u, 0x4440u | (2 * (p & 1))), xh = __byte_perm(xw, 0u, 0x4440u | (2 * (p & 1) + 1));
+        w8_decode_word(w[2 * p], xg, a[p][0], a[p][2]);
+        w8_decode_word(w[2 * p + 1], xh, a[p][1], a[p][3]);
     }
 }
 
