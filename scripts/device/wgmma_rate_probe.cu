@@ -30,12 +30,14 @@ constexpr int PROBE_W_BYTES = 8 * 2048 + 1024 + 2048;
 // every shift a rotation (SHF on the integer pipe where ptxas makes the plain left shifts IMAD.SHL
 // on the FMA pipe). Measured on an H100 (docs/PERFORMANCE.md, twenty-seventh session): DEC 4 is
 // slower than DEC 1 (the kernels built with it were 2.5% slower at T=4096): the decode is balanced
-// between the two pipes, and moving its shifts onto the integer pipe unbalances it.
+// between the two pipes, and moving its shifts onto the integer pipe unbalances it. DEC = 8 moves
+// one the other way — the right shift as IMAD.HI (a multiply's high word) on the FMA pipe — and is
+// slower still (679 against 729 TFLOP/s at n72; the kernels built with it 10.6% slower at T=4096).
 template <int Q, int DEC>
 __device__ __forceinline__ void probe_decode(unsigned (&a)[4], unsigned w, uint2 sc)
 {
     const unsigned M = 0x81C081C0u;
-    if constexpr (DEC >= 5) {
+    if constexpr (DEC >= 5 && DEC <= 7) {
         // Pipe tests: 15 instructions per step into the A registers, of one kind (5: integer LOP3
         // on the ALU pipe, 6: HMUL2 on the FMA pipe, 7: IMAD on the FMA pipe), a dependent chain
         // per register as the decode's.
@@ -52,6 +54,11 @@ __device__ __forceinline__ void probe_decode(unsigned (&a)[4], unsigned w, uint2
     }
     if constexpr (DEC == 3) {
         a[0] = a[1] = a[2] = a[3] = w;
+    } else if constexpr (DEC == 8) {
+        a[0] = w & M;
+        a[1] = (w << 4) & M;
+        a[2] = __funnelshift_l(w, w, 10) & M;
+        a[3] = ((w << 6) & 0x80C080C0u) | (__umulhi(w, 1u << 30) & 0x01000100u);
     } else if constexpr (DEC == 4) {
         a[0] = w & M;
         a[1] = __funnelshift_l(w, w, 4) & M;
@@ -205,6 +212,8 @@ int main()
     run<80, 3, 2, 1, 3>("n80 three consumers + decode, 3 A bufs", sms, out);
     run<72, 4, 1, 1, 3>("n72 four consumers + decode, 3 A bufs", sms, out);
     run<72, 2, 2, 1, 3>("n72 two consumers + decode, 3 A bufs", sms, out);
+    run<72, 3, 2, 8>("n72 three consumers, decode w >> 2 as IMAD.HI", sms, out);
+    run<80, 3, 2, 8>("n80 three consumers, decode w >> 2 as IMAD.HI", sms, out);
     run<72, 3, 2, 5>("n72 three consumers, 15 LOP3 per step", sms, out);
     run<72, 3, 2, 6>("n72 three consumers, 15 HMUL2 per step", sms, out);
     run<72, 3, 2, 7>("n72 three consumers, 15 IMAD per step", sms, out);
