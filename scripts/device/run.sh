@@ -11,7 +11,8 @@
 # opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE[|VAR=VALUE..]"
 # (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
 # prefill tests and rows under each MEGAMOE_WG_CONSUMERS), QUANT_DECODE=1 (W4A8 / W4A4 decode rows,
-# fused against the separate stages), SWEEP (bench rows under several environments, see below), AB_OLD=path (an earlier binary: the AB_SPECS rows of both builds, alternated).
+# fused against the separate stages), SWEEP (bench rows under several environments, see below), AB_OLD=path (an earlier binary: the AB_SPECS rows of both builds, alternated),
+# NCU_PIPES=1 (per-pipe ncu counters of the wgmma rate probe and of the W4A16 / W4A8 prefill GEMMs: pipes.txt).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # Step logs go to $LOGS and come back as one archive (the device tool returns at most 8 files).
@@ -250,6 +251,33 @@ if [ "${NCU_DETAIL:-0}" != 0 ] && command -v ncu >/dev/null; then
     rm -f "$OUT/detail_$tag.ncu-rep"
   done
 fi
+if [ "${NCU_PIPES:-0}" != 0 ] && command -v ncu >/dev/null; then
+  # Which pipe bounds the wgmma consumer loops: per-pipe issue and busy counters (ALU, FMA, FMA-heavy,
+  # tensor, uniform, ...) and issue slots of the rate probe's configurations (one launch each) and of
+  # the W4A16 wgmma and W4A8 FP8 L1 / L2 at T=4096 on the V4-Pro EP8 rank; summarised in pipes.txt.
+  pm='regex:^sm__(inst_executed_pipe|pipe)_[a-z0-9_]+\.avg\.pct_of_peak_sustained_active$,smsp__issue_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum'
+  if nvcc -gencode arch=compute_90a,code=sm_90a -O3 -o /tmp/wgmma_probe scripts/device/wgmma_rate_probe.cu >/dev/null 2>&1; then
+    step pipes_probe env PROBE_LAUNCHES=1 timeout 200 ncu --clock-control none --metrics "$pm" --csv /tmp/wgmma_probe
+  fi
+  step pipes_wg timeout 200 ncu --clock-control none -k regex:moe_wg_l --launch-count 2 --metrics "$pm" --csv \
+    "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens 4096 --iters 1
+  step pipes_w8 timeout 200 env MEGAMOE_W4A8_FP8=1 ncu --clock-control none -k regex:moe_w8_l --launch-count 2 --metrics "$pm" \
+    --csv "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens 4096 --iters 1 --format mxfp4 --mode w4a8
+  python3 - "$LOGS" > "$LOGS/pipes.txt" 2>&1 <<'PY'
+import collections, csv, os, sys
+for name in ("pipes_probe", "pipes_wg", "pipes_w8"):
+    path = os.path.join(sys.argv[1], name + ".log")
+    if not os.path.exists(path):
+        continue
+    rows = [l for l in open(path, errors="replace") if l.startswith('"')]
+    by = collections.OrderedDict()
+    for r in csv.DictReader(rows):
+        by.setdefault((r.get("ID"), r.get("Kernel Name", "")[:48]), {})[r.get("Metric Name")] = r.get("Metric Value")
+    print("==", name)
+    for (i, k), m in by.items():
+        print(i, k, {n.replace(".avg.pct_of_peak_sustained_active", ""): v for n, v in m.items() if v not in ("0", "0.00")})
+PY
+fi
 if [ -n "${AB_OLD:-}" ]; then
   # Two builds in one call: this one and AB_OLD (an earlier `megamoe` binary staged beside it by
   # scripts/device.sh AB_OLD_BIN=...; both find their kernels in the same cache), alternated
@@ -288,6 +316,7 @@ for f in timings_tc timings_simt; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; g
 [ -f "$LOGS/ncu.log" ] && grep -E "moe_tc|gpu__time|dram__throughput|issue_active|grid_size" "$LOGS/ncu.log" | head -40
 [ -f "$LOGS/ncu_bench.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|issue_active|grid_size" "$LOGS/ncu_bench.log" | head -150
 for f in ep_tests ep2 ep8 ep2tp2 ep2dev ep8dev ep2tp2dev ep8dev_fp8 nccl1dev ep8dev_bench ep_mem8 ep_mem1 nccl1 launch1; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 8; }; done
+[ -f "$LOGS/pipes.txt" ] && { echo "--- pipes"; cat "$LOGS/pipes.txt"; }
 [ -f "$LOGS/ncu_w4a8.log" ] && grep -E "  moe_|gpu__time|dram__throughput|tensor|gmma|issue_active|shared|grid_size" "$LOGS/ncu_w4a8.log" | head -60
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
 for c in ${WG_AB:-}; do for f in wg${c}_tests wg${c}_bench wg${c}_flash; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -E "rank |test result|panicked|rel L2|whole-layer" "$LOGS/$f.log" | tail -n 14; }; done; done
