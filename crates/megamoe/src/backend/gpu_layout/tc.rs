@@ -559,7 +559,11 @@ pub const WG_TILE_OVERHEAD_TOKENS: f64 = 64.0;
 /// Narrower MMA widths of the wgmma kernels (`NS` of `WG_KERNELS`): a tile of `r` rows issues its
 /// wgmmas [`wg_mma_width`] columns wide, so an expert's last tile computes less than 8 padding
 /// columns unless it holds fewer than `nt - 8 * WG_NARROW_STEPS` rows. One step: with two, ptxas
-/// serialises the wgmmas of the three-consumer kernels for want of registers (its C7512 note).
+/// serialises the wgmmas of the three-consumer kernels (its C7512 note, "insufficient register
+/// resources") — a third copy of the K loop does it whatever the widths (three loops of the full
+/// width too; checked for n72 and n80), and so do separate epilogues per width. And narrower MMAs
+/// gain less than their width there: the FP4 decode bounds an n64-n80 loop (scripts/device/
+/// wgmma_rate_probe.cu, H100: a unit at n72 takes 99% of an n80 unit's time, at n64 87%).
 pub const WG_NARROW_STEPS: usize = 1;
 
 /// The narrower widths configuration `c` is built with for `format`: [`WG_NARROW_STEPS`] for the
