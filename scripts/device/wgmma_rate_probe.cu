@@ -6,9 +6,10 @@
 // the lane's 24 bytes of weights and scales loaded from shared memory and decoded into the next
 // unit's A registers (NVFP4: the 9-op e2m1 placement, the scale pair, four bf16x2 multiplies per
 // k16 step, as tc_decode). The question it answers: whether the consumers' instruction stream or
-// the wgmma pipe bounds the tensor pipe at ~72-column MMAs (a V4-Pro EP8 rank at T=4096). DEC = 2..4
-// split the decode's cost into its parts; DEC = 5..7 put 15 instructions of one pipe per k16 step in
-// its place (ALU LOP3, FMA-pipe HMUL2, FMA-pipe IMAD): which pipe, if any, the tensor pipe waits on.
+// the wgmma pipe bounds the tensor pipe at ~72-column MMAs (a V4-Pro EP8 rank at T=4096). DEC = 2, 3
+// split the decode's cost into its parts, DEC = 4, 8 move one of its shifts to the other pipe, and
+// DEC = 5..7 put 15 instructions of one pipe per k16 step in its place (ALU LOP3, FMA-pipe HMUL2,
+// FMA-pipe IMAD): which pipe, if any, the tensor pipe waits on.
 // Built and run THERE (the GPU machine):
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -o /tmp/wgmma_probe scripts/device/wgmma_rate_probe.cu && /tmp/wgmma_probe
 // Prints per configuration: TFLOP/s of issued MMA work over the whole GPU (best of 3 launches after a
