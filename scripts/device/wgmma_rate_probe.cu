@@ -119,12 +119,7 @@ __global__ void __launch_bounds__(128 * NC, 1) probe(float* out)
     const unsigned char* wsm = gb + N * 128 + (threadIdx.x & 127) * 16;
     const unsigned long long desc = wgmma_desc_k128(base);
     float acc[MB][N / 8][4];
-    #pragma unroll
-    for (int b = 0; b < MB; ++b)
-        #pragma unroll
-        for (int i = 0; i < N / 8; ++i)
-            #pragma unroll
-            for (int v = 0; v < 4; ++v) acc[b][i][v] = 0.f;
+    wgmma_zero_acc(acc);
     unsigned a[NB][4][4];
     #pragma unroll
     for (int x = 0; x < NB; ++x)
@@ -132,8 +127,7 @@ __global__ void __launch_bounds__(128 * NC, 1) probe(float* out)
         for (int q = 0; q < 4; ++q)
             #pragma unroll
             for (int r = 0; r < 4; ++r) a[x][q][r] = 0x3F803F80u ^ (threadIdx.x & 1);
-    #pragma unroll
-    for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
+    wgmma_fence_acc(acc);
     static_assert(UNITS % 6 == 0, "whole unrolled rounds");
     for (int u = 0; u < UNITS; u += 6) {   // 6 = a multiple of every MB x NB pattern
         probe_unit<N, MB, DEC, NB, 0>(acc, a, desc, wsm, u);
@@ -144,8 +138,7 @@ __global__ void __launch_bounds__(128 * NC, 1) probe(float* out)
         probe_unit<N, MB, DEC, NB, 5>(acc, a, desc, wsm, u + 5);
     }
     wgmma_wait<0>();
-    #pragma unroll
-    for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
+    wgmma_fence_acc(acc);
     float s = 0.f;
     #pragma unroll
     for (int b = 0; b < MB; ++b)

@@ -339,4 +339,20 @@ __device__ __forceinline__ void wgmma_fence_acc(float (&d)[N][4]) {
         #pragma unroll
         for (int v = 0; v < 4; ++v) asm volatile("" : "+f"(d[i][v]) :: "memory");
 }
+// The same over MB m64 blocks of accumulators.
+template <int MB, int N>
+__device__ __forceinline__ void wgmma_fence_acc(float (&d)[MB][N][4]) {
+    #pragma unroll
+    for (int b = 0; b < MB; ++b) wgmma_fence_acc(d[b]);
+}
+// MB m64 blocks of accumulators set to zero (a tile's start).
+template <int MB, int N>
+__device__ __forceinline__ void wgmma_zero_acc(float (&d)[MB][N][4]) {
+    #pragma unroll
+    for (int b = 0; b < MB; ++b)
+        #pragma unroll
+        for (int i = 0; i < N; ++i)
+            #pragma unroll
+            for (int v = 0; v < 4; ++v) d[b][i][v] = 0.f;
+}
 #endif  // TC_WGMMA

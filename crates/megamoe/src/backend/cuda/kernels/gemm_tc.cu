@@ -805,21 +805,14 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
         const int mc = min(mend - m0, NT);
         const auto pre = prefetch(u.layer, grp, m0, mc);
         float acc[MB][NT / 8][4];
-        #pragma unroll
-        for (int b = 0; b < MB; ++b)
-            #pragma unroll
-            for (int i = 0; i < NT / 8; ++i)
-                #pragma unroll
-                for (int v = 0; v < 4; ++v) acc[b][i][v] = 0.f;
+        wgmma_zero_acc(acc);
         unsigned a[2][4][4];
         Ring::decode(ring.load(it, 0), a[0]);
-        #pragma unroll
-        for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
+        wgmma_fence_acc(acc);
         wg_tile_k_loop<NT, NS>(ring, acc, a, it, nch * MB, mc);
         wgmma_fence_a(a[0]);
         wgmma_fence_a(a[1]);
-        #pragma unroll
-        for (int b = 0; b < MB; ++b) wgmma_fence_acc(acc[b]);
+        wgmma_fence_acc(acc);
         it += nch;
         if (MB == 1 && nch > 1) ring.release(it - 2);   // the last unit's predecessor's chunk
         ring.release(it - 1);
