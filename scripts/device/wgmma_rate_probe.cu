@@ -55,21 +55,16 @@ __device__ __forceinline__ void probe_decode(unsigned (&a)[4], unsigned w, uint2
     }
     if constexpr (DEC == 3) {
         a[0] = a[1] = a[2] = a[3] = w;
-    } else if constexpr (DEC == 8) {
-        a[0] = w & M;
-        a[1] = (w << 4) & M;
-        a[2] = __funnelshift_l(w, w, 10) & M;
-        a[3] = ((w << 6) & 0x80C080C0u) | (__umulhi(w, 1u << 30) & 0x01000100u);
-    } else if constexpr (DEC == 4) {
-        a[0] = w & M;
-        a[1] = __funnelshift_l(w, w, 4) & M;
-        a[2] = __funnelshift_l(w, w, 10) & M;
-        a[3] = (__funnelshift_l(w, w, 6) & 0x80C080C0u) | (__funnelshift_r(w, w, 2) & 0x01000100u);
     } else {
+        // tc_decode's placement; DEC 4: its left shifts as rotations, DEC 4 / 8: its right shift as
+        // a rotation / a multiply's high word (the masks drop the bits that differ).
+        const unsigned shl4 = DEC == 4 ? __funnelshift_l(w, w, 4) : w << 4;
+        const unsigned shl6 = DEC == 4 ? __funnelshift_l(w, w, 6) : w << 6;
+        const unsigned shr2 = DEC == 4 ? __funnelshift_r(w, w, 2) : DEC == 8 ? __umulhi(w, 1u << 30) : w >> 2;
         a[0] = w & M;
-        a[1] = (w << 4) & M;
+        a[1] = shl4 & M;
         a[2] = __funnelshift_l(w, w, 10) & M;
-        a[3] = ((w << 6) & 0x80C080C0u) | ((w >> 2) & 0x01000100u);
+        a[3] = (shl6 & 0x80C080C0u) | (shr2 & 0x01000100u);
     }
     if constexpr (DEC == 2) return;
     const unsigned word = (Q < 2) ? sc.x : sc.y;
