@@ -5,7 +5,7 @@
 # kernels; logs go to $OUT; a summary table is printed last.
 # Env: VERIFY_ARGS (default: the full sweep), PHASE_PROBE=1 (the fused decode kernel's phase clocks), SKIP_TESTS=1, SKIP_VERIFY=1, SKIP_DEMO=1, TIMINGS=0, NCU=0,
 # SANITIZE=0 (SANITIZE_VERIFY="memcheck racecheck initcheck": those tools over `verify --quick` too,
-# SANITIZE_VERIFY_ARGS=" " the whole sweep; INITCHECK_VERIFY=1 = initcheck), BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings),
+# SANITIZE_VERIFY_ARGS=" " the whole sweep; INITCHECK_VERIFY=1 = initcheck), BENCH=1 (the EP-rank bench, when the binary has it), PEERS=1 (../.peers timings, then the rank rows on the triton peer's own routing draw: PEER_ROUTING=0 skips them, PEER_ROUTING_TOKENS),
 # EP=1 (in-process EP/TP ranks on this GPU, host and device exchange, per-rank memory, NCCL on one rank), SOAK=1 (10 000 random
 # forwards against the reference, device-memory growth), W4A8=1 (W4A8 bench rows on MXFP4 — the
 # opt-in FP8 kernels and the default bf16 path — beside W4A16 on the same weights, ncu of the FP8 kernels), BENCH_AB="VAR=VALUE[|VAR=VALUE..]"
@@ -225,9 +225,20 @@ if [ "${PEERS:-0}" != 0 ] && [ -d .peers ]; then
   step peers_torch timeout 300 env PYTHONUNBUFFERED=1 python3 .peers/torch_baselines.py --json "$OUT/peers_torch.json"
   step peers_triton timeout 400 env PYTHONUNBUFFERED=1 PYTHONPATH=.peers/triton_kernels_pkg \
     python3 .peers/triton_kernels_moe.py --json "$OUT/peers_triton.json"
+  # The rank rows again on the triton peer's own routing draw (the same pairs, the same experts
+  # touched: scripts/peer_routing.py), in both FP4 formats (the peer's weights are MXFP4).
+  if [ "${PEER_ROUTING:-1}" != 0 ] && [ -f scripts/peer_routing.py ]; then
+    step peer_routing python3 scripts/peer_routing.py --peer .peers/triton_kernels_moe.py \
+      --tokens "${PEER_ROUTING_TOKENS:-1,8,64,512,4096,16384}" --out /tmp/peer_routing.json
+    for fmt in nvfp4 mxfp4; do
+      step "bench_same_$fmt" timeout 300 "$bin" bench forward --backend cuda --shape v4-pro --simulate-ep 8 \
+        --format "$fmt" --tokens "${PEER_ROUTING_TOKENS:-1,8,64,512,4096,16384}" --routing /tmp/peer_routing.json \
+        --json "$OUT/bench_same_$fmt.json"
+    done
+  fi
 fi
 if [ -f "$OUT/bench.json" ] && [ -f scripts/plot_roofline.py ]; then
-  step plot python3 scripts/plot_roofline.py "$OUT"/bench*.json $(ls "$OUT"/peers_*.json 2>/dev/null) --out "$OUT/roofline.png"
+  step plot python3 scripts/plot_roofline.py $(ls "$OUT"/bench*.json | grep -v bench_same_) $(ls "$OUT"/peers_*.json 2>/dev/null) --out "$OUT/roofline.png"
 fi
 if [ "${NCU_BENCH:-0}" != 0 ] && command -v ncu >/dev/null; then
   # Every megamoe kernel of the EP-rank rows (default T=1, 64, 4096; first launches of each row:
@@ -321,7 +332,7 @@ for f in ep_tests ep2 ep8 ep2tp2 ep2dev ep8dev ep2tp2dev ep8dev_fp8 nccl1dev ep8
 grep -h "W4A8" "$LOGS/tests.log" 2>/dev/null
 for c in ${WG_AB:-}; do for f in wg${c}_tests wg${c}_bench wg${c}_flash; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -E "rank |test result|panicked|rel L2|whole-layer" "$LOGS/$f.log" | tail -n 14; }; done; done
 for f in "$LOGS"/ab_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f" .log)"; grep -E "^v4-" "$f"; }; done
-for f in fp8_rate soak run_model bench bench_ab bench_ab2 bench_ab3 bench_flash bench_w4a8 bench_w4a8_bf16 bench_mx16 bench_w4a8_flash bench_w4a8_bf16_flash peers_torch peers_triton; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
+for f in fp8_rate soak run_model bench bench_ab bench_ab2 bench_ab3 bench_flash bench_w4a8 bench_w4a8_bf16 bench_mx16 bench_w4a8_flash bench_w4a8_bf16_flash peers_torch peers_triton peer_routing bench_same_nvfp4 bench_same_mxfp4; do [ -f "$LOGS/$f.log" ] && { echo "--- $f"; grep -vE "^\s*$|INFO|WARN" "$LOGS/$f.log" | tail -n 22; }; done
 # The device tool returns at most 8 files: the JSON results and plots travel inside the archive.
 for f in "$OUT"/*.json "$OUT"/*.png; do [ -f "$f" ] && mv "$f" "$LOGS/"; done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -16,7 +16,10 @@ use megamoe::formats::{mxfp4, nvfp4, WeightFormat};
 use megamoe::forward::Mode;
 use megamoe::synthetic;
 use rand::{Rng, SeedableRng};
+use routing::{rank_load, RoutingSource};
 use std::time::Instant;
+
+mod routing;
 
 /// Arguments of `megamoe bench`.
 #[derive(clap::Args)]
@@ -89,6 +92,11 @@ pub struct ForwardBench {
     /// CUDA: the bf16 matmul rate (TFLOP/s) of the FLOP floor (default: DESIGN.md's H200 figure).
     #[arg(long, default_value_t = 761.0)]
     pub bf16_tflops: f64,
+    /// CUDA, EP-rank rows: read each T's routing (top-k ids and weights) from this JSON file instead
+    /// of drawing it, e.g. the `triton_kernels` peer's own draw (`scripts/peer_routing.py`), so both
+    /// time the same work; a T the file lacks is an error.
+    #[arg(long, value_name = "FILE")]
+    pub routing: Option<std::path::PathBuf>,
     /// CUDA: write the rows and the ceilings as JSON here (`scripts/plot_roofline.py` plots them).
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -227,6 +235,10 @@ fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
     let cuda = super::wants_cuda(a.backend);
     if let Some(topo) = a.par.topology()? {
         anyhow::ensure!(a.simulate_ep.is_none(), "--simulate-ep and --ep do not combine");
+        anyhow::ensure!(
+            a.routing.is_none(),
+            "--routing applies to the EP-rank rows (--simulate-ep), not --ep"
+        );
         return run_forward_ep(&a, &cfg, topo, cuda);
     }
     if cuda {
@@ -237,6 +249,7 @@ fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
         (a.family.is_some(), "--family"),
         (a.json.is_some(), "--json"),
         (a.whole_layer, "--whole-layer"),
+        (a.routing.is_some(), "--routing"),
     ];
     if let Some((_, flag)) = cuda_only.iter().find(|(on, _)| *on) {
         anyhow::bail!("{flag} needs the CUDA backend (--backend cuda)");
@@ -430,43 +443,6 @@ fn run_forward_cpu(a: &ForwardBench, cfg: &MoeConfig) -> anyhow::Result<i32> {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod ep {
     use super::*;
-
-    /// The routing one expert-parallel rank sees in the bench, drawn as the peers draw it
-    /// (`torch_baselines.py`): per token `k` distinct experts uniformly over all `experts`, and random
-    /// positive weights. Returns `[T, k]` global ids and weights.
-    pub(crate) fn draw_routing(tokens: usize, experts: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f32>) {
-        assert!(k <= experts, "top-{k} of {experts} experts");
-        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
-        let mut pool: Vec<i32> = (0..experts as i32).collect();
-        let mut ids = Vec::with_capacity(tokens * k);
-        let mut wts = Vec::with_capacity(tokens * k);
-        for _ in 0..tokens {
-            // A partial Fisher-Yates shuffle: k distinct, uniformly drawn experts.
-            for j in 0..k {
-                let s = r.gen_range(j..experts);
-                pool.swap(j, s);
-            }
-            ids.extend_from_slice(&pool[..k]);
-            wts.extend((0..k).map(|_| r.gen_range(0.05f32..1.0)));
-        }
-        (ids, wts)
-    }
-
-    /// The slots of `ids` that land on the experts `range` (pairs) and the distinct experts among them
-    /// (active local experts).
-    pub(crate) fn rank_load(ids: &[i32], range: &std::ops::Range<usize>) -> (usize, usize) {
-        let mut used = vec![false; range.len()];
-        let mut pairs = 0;
-        for &id in ids {
-            if let Ok(g) = usize::try_from(id) {
-                if range.contains(&g) {
-                    pairs += 1;
-                    used[g - range.start] = true;
-                }
-            }
-        }
-        (pairs, used.iter().filter(|&&u| u).count())
-    }
 
     /// What one timed row must move and compute (DESIGN.md, "How to measure").
     #[derive(Clone, Copy, Debug, PartialEq)]
@@ -786,6 +762,7 @@ mod cuda_bench {
         flush: Option<DevBuf>,
         ceil: Ceilings,
         command: String,
+        routing: RoutingSource,
         rows: Vec<Row>,
         pb: indicatif::ProgressBar,
     }
@@ -796,6 +773,10 @@ mod cuda_bench {
         let (h, e, k) = (cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok);
         let world = a.simulate_ep.unwrap_or(1);
         let shard = ExpertShard::new(e, world, a.rank)?;
+        let routing = match &a.routing {
+            Some(p) => RoutingSource::load(p, e, k)?,
+            None => RoutingSource::Drawn,
+        };
         let device = gpu::open_device()?;
         let stream = device.new_stream()?;
         eprintln!("{} ({}): measuring the copy bandwidth", device.name(), device.arch());
@@ -816,6 +797,7 @@ mod cuda_bench {
             flush,
             ceil,
             command: std::env::args().collect::<Vec<_>>().join(" "),
+            routing,
             rows: Vec::new(),
             pb: row_progress(n_rows, "bench forward"),
         };
@@ -829,13 +811,14 @@ mod cuda_bench {
         );
         println!(
             "layer {} (H {h}, I {}, {e} experts, top-{k}), {}, {}; rank {}/{world} owns experts {:?}; \
-             {} CUDA-graph replays per row, {} MiB flushed before each",
+             {}; {} CUDA-graph replays per row, {} MiB flushed before each",
             a.shape.name(),
             cfg.moe_intermediate_size,
             b.format,
             a.mode,
             a.rank,
             shard.experts,
+            b.routing.describe(),
             a.iters,
             a.flush_mb
         );
@@ -974,7 +957,7 @@ mod cuda_bench {
             ));
             let mode = self.a.mode;
             for &t in tokens {
-                let (ids, wts) = draw_routing(t, e, k, 0x5EED ^ (t as u64).wrapping_mul(0x9E37_79B9));
+                let (ids, wts) = self.routing.routing(t, e, k)?;
                 let (pairs, active) = rank_load(&ids, &shard.experts);
                 let x = synthetic::random_hidden(t, h, 2 + t as u64);
                 self.io.upload(&self.stream, &x, &ids, &wts)?;
@@ -1136,32 +1119,6 @@ fn run_quantize(a: QuantizeBench) -> anyhow::Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn routing_draws_distinct_uniform_experts() {
-        let (e, k, t) = (384, 6, 4096);
-        let (ids, wts) = draw_routing(t, e, k, 7);
-        assert_eq!((ids.len(), wts.len()), (t * k, t * k));
-        for row in ids.chunks(k) {
-            for (j, &id) in row.iter().enumerate() {
-                assert!((0..e as i32).contains(&id));
-                assert!(!row[..j].contains(&id), "repeated expert in {row:?}");
-            }
-        }
-        assert!(wts.iter().all(|&w| w > 0.0 && w.is_finite()));
-        // One EP8 rank (48 experts) receives about T * k / 8 slots.
-        let (pairs, active) = rank_load(&ids, &(48..96));
-        assert!((2800..3350).contains(&pairs), "{pairs}");
-        assert_eq!(active, 48);
-        assert_eq!(draw_routing(t, e, k, 7), (ids, wts));
-        assert_ne!(draw_routing(3, e, k, 8).0, draw_routing(3, e, k, 7).0);
-    }
-
-    #[test]
-    fn rank_load_counts_pairs_and_active_experts() {
-        assert_eq!(rank_load(&[0, 5, 5, 9, -1, 7, 12], &(5..10)), (4, 3));
-        assert_eq!(rank_load(&[0, 1], &(5..10)), (0, 0));
-    }
 
     #[test]
     fn costs_and_floors_follow_design_md() {
