@@ -16,9 +16,12 @@ use megamoe::formats::{mxfp4, nvfp4, WeightFormat};
 use megamoe::forward::Mode;
 use megamoe::synthetic;
 use rand::{Rng, SeedableRng};
+#[cfg(feature = "cuda")]
 use routing::{rank_load, RoutingSource};
 use std::time::Instant;
 
+// The EP-rank rows' routing (the CUDA bench; a CPU-only build keeps its tests).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod routing;
 
 /// Arguments of `megamoe bench`.
@@ -216,6 +219,20 @@ pub const CUDA_TOKENS: [usize; 6] = [1, 8, 64, 512, 4096, 16384];
 /// Seed of the benched layers (the rank's experts are the whole layer's, generated alone).
 const LAYER_SEED: u64 = 1;
 
+/// The benched layer in one phrase: shape, format, dimensions and mode.
+fn layer_label(a: &ForwardBench, cfg: &MoeConfig) -> String {
+    format!(
+        "{:?} {:?} (H {}, I {}, {} experts, top-{}) {}",
+        a.shape,
+        a.format,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        a.mode
+    )
+}
+
 fn run_forward(a: ForwardBench) -> anyhow::Result<i32> {
     anyhow::ensure!(a.runs > 0, "--runs must be positive");
     anyhow::ensure!(a.iters > 0, "--iters must be positive");
@@ -286,17 +303,11 @@ fn run_forward_ep(
     let mut group = EpGroup::new(&a.par, topo, &source, cuda, max_t)?;
     eprintln!("built {} rank(s) in {:.1} s", group.describe().len(), t0.elapsed().as_secs_f64());
     println!(
-        "bench forward --ep {} --tp {} ({}), {:?} {:?} (H {}, I {}, {} experts, top-{}) {}",
+        "bench forward --ep {} --tp {} ({}), {}",
         topo.ep,
         topo.tp,
         a.par.label(&topo),
-        a.shape,
-        a.format,
-        cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.n_routed_experts,
-        cfg.num_experts_per_tok,
-        a.mode
+        layer_label(a, cfg)
     );
     #[cfg(feature = "cuda")]
     if let Some(g) = group.device_group() {
@@ -421,14 +432,8 @@ fn run_forward_cpu(a: &ForwardBench, cfg: &MoeConfig) -> anyhow::Result<i32> {
         }
         times.sort_by(|x, y| x.total_cmp(y));
         println!(
-            "forward {:?} {:?} (H {}, I {}, {} experts, top-{}) {} T={t}: median {:.2} ms over {} runs (min {:.2}, max {:.2}) on {}",
-            a.shape,
-            a.format,
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            cfg.n_routed_experts,
-            cfg.num_experts_per_tok,
-            a.mode,
+            "forward {} T={t}: median {:.2} ms over {} runs (min {:.2}, max {:.2}) on {}",
+            layer_label(a, cfg),
             times[times.len() / 2] * 1e3,
             a.runs,
             times[0] * 1e3,
