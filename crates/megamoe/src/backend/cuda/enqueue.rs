@@ -129,7 +129,9 @@ impl LayerWeights {
         if let Some(split) = self.fused_split(ws, &plan, mode, trace).filter(|_| !overlap) {
             return self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, &io.y, shared, s);
         }
-        self.launch_plan(ws, &plan, s)?;
+        // After the device router the plan is a programmatic dependent of moe_router (its first
+        // kernel waits for it before reading topk_ids), so its launch overlaps the router's.
+        self.launch_plan(ws, &plan, io.routing == Routing::Internal, s)?;
         let fold = if trace { None } else { Fold::into(ws, &io.y, shared) };
         let folded = self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, fold, s)?;
         if overlap {
@@ -171,7 +173,7 @@ impl LayerWeights {
         if let Some(split) = self.fused_split(ws, &plan, mode, false) {
             return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, y, shared, stream);
         }
-        self.launch_plan(ws, &plan, stream)?;
+        self.launch_plan(ws, &plan, false, stream)?;
         let folded = self.experts_raw(
             ws,
             &plan,
@@ -351,7 +353,14 @@ impl LayerWeights {
                     &logits,
                 )?;
             }
-            core.router_topk.launch(s, &LaunchCfg::grid((t as u32, 1, 1), router_smem(e)), &topk)
+            // A programmatic dependent of the logits kernel (moe_router waits for it before its
+            // first read of the logits; its bias and hash loads overlap the logits' end).
+            let pdl = self.device.programmatic_launches();
+            core.router_topk.launch(
+                s,
+                &LaunchCfg { pdl, ..LaunchCfg::grid((t as u32, 1, 1), router_smem(e)) },
+                &topk,
+            )
         }
     }
 
@@ -365,7 +374,7 @@ impl LayerWeights {
         s: StreamRef,
     ) -> Result<Plan> {
         let plan = self.plan_for(ws, topk_ids, t, mode, trace);
-        self.launch_plan(ws, &plan, s)?;
+        self.launch_plan(ws, &plan, false, s)?;
         Ok(plan)
     }
 
@@ -424,8 +433,9 @@ impl LayerWeights {
         }
     }
 
-    /// Enqueues the kernels that build `plan` into the workspace.
-    fn launch_plan(&self, ws: &Workspace, plan: &Plan, s: StreamRef) -> Result<()> {
+    /// Enqueues the kernels that build `plan` into the workspace; the first one as a programmatic
+    /// dependent of the kernel before it on `s` when `after_router` (the device router's moe_router).
+    fn launch_plan(&self, ws: &Workspace, plan: &Plan, after_router: bool, s: StreamRef) -> Result<()> {
         let el = self.local_experts();
         let slots = plan.tokens * self.config.num_experts_per_tok;
         let p = self.plan_params(ws, plan);
@@ -434,24 +444,26 @@ impl LayerWeights {
             // Nothing to plan (and no grid of zero CTAs to launch); experts and combine skip too.
             return Ok(());
         }
+        let pdl = self.device.programmatic_launches();
+        let first = LaunchCfg { pdl: pdl && after_router, ..Default::default() };
         // SAFETY: the workspace holds [S] / [E_local + 1] / [max_tiles][2] / the chunk table for
         // these sizes; the shared memory is what each kernel's header asks for.
         unsafe {
             if slots <= PLAN_TINY_SLOTS && el <= PLAN_SMALL_EXPERTS as usize {
-                core.plan_tiny.launch(s, &LaunchCfg::grid((1, 1, 1), 0), &p)?;
+                core.plan_tiny.launch(s, &LaunchCfg { grid: (1, 1, 1), ..first }, &p)?;
             } else if slots <= PLAN_SMALL_SLOTS && el <= PLAN_SMALL_EXPERTS as usize {
-                core.plan_small.launch(
-                    s,
-                    &LaunchCfg::grid((1, 1, 1), PLAN_SMALL_WARPS as usize * el * 2),
-                    &p,
-                )?;
+                let smem = (PLAN_SMALL_WARPS as usize * el * 2) as u32;
+                core.plan_small.launch(s, &LaunchCfg { grid: (1, 1, 1), smem, ..first }, &p)?;
             } else {
                 let ctas = slots.div_ceil(PLAN_CHUNK as usize * PLAN_WARPS as usize) as u32;
                 let smem = PLAN_WARPS as usize * el * 4;
                 // Offsets and scatter as programmatic dependents (each waits for its predecessor
                 // before its first read): their launches overlap the kernel before.
-                let pdl = self.device.programmatic_launches();
-                core.plan_count.launch(s, &LaunchCfg::grid((ctas, 1, 1), smem), &p)?;
+                core.plan_count.launch(
+                    s,
+                    &LaunchCfg { grid: (ctas, 1, 1), smem: smem as u32, ..first },
+                    &p,
+                )?;
                 core.plan_offsets.launch(s, &LaunchCfg { pdl, ..LaunchCfg::grid((1, 1, 1), 0) }, &p)?;
                 core.plan_scatter.launch(s, &LaunchCfg { pdl, ..LaunchCfg::grid((ctas, 1, 1), smem) }, &p)?;
             }

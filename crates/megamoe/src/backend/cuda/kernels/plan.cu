@@ -139,6 +139,7 @@ extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
     extern __shared__ unsigned plan_cnt[];
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);   // moe_plan_offsets may launch (and wait)
+    asm volatile("griddepcontrol.wait;" ::: "memory");       // after the router: its topk_ids
 #endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
     for (int i = threadIdx.x; i < PLAN_WARPS * E; i += blockDim.x) plan_cnt[i] = 0u;
@@ -250,6 +251,7 @@ extern "C" __global__ void __launch_bounds__(32 * PLAN_SMALL_WARPS) moe_plan_sma
     // A decode GEMM launched as a programmatic dependent (the streaming L1) may start now: it waits
     // for this grid's completion before it reads the plan, and its launch overlaps this one.
     asm volatile("griddepcontrol.launch_dependents;" :::);
+    asm volatile("griddepcontrol.wait;" ::: "memory");       // after the router: its topk_ids
 #endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
     for (int i = threadIdx.x; i < PLAN_SMALL_WARPS * E; i += blockDim.x) plan_rows[i] = 0u;
@@ -287,6 +289,7 @@ extern "C" __global__ void __launch_bounds__(32) moe_plan_tiny(const __grid_cons
     __shared__ unsigned s_cnt[PLAN_SMALL_EXPERTS];   // per expert: its count, then its first row
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);   // as moe_plan_small
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     PlanGlobalSink sink{p};
     if (plan_tiny_warp(p, s_cnt, sink) && threadIdx.x == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);

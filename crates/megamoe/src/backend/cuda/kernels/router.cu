@@ -26,15 +26,34 @@
 //   (The per-token CTAs re-read the whole weight for every token: ~57 KB a CTA, ~45 GB of L2
 //   traffic at V4-Pro T = 4096.)
 // - moe_router: one 32-thread CTA per token (launched so: 256 threads held seven idle warps' slots,
-//   a quarter of the tokens resident at once): the logits (the parts added in order), the score
+//   a quarter of the tokens resident at once): the logits (the parts added in order) and the bias,
+//   loaded RT_LOADS per lane at a time (a decode step's router is a chain of round trips), the score
 //   function over them, then top-k: K rounds of a warp argmax over the not-yet-chosen experts; NaN
 //   keys count as -inf and equal keys go to the lower index, so ids are always distinct and in
 //   range (NaN rows included).
 //   Dynamic shared memory: 2E * 4 bytes + E bytes.
+// Launch chain: moe_router is a programmatic dependent of the logits kernel, and the plan's first
+// kernel of moe_router (each waits with griddepcontrol.wait before reading its predecessor's output),
+// so each launch overlaps the kernel before it.
 
 #define RT_SPLIT 4
 #define RT_EPC ROUTER_EXPERTS_PER_CTA
 #define RT_U 4
+#define RT_LOADS 8                   // moe_router: loads per lane in flight (E <= 256: one batch)
+
+// Programmatic dependent launch: the logits kernels let moe_router launch at once (it waits for
+// their completion before it reads the logits), and moe_router lets the plan launch (which waits
+// likewise before it reads topk_ids). No-ops where the launch is not programmatic.
+__device__ __forceinline__ void router_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+__device__ __forceinline__ void router_wait_predecessor() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 extern "C" __global__ void moe_router_logits(const __grid_constant__ RouterLogitsParams p)
 {
@@ -43,6 +62,7 @@ extern "C" __global__ void moe_router_logits(const __grid_constant__ RouterLogit
     const int T = p.t, H = p.h, E = p.e;
     float* __restrict__ scores = p.scores;
     __shared__ float part[RT_EPC][RT_SPLIT];
+    router_launch_dependents();
     const int t = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int el = warp / RT_SPLIT, s = warp % RT_SPLIT;
@@ -112,6 +132,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const 
     const int k_begin = (int)((long long)z * steps / p.parts) * RTT_K;
     const int k_end = (int)((long long)(z + 1) * steps / p.parts) * RTT_K;
     float* __restrict__ out = p.scores + (size_t)z * T * E;
+    router_launch_dependents();
     __shared__ __align__(16) float xs[RTT_K][RTT_M];
     __shared__ __align__(16) float ws[RTT_K][RTT_E];
     const int tid = threadIdx.x;
@@ -184,15 +205,62 @@ extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p
     if (t >= T) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (warp != 0) return;         // one warp per token (the launch has no other)
+    router_launch_dependents();
 
-    // Logits from moe_router_logits (this token's row only: read, then overwritten with scores),
-    // or the tiled kernel's partial logits added in part order.
+    // A decode step's router is a chain of memory round trips, so every load is batched, RT_LOADS
+    // per lane in flight (one at a time, in a loop whose trip count the compiler does not know,
+    // they took ~12 us of a V4-Flash step, ncu). The hash lookup (the token id, then its row of
+    // tid2eid) and the bias need nothing from the logits kernel: issued before waiting for it.
+    int my_id = 0;                     // lane j < K keeps choice j
+    bool nowhere = false;
+    if (tid2eid) {
+        const long long id = p.token_ids_i64 ? ((const long long*)p.token_ids)[t] : ((const int*)p.token_ids)[t];
+        nowhere = id < 0 || id >= p.vocab;
+        if (nowhere) {
+            if (lane == 0) atomicOr(p.status, (unsigned)STATUS_BAD_TOKEN_ID);
+        } else if (lane < K) {
+            my_id = tid2eid[(size_t)id * K + lane];
+        }
+    }
+    // The bias, parked in key[]. Then the logits from moe_router_logits (this token's row only:
+    // read, then overwritten with scores), or the tiled kernel's partial logits added in part order.
+    for (int e0 = lane; e0 < E; e0 += 32 * RT_LOADS) {
+        float b[RT_LOADS];
+        #pragma unroll
+        for (int u = 0; u < RT_LOADS; ++u) {
+            const int e = e0 + 32 * u;
+            b[u] = (bias && e < E) ? bias[e] : 0.f;
+        }
+        #pragma unroll
+        for (int u = 0; u < RT_LOADS; ++u) {
+            const int e = e0 + 32 * u;
+            if (e < E) {
+                taken[e] = 0;
+                key[e] = b[u];
+            }
+        }
+    }
+    router_wait_predecessor();
     const size_t part_stride = (size_t)T * E;
-    for (int e = lane; e < E; e += 32) {
-        taken[e] = 0;
-        float l = scores[(size_t)t * E + e];
-        for (int q = 1; q < p.parts; ++q) l += scores[q * part_stride + (size_t)t * E + e];
-        sc[e] = l;
+    for (int e0 = lane; e0 < E; e0 += 32 * RT_LOADS) {
+        float l[RT_LOADS];
+        #pragma unroll
+        for (int u = 0; u < RT_LOADS; ++u) {
+            const int e = e0 + 32 * u;
+            l[u] = e < E ? scores[(size_t)t * E + e] : 0.f;
+        }
+        for (int q = 1; q < p.parts; ++q) {
+            #pragma unroll
+            for (int u = 0; u < RT_LOADS; ++u) {
+                const int e = e0 + 32 * u;
+                if (e < E) l[u] += scores[q * part_stride + (size_t)t * E + e];
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < RT_LOADS; ++u) {
+            const int e = e0 + 32 * u;
+            if (e < E) sc[e] = l[u];
+        }
     }
     __syncwarp();
     {
@@ -221,22 +289,12 @@ extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p
         __syncwarp();
         for (int e = lane; e < E; e += 32) {
             scores[(size_t)t * E + e] = sc[e];
-            float k = sc[e] + (bias ? bias[e] : 0.f);
+            float k = sc[e] + key[e];          // key[e]: the bias (0 without one)
             key[e] = (k == k) ? k : -MM_INF;
         }
         __syncwarp();
 
-        int my_id = 0;                 // lane j < K keeps choice j
-        bool nowhere = false;
-        if (tid2eid) {
-            const long long id = p.token_ids_i64 ? ((const long long*)p.token_ids)[t] : ((const int*)p.token_ids)[t];
-            nowhere = id < 0 || id >= p.vocab;
-            if (nowhere) {
-                if (lane == 0) atomicOr(p.status, (unsigned)STATUS_BAD_TOKEN_ID);
-            } else if (lane < K) {
-                my_id = tid2eid[(size_t)id * K + lane];
-            }
-        } else {
+        if (!tid2eid) {
             for (int j = 0; j < K; ++j) {
                 float best = -MM_INF;
                 int bi = -1;
