@@ -241,7 +241,17 @@ extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p
         }
     }
     router_wait_predecessor();
+    // Its score (softmax: once the row's max and sum are known), kept in sc[], stored to scores,
+    // and its choice key (score + bias; NaN -> -inf) in key[]; each lane touches only its experts.
+    auto keep = [&](int e, float v) {
+        sc[e] = v;
+        scores[(size_t)t * E + e] = v;
+        const float k = v + key[e];        // key[e]: the bias (0 without one)
+        key[e] = (k == k) ? k : -MM_INF;
+    };
+    const bool softmax = score_func == SCORE_SOFTMAX;
     const size_t part_stride = (size_t)T * E;
+    float m = -MM_INF;                     // softmax: the row's largest logit
     for (int e0 = lane; e0 < E; e0 += 32 * RT_LOADS) {
         float l[RT_LOADS];
         #pragma unroll
@@ -259,69 +269,64 @@ extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p
         #pragma unroll
         for (int u = 0; u < RT_LOADS; ++u) {
             const int e = e0 + 32 * u;
-            if (e < E) sc[e] = l[u];
+            if (e >= E) continue;
+            if (softmax) {
+                sc[e] = l[u];
+                m = fmaxf(m, l[u]);
+            } else if (score_func == SCORE_SQRT_SOFTPLUS) {   // torch's softplus threshold 20
+                keep(e, sqrtf(l[u] > 20.f ? l[u] : log1pf(expf(l[u]))));
+            } else {                                          // sigmoid
+                keep(e, 1.f / (1.f + expf(-l[u])));
+            }
         }
     }
+    if (softmax) {
+        m = warp_max(m);
+        float s = 0.f;
+        for (int e = lane; e < E; e += 32) s += expf(sc[e] - m);
+        s = warp_sum(s);
+        for (int e = lane; e < E; e += 32) keep(e, expf(sc[e] - m) / s);
+    }
     __syncwarp();
-    {
-        if (score_func == SCORE_SOFTMAX) {
-            float m = -MM_INF;
-            for (int e = lane; e < E; e += 32) m = fmaxf(m, sc[e]);
-            m = warp_max(m);
-            float s = 0.f;
-            for (int e = lane; e < E; e += 32) s += expf(sc[e] - m);
-            s = warp_sum(s);
-            __syncwarp();
-            for (int e = lane; e < E; e += 32) sc[e] = expf(sc[e] - m) / s;
-        } else {
-            for (int e = lane; e < E; e += 32) {
-                float l = sc[e];
-                float v;
-                if (score_func == SCORE_SQRT_SOFTPLUS) {  // torch's softplus threshold 20
-                    float sp = l > 20.f ? l : log1pf(expf(l));
-                    v = sqrtf(sp);
-                } else {                        // sigmoid
-                    v = 1.f / (1.f + expf(-l));
-                }
-                sc[e] = v;
-            }
-        }
-        __syncwarp();
-        for (int e = lane; e < E; e += 32) {
-            scores[(size_t)t * E + e] = sc[e];
-            float k = sc[e] + key[e];          // key[e]: the bias (0 without one)
-            key[e] = (k == k) ? k : -MM_INF;
-        }
-        __syncwarp();
 
-        if (!tid2eid) {
-            for (int j = 0; j < K; ++j) {
-                float best = -MM_INF;
-                int bi = -1;
-                for (int e = lane; e < E; e += 32) {
-                    if (taken[e]) continue;
-                    float k = key[e];
-                    if (bi < 0 || k > best) { best = k; bi = e; }   // ascending e: first wins ties
+    if (!tid2eid) {
+        for (int j = 0; j < K; ++j) {
+            // This lane's best not-yet-chosen expert (ascending e: the first wins ties), its keys
+            // read RT_LOADS at a time, then the warp's by a shuffle tree (lower id on equal keys).
+            float best = -MM_INF;
+            int bi = -1;
+            for (int e0 = lane; e0 < E; e0 += 32 * RT_LOADS) {
+                float kv[RT_LOADS];
+                bool open[RT_LOADS];
+                #pragma unroll
+                for (int u = 0; u < RT_LOADS; ++u) {
+                    const int e = e0 + 32 * u;
+                    open[u] = e < E && !taken[e];
+                    kv[u] = e < E ? key[e] : 0.f;
                 }
                 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    float ob = __shfl_xor_sync(0xffffffffu, best, o);
-                    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                    bool take = (oi >= 0) && (bi < 0 || ob > best || (ob == best && oi < bi));
-                    if (take) { best = ob; bi = oi; }
+                for (int u = 0; u < RT_LOADS; ++u) {
+                    if (open[u] && (bi < 0 || kv[u] > best)) { best = kv[u]; bi = e0 + 32 * u; }
                 }
-                if (lane == j) my_id = bi;
-                if (lane == 0) taken[bi] = 1;
-                __syncwarp();
             }
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                float ob = __shfl_xor_sync(0xffffffffu, best, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                bool take = (oi >= 0) && (bi < 0 || ob > best || (ob == best && oi < bi));
+                if (take) { best = ob; bi = oi; }
+            }
+            if (lane == j) my_id = bi;
+            if (lane == 0) taken[bi] = 1;
+            __syncwarp();
         }
-        float w = (lane < K && !nowhere) ? sc[my_id] : 0.f;
-        float sum = warp_sum(w);
-        if (lane < K) {
-            if (renorm && sum != 0.f) w = w / sum;   // all-zero choice: keep 0 (as the CPU), not 0/0
-            w *= route_scale;
-            topk_ids[(size_t)t * K + lane] = nowhere ? -1 : my_id;
-            topk_w[(size_t)t * K + lane] = w;
-        }
+    }
+    float w = (lane < K && !nowhere) ? sc[my_id] : 0.f;
+    float sum = warp_sum(w);
+    if (lane < K) {
+        if (renorm && sum != 0.f) w = w / sum;   // all-zero choice: keep 0 (as the CPU), not 0/0
+        w *= route_scale;
+        topk_ids[(size_t)t * K + lane] = nowhere ? -1 : my_id;
+        topk_w[(size_t)t * K + lane] = w;
     }
 }
