@@ -740,7 +740,8 @@ mod cuda_bench {
     enum Kind {
         /// plan + experts + combine on external routing (one EP rank after dispatch).
         Rank,
-        /// The same plus the shared expert.
+        /// The same plus the shared expert: the engine's forward on external routing
+        /// (`enqueue_forward`; the shared expert on its side stream beside the routed experts).
         RankShared,
         /// The whole layer through `enqueue_forward`, its own router.
         Whole,
@@ -978,18 +979,32 @@ mod cuda_bench {
                         t,
                         move |s| {
                             if shared {
-                                wr.enqueue_shared(wsr, &xt, s)?;
+                                // The engine's forward on the caller's routing: the shared expert
+                                // on the workspace's side stream beside the routed experts.
+                                let fio = ForwardIo {
+                                    tokens: t,
+                                    x: xt,
+                                    input_ids: None,
+                                    y: yt,
+                                    topk_ids: Some(it),
+                                    topk_weights: Some(wt),
+                                    routing: Routing::External,
+                                };
+                                wr.enqueue_forward(wsr, &fio, mode, s)?;
+                            } else {
+                                // Plan, experts and combine: one fused launch at decode where the
+                                // kernels have one (MEGAMOE_FUSED=0: the separate stages).
+                                wr.enqueue_routed(wsr, &it, &xt, &wt, &yt, false, mode, s)?;
                             }
-                            // Plan, experts and combine: one fused launch at decode where the
-                            // kernels have one (MEGAMOE_FUSED=0: the separate stages).
-                            wr.enqueue_routed(wsr, &it, &xt, &wt, &yt, shared, mode, s)?;
                             Ok(())
                         },
                         |_| Ok((pairs, active)),
                     )?;
                     // The diagnostic build (MEGAMOE_PHASE_PROBE=1): where the last replay's fused
-                    // launch spent its time, phase by phase (rows on the separate stages have none).
-                    if let Some(probe) = w.runs_fused(&ws, t, mode).then(|| w.phase_probe()).flatten() {
+                    // launch spent its time, phase by phase (the rank rows: the rank+shared forward
+                    // runs the separate stages beside the shared expert unless MEGAMOE_FUSED_OVERLAP).
+                    let fused = !shared && w.runs_fused(&ws, t, mode);
+                    if let Some(probe) = fused.then(|| w.phase_probe()).flatten() {
                         let probe = probe?;
                         if !probe.ctas.is_empty() {
                             self.note(format!("{} T={t}: {}", kind.name(), probe.table()));

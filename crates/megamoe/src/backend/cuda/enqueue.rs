@@ -126,8 +126,16 @@ impl LayerWeights {
         // CTAs resident at once), so it would wait for the shared expert's kernels to drain
         // instead of sharing the GPU with them (whole V4-Pro layer, T=1: 0.1458 ms fused against
         // 0.1352 ms for the separate stages beside the shared expert, one H200 call).
-        if let Some(split) = self.fused_split(ws, &plan, mode, trace).filter(|_| !overlap) {
-            return self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, &io.y, shared, s);
+        // (MEGAMOE_FUSED_OVERLAP: the fused kernel beside it anyway, on fewer CTAs per SM so the
+        // shared expert's CTAs fit beside its own, and its combine after the join.)
+        let fused_beside = overlap.then_some(ws.fused_overlap).flatten();
+        if let Some(split) = self.fused_split(ws, &plan, mode, trace).filter(|_| !overlap || fused_beside.is_some()) {
+            if !overlap {
+                return self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, Some(&io.y), shared, None, s);
+            }
+            self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, None, 0, fused_beside, s)?;
+            launch::wait(s, &ws.join)?;
+            return self.combine_raw(ws, &plan, &io.y, shared, false, s);
         }
         // After the device router the plan is a programmatic dependent of moe_router (its first
         // kernel waits for it before reading topk_ids), so its launch overlaps the router's.
@@ -171,7 +179,7 @@ impl LayerWeights {
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
         let plan = self.plan_for(ws, topk_ids.ptr, t, mode, false);
         if let Some(split) = self.fused_split(ws, &plan, mode, false) {
-            return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, y, shared, stream);
+            return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, Some(y), shared, None, stream);
         }
         self.launch_plan(ws, &plan, false, stream)?;
         let folded = self.experts_raw(
@@ -515,7 +523,9 @@ impl LayerWeights {
     }
 
     /// Enqueues `plan`'s plan, routed experts and combine into `y` (+ `shared`, 0: none) as ONE
-    /// fused launch on the split scratch [`Self::fused_split`] found for it.
+    /// fused launch on the split scratch [`Self::fused_split`] found for it; without `y`, no
+    /// combine (the L2 rows and the plan stay in the workspace for [`Self::combine_raw`]).
+    /// `ctas_per_sm`: fewer CTAs than the kernel's own (see [`super::knobs::fused_overlap`]).
     #[allow(clippy::too_many_arguments)]
     fn fused_raw(
         &self,
@@ -525,8 +535,9 @@ impl LayerWeights {
         mode: Mode,
         x: u64,
         topk_w: u64,
-        y: &DeviceTensor,
+        y: Option<&DeviceTensor>,
         shared: u64,
+        ctas_per_sm: Option<usize>,
         s: StreamRef,
     ) -> Result<()> {
         let ex = &self.experts;
@@ -559,7 +570,10 @@ impl LayerWeights {
                 self.routed_operands(ws, a2, 0, &ex.l2, self.act_global_scales(mode, false)),
                 None,
             ),
-            combine: self.combine_params(ws, plan, y, shared, false)?,
+            combine: match y {
+                Some(y) => self.combine_params(ws, plan, y, shared, false)?,
+                None => CombineParams::default(),
+            },
             quant_in,
             quant_act,
             partials1: split.partials1,
@@ -569,7 +583,7 @@ impl LayerWeights {
             sync: split.sync,
             prefetch_bytes: split.prefetch_bytes,
         };
-        ex.kernels.launch_fused(s, &plan.launch, &p)
+        ex.kernels.launch_fused(s, &plan.launch, &p, ctas_per_sm)
     }
 
     /// Launches `moe_quant_rows` with `p` ([`Self::quant_params`]) over `plan`'s slots.
