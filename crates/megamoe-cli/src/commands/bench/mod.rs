@@ -1002,7 +1002,7 @@ mod cuda_bench {
                     )?;
                     // The diagnostic build (MEGAMOE_PHASE_PROBE=1): where the last replay's fused
                     // launch spent its time, phase by phase (the rank rows: the rank+shared forward
-                    // runs the separate stages beside the shared expert unless MEGAMOE_FUSED_OVERLAP).
+                    // runs the separate stages beside the shared expert).
                     let fused = !shared && w.runs_fused(&ws, t, mode);
                     if let Some(probe) = fused.then(|| w.phase_probe()).flatten() {
                         let probe = probe?;

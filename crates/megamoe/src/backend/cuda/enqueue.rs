@@ -125,17 +125,11 @@ impl LayerWeights {
         // one — unless the shared expert runs beside it: the fused kernel is cooperative (all its
         // CTAs resident at once), so it would wait for the shared expert's kernels to drain
         // instead of sharing the GPU with them (whole V4-Pro layer, T=1: 0.1458 ms fused against
-        // 0.1352 ms for the separate stages beside the shared expert, one H200 call).
-        // (MEGAMOE_FUSED_OVERLAP: the fused kernel beside it anyway, on fewer CTAs per SM so the
-        // shared expert's CTAs fit beside its own, and its combine after the join.)
-        let fused_beside = overlap.then_some(ws.fused_overlap).flatten();
-        if let Some(split) = self.fused_split(ws, &plan, mode, trace).filter(|_| !overlap || fused_beside.is_some()) {
-            if !overlap {
-                return self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, Some(&io.y), shared, None, s);
-            }
-            self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, None, 0, fused_beside, s)?;
-            launch::wait(s, &ws.join)?;
-            return self.combine_raw(ws, &plan, &io.y, shared, false, s);
+        // 0.1352 ms for the separate stages beside the shared expert, one H200 call; on two or
+        // three CTAs per SM beside it, its combine after the join, V4-Flash whole layer T=1 took
+        // 0.0823 / 0.0900 ms against 0.0759: docs/results/fused-overlap-knob-2026-12-06-s30.patch).
+        if let Some(split) = self.fused_split(ws, &plan, mode, trace).filter(|_| !overlap) {
+            return self.fused_raw(ws, &plan, &split, mode, io.x.ptr, wts, &io.y, shared, s);
         }
         // After the device router the plan is a programmatic dependent of moe_router (its first
         // kernel waits for it before reading topk_ids), so its launch overlaps the router's.
@@ -179,7 +173,7 @@ impl LayerWeights {
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
         let plan = self.plan_for(ws, topk_ids.ptr, t, mode, false);
         if let Some(split) = self.fused_split(ws, &plan, mode, false) {
-            return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, Some(y), shared, None, stream);
+            return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, y, shared, stream);
         }
         self.launch_plan(ws, &plan, false, stream)?;
         let folded = self.experts_raw(
@@ -523,9 +517,7 @@ impl LayerWeights {
     }
 
     /// Enqueues `plan`'s plan, routed experts and combine into `y` (+ `shared`, 0: none) as ONE
-    /// fused launch on the split scratch [`Self::fused_split`] found for it; without `y`, no
-    /// combine (the L2 rows and the plan stay in the workspace for [`Self::combine_raw`]).
-    /// `ctas_per_sm`: fewer CTAs than the kernel's own (see [`super::knobs::fused_overlap`]).
+    /// fused launch on the split scratch [`Self::fused_split`] found for it.
     #[allow(clippy::too_many_arguments)]
     fn fused_raw(
         &self,
@@ -535,9 +527,8 @@ impl LayerWeights {
         mode: Mode,
         x: u64,
         topk_w: u64,
-        y: Option<&DeviceTensor>,
+        y: &DeviceTensor,
         shared: u64,
-        ctas_per_sm: Option<usize>,
         s: StreamRef,
     ) -> Result<()> {
         let ex = &self.experts;
@@ -570,10 +561,7 @@ impl LayerWeights {
                 self.routed_operands(ws, a2, 0, &ex.l2, self.act_global_scales(mode, false)),
                 None,
             ),
-            combine: match y {
-                Some(y) => self.combine_params(ws, plan, y, shared, false)?,
-                None => CombineParams::default(),
-            },
+            combine: self.combine_params(ws, plan, y, shared, false)?,
             quant_in,
             quant_act,
             partials1: split.partials1,
@@ -583,7 +571,7 @@ impl LayerWeights {
             sync: split.sync,
             prefetch_bytes: split.prefetch_bytes,
         };
-        ex.kernels.launch_fused(s, &plan.launch, &p, ctas_per_sm)
+        ex.kernels.launch_fused(s, &plan.launch, &p)
     }
 
     /// Launches `moe_quant_rows` with `p` ([`Self::quant_params`]) over `plan`'s slots.

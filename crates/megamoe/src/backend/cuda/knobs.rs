@@ -153,15 +153,6 @@ pub fn shared_overlap() -> SharedOverlap {
     }
 }
 
-/// `MEGAMOE_FUSED_OVERLAP=<CTAs per SM>` (1..=3): a decode step whose shared expert runs beside
-/// the routed experts runs them as the fused decode kernel on that many CTAs per SM (fewer than its
-/// own three leave room for the shared expert's CTAs), its combine a launch of its own after the
-/// join; unset: the separate stages beside the shared expert (the fused kernel's grid barriers
-/// would wait for the shared expert's CTAs to drain).
-pub fn fused_overlap() -> Option<usize> {
-    number::<usize>("MEGAMOE_FUSED_OVERLAP").filter(|n| (1..=3).contains(n))
-}
-
 /// `MEGAMOE_PHASE_PROBE=1`: the fused decode kernel's diagnostic build (`probe.rs`).
 pub fn phase_probe() -> bool {
     default_off("MEGAMOE_PHASE_PROBE")

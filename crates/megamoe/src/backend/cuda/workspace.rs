@@ -184,9 +184,6 @@ pub struct Workspace {
     /// it (`MEGAMOE_OVERLAP=early`: measured no faster at T=1 and slower at T=4096, so opt-in), or
     /// on the main stream (`MEGAMOE_OVERLAP=0`).
     pub(crate) shared_overlap: super::knobs::SharedOverlap,
-    /// CTAs per SM of the fused decode kernel beside the shared expert (`MEGAMOE_FUSED_OVERLAP`;
-    /// `None`: the separate stages run there).
-    pub(crate) fused_overlap: Option<usize>,
     /// Router logits (the tiled kernel's partial logits `[parts][T, E]`), then scores `[T, E]`
     /// f32 (`gpu_layout::router::score_rows` rows).
     pub(crate) scores: DevBuf,
@@ -287,7 +284,6 @@ impl Workspace {
             fork: device.new_event(false)?,
             join: device.new_event(false)?,
             shared_overlap: super::knobs::shared_overlap(),
-            fused_overlap: super::knobs::fused_overlap(),
             scores: z(&[router::score_rows(mt, e, h), e, 4], "scores")?,
             topk_ids: z(&[s, 4], "topk_ids")?,
             topk_w: z(&[s, 4], "topk_w")?,

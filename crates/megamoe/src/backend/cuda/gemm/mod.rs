@@ -159,9 +159,8 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn fused_decode(&self, _l: &GemmLaunch, _g: &GemmOperands) -> Option<FusedSplit> {
         None
     }
-    /// Enqueues the fused decode kernel (only after [`Self::fused_decode`] said it applies), on
-    /// `ctas_per_sm` CTAs per SM when given (at most the kernel's own), else the kernel's own.
-    fn launch_fused(&self, _s: StreamRef, _l: &GemmLaunch, _p: &DfParams, _ctas_per_sm: Option<usize>) -> Result<()> {
+    /// Enqueues the fused decode kernel (only after [`Self::fused_decode`] said it applies).
+    fn launch_fused(&self, _s: StreamRef, _l: &GemmLaunch, _p: &DfParams) -> Result<()> {
         Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no fused decode kernel"))
     }
     /// The phase clocks of the last fused decode launch, when the kernels were built with the

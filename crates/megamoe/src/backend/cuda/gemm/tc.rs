@@ -530,11 +530,10 @@ impl GemmKernels for TcKernels {
             prefetch_bytes: self.prefetch_bytes,
         })
     }
-    fn launch_fused(&self, s: StreamRef, l: &GemmLaunch, p: &DfParams, ctas_per_sm: Option<usize>) -> Result<()> {
-        let (k, own) = self.df.get(&l.block_m).ok_or_else(|| {
+    fn launch_fused(&self, s: StreamRef, l: &GemmLaunch, p: &DfParams) -> Result<()> {
+        let (k, per_sm) = self.df.get(&l.block_m).ok_or_else(|| {
             err(format!("tensor-core family: no fused decode kernel for tiles of {} rows", l.block_m))
         })?;
-        let per_sm = ctas_per_sm.map_or(*own, |n| n.clamp(1, *own));
         // Cooperative, not a programmatic dependent: its CTAs must all be resident together (the
         // grid barriers), so its start waits for the stream's previous kernel to drain anyway.
         let cfg = LaunchCfg {
