@@ -1436,15 +1436,7 @@ fn external_routing_with_minus_one_on_a_rank_owning_experts_8_to_15_of_24() {
                 }
             }
             // The whole forward with external routing adds the shared expert.
-            let io = ForwardIo {
-                tokens: t,
-                x: xt,
-                input_ids: None,
-                y: yt,
-                topk_ids: Some(it),
-                topk_weights: Some(wt),
-                routing: Routing::External,
-            };
+            let io = ForwardIo::external(xt, yt, it, wt);
             w.enqueue_forward(&ws, &io, mode, s).unwrap();
             dev.synchronize().unwrap();
             let got2 = yb.read::<f32>(dev.stream(), 0, t * h).unwrap();

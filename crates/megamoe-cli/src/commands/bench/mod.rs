@@ -981,16 +981,7 @@ mod cuda_bench {
                             if shared {
                                 // The engine's forward on the caller's routing: the shared expert
                                 // on the workspace's side stream beside the routed experts.
-                                let fio = ForwardIo {
-                                    tokens: t,
-                                    x: xt,
-                                    input_ids: None,
-                                    y: yt,
-                                    topk_ids: Some(it),
-                                    topk_weights: Some(wt),
-                                    routing: Routing::External,
-                                };
-                                wr.enqueue_forward(wsr, &fio, mode, s)?;
+                                wr.enqueue_forward(wsr, &ForwardIo::external(xt, yt, it, wt), mode, s)?;
                             } else {
                                 // Plan, experts and combine: one fused launch at decode where the
                                 // kernels have one (MEGAMOE_FUSED=0: the separate stages).

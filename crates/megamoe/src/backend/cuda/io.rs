@@ -110,6 +110,25 @@ pub struct ForwardIo {
 }
 
 impl ForwardIo {
+    /// A forward of `x` `[T, H]` into `y` on the caller's routing (`topk_ids` `[T, k]` global ids,
+    /// `topk_weights` `[T, k]`): plan, experts, shared expert and combine, no router.
+    pub fn external(
+        x: DeviceTensor,
+        y: DeviceTensor,
+        topk_ids: DeviceTensor,
+        topk_weights: DeviceTensor,
+    ) -> Self {
+        ForwardIo {
+            tokens: x.rows,
+            x,
+            input_ids: None,
+            y,
+            topk_ids: Some(topk_ids),
+            topk_weights: Some(topk_weights),
+            routing: Routing::External,
+        }
+    }
+
     /// Checks every tensor against layer `w`.
     pub fn check(&self, w: &LayerWeights) -> Result<()> {
         let c = w.config();
