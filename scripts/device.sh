@@ -37,7 +37,8 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
   # whose source changed since are compiled again (the stale entries travel too, unused).
   if [ -n "${KCACHE_SEED:-}" ]; then mkdir -p "$carry/kcache" && cp "$KCACHE_SEED"/* "$carry/kcache/"; fi
   # Every staged build's kernels (this one's, and AB_OLD_BIN's for run.sh AB_OLD), and the
-  # phase-probe build of the FP4 / bf16 tensor-core modules (run.sh PHASE_PROBE=1).
+  # phase-probe build of the FP4 / bf16 tensor-core modules and the chained L1 + L2 module, which a
+  # probe run loads too (run.sh PHASE_PROBE=1; uncompiled, it cost the device ~10 s of NVRTC).
   precompile() {
     for b in "$carry/bin/megamoe" ${AB_OLD_BIN:+"$carry/old/megamoe"}; do
       MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
@@ -48,7 +49,7 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
           "$b" kernels --arch sm_90a --filter gemm_tc_l1l2-nvfp4 >/dev/null || echo "warning: precompiling the L1 + L2 module failed" >&2
       fi
       if [ "${PRECOMPILE_PROBE:-1}" != 0 ]; then
-        for m in gemm_tc-nvfp4 gemm_tc-bf16; do
+        for m in gemm_tc-nvfp4 gemm_tc-bf16 gemm_tc_l1l2-nvfp4; do
           MEGAMOE_PHASE_PROBE=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
             "$b" kernels --arch sm_90a --filter "$m" >/dev/null || echo "warning: precompiling the probe build failed" >&2
         done
