@@ -38,7 +38,7 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
   if [ -n "${KCACHE_SEED:-}" ]; then mkdir -p "$carry/kcache" && cp "$KCACHE_SEED"/* "$carry/kcache/"; fi
   # Every staged build's kernels (this one's, and AB_OLD_BIN's for run.sh AB_OLD), and the
   # phase-probe build of the FP4 / bf16 tensor-core modules and the chained L1 + L2 module, which a
-  # probe run loads too (run.sh PHASE_PROBE=1; uncompiled, it cost the device ~10 s of NVRTC).
+  # probe run loads too (run.sh PHASE_PROBE=1; left out, the device compiled it in the run).
   precompile() {
     for b in "$carry/bin/megamoe" ${AB_OLD_BIN:+"$carry/old/megamoe"}; do
       MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
