@@ -165,6 +165,20 @@ __device__ __forceinline__ unsigned bf16x2_mul_hi(unsigned a, unsigned s) {
     return d;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before, and in a launch that is not programmatic):
+// wait for the predecessor grid's completion and memory; let this grid's dependent launch (once
+// every CTA of this grid has said so or exited).
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 #ifdef TC_WGMMA
 // ---- sm_90a only: mbarriers, bulk / tensor copies, wgmma (the Hopper prefill path of gemm_tc.cu).
 

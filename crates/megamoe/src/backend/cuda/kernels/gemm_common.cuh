@@ -144,12 +144,7 @@ __device__ __forceinline__ void l2_epilogue_tokens(const GemmL2Params& p, int m0
     }
 }
 
-// Programmatic dependent launch: wait for the predecessor grid's memory; let this grid's dependent
-// launch (once every CTA of this grid has said so or exited).
-#ifdef TC_WGMMA
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
-#endif
+// (Programmatic dependent launch: griddep_wait / griddep_launch_dependents, common.cuh.)
 
 // Cross-CTA count halves (the fused decode kernel's grid barriers, as cooperative groups' grid
 // sync; the chained wgmma L1's per-tile counts): the arrival, by one thread per CTA after

@@ -137,10 +137,8 @@ __device__ __forceinline__ void plan_offsets_cta(const PlanParams& p, const unsi
 extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
 {
     extern __shared__ unsigned plan_cnt[];
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);   // moe_plan_offsets may launch (and wait)
-    asm volatile("griddepcontrol.wait;" ::: "memory");       // after the router: its topk_ids
-#endif
+    griddep_launch_dependents();   // moe_plan_offsets may launch (and wait)
+    griddep_wait();                // after the router: its topk_ids
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
     for (int i = threadIdx.x; i < PLAN_WARPS * E; i += blockDim.x) plan_cnt[i] = 0u;
     __syncthreads();
@@ -165,10 +163,8 @@ extern "C" __global__ void moe_plan_count(const __grid_constant__ PlanParams p)
 // A programmatic dependent of moe_plan_count (waits for it before reading chunk_rows).
 extern "C" __global__ void __launch_bounds__(PLAN_OFF_EXPERTS * PLAN_OFF_RANGES) moe_plan_offsets(const __grid_constant__ PlanParams p)
 {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    griddep_launch_dependents();
+    griddep_wait();
     __shared__ unsigned range_rows[PLAN_OFF_RANGES][PLAN_OFF_EXPERTS];
     const int E = p.experts, chunks = (p.slots + PLAN_CHUNK - 1) / PLAN_CHUNK;
     const int x = threadIdx.x % PLAN_OFF_EXPERTS, y = threadIdx.x / PLAN_OFF_EXPERTS;
@@ -220,9 +216,7 @@ extern "C" __global__ void __launch_bounds__(PLAN_OFF_EXPERTS * PLAN_OFF_RANGES)
 extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanParams p)
 {
     extern __shared__ unsigned plan_cur[];
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    griddep_wait();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
     const int c = blockIdx.x * PLAN_WARPS + warp;
     const int s0 = c * PLAN_CHUNK;
@@ -247,12 +241,10 @@ extern "C" __global__ void __launch_bounds__(32 * PLAN_SMALL_WARPS) moe_plan_sma
     extern __shared__ unsigned short plan_rows[];     // [PLAN_SMALL_WARPS][E]: counts, then each chunk's next row
     __shared__ unsigned s_counts[PLAN_SMALL_EXPERTS], s_off[PLAN_SMALL_EXPERTS + 1];
     __shared__ int s_ts[PLAN_SMALL_EXPERTS + 1];
-#if __CUDA_ARCH__ >= 900
     // A decode GEMM launched as a programmatic dependent (the streaming L1) may start now: it waits
     // for this grid's completion before it reads the plan, and its launch overlaps this one.
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-    asm volatile("griddepcontrol.wait;" ::: "memory");       // after the router: its topk_ids
-#endif
+    griddep_launch_dependents();
+    griddep_wait();                // after the router: its topk_ids
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.experts;
     for (int i = threadIdx.x; i < PLAN_SMALL_WARPS * E; i += blockDim.x) plan_rows[i] = 0u;
     __syncthreads();
@@ -287,10 +279,8 @@ extern "C" __global__ void __launch_bounds__(32 * PLAN_SMALL_WARPS) moe_plan_sma
 extern "C" __global__ void __launch_bounds__(32) moe_plan_tiny(const __grid_constant__ PlanParams p)
 {
     __shared__ unsigned s_cnt[PLAN_SMALL_EXPERTS];   // per expert: its count, then its first row
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);   // as moe_plan_small
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    griddep_launch_dependents();   // as moe_plan_small
+    griddep_wait();
     PlanGlobalSink sink{p};
     if (plan_tiny_warp(p, s_cnt, sink) && threadIdx.x == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
 }

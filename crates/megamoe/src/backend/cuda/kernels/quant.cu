@@ -36,13 +36,11 @@
 // 4 CTAs of 256 threads per SM (<= 64 registers): the copy is latency-bound, so occupancy is its depth.
 extern "C" __global__ void __launch_bounds__(256, 4) moe_quant_rows(const __grid_constant__ QuantRowsParams p)
 {
-#if __CUDA_ARCH__ >= 900
     // Launched as a programmatic dependent: its own dependent (a streaming GEMM, which waits for
     // this grid's completion before it reads the rows) may start at once; this grid waits for its
     // predecessor (the plan, or the L1 whose outputs it quantizes) before its first read.
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    griddep_launch_dependents();
+    griddep_wait();
     const int rows = (int)p.offsets[p.experts];
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const unsigned slot = p.perm[r];

@@ -41,20 +41,6 @@
 #define RT_U 4
 #define RT_LOADS 8                   // moe_router: loads per lane in flight (E <= 256: one batch)
 
-// Programmatic dependent launch: the logits kernels let moe_router launch at once (it waits for
-// their completion before it reads the logits), and moe_router lets the plan launch (which waits
-// likewise before it reads topk_ids). No-ops where the launch is not programmatic.
-__device__ __forceinline__ void router_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-__device__ __forceinline__ void router_wait_predecessor() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 extern "C" __global__ void moe_router_logits(const __grid_constant__ RouterLogitsParams p)
 {
     const bf16_t* __restrict__ x = p.x;
@@ -62,7 +48,7 @@ extern "C" __global__ void moe_router_logits(const __grid_constant__ RouterLogit
     const int T = p.t, H = p.h, E = p.e;
     float* __restrict__ scores = p.scores;
     __shared__ float part[RT_EPC][RT_SPLIT];
-    router_launch_dependents();
+    griddep_launch_dependents();
     const int t = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int el = warp / RT_SPLIT, s = warp % RT_SPLIT;
@@ -132,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router_logits_tiled(const 
     const int k_begin = (int)((long long)z * steps / p.parts) * RTT_K;
     const int k_end = (int)((long long)(z + 1) * steps / p.parts) * RTT_K;
     float* __restrict__ out = p.scores + (size_t)z * T * E;
-    router_launch_dependents();
+    griddep_launch_dependents();
     __shared__ __align__(16) float xs[RTT_K][RTT_M];
     __shared__ __align__(16) float ws[RTT_K][RTT_E];
     const int tid = threadIdx.x;
@@ -205,7 +191,7 @@ extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p
     if (t >= T) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (warp != 0) return;         // one warp per token (the launch has no other)
-    router_launch_dependents();
+    griddep_launch_dependents();
 
     // A decode step's router is a chain of memory round trips, so every load is batched, RT_LOADS
     // per lane in flight (one at a time, in a loop whose trip count the compiler does not know,
@@ -240,7 +226,7 @@ extern "C" __global__ void moe_router(const __grid_constant__ RouterTopkParams p
             }
         }
     }
-    router_wait_predecessor();
+    griddep_wait();
     // Its score (softmax: once the row's max and sum are known), kept in sc[], stored to scores,
     // and its choice key (score + bias; NaN -> -inf) in key[]; each lane touches only its experts.
     auto keep = [&](int e, float v) {
