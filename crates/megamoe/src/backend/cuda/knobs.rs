@@ -107,6 +107,12 @@ pub fn stream() -> Option<String> {
     value("MEGAMOE_STREAM")
 }
 
+/// `MEGAMOE_SLAB_WAVES=1`: the mma.sync kernels' slabs per CTA chosen to fit a launch into one wave
+/// where it can (`gpu_layout::tc::choose_slabs_per_cta_one_wave`).
+pub fn slab_waves() -> bool {
+    default_off("MEGAMOE_SLAB_WAVES")
+}
+
 /// `MEGAMOE_GEMV_UNROLL`: the SIMT GEMV's load depth (1..=8), else the kernel's default.
 pub fn gemv_unroll() -> Option<u32> {
     number("MEGAMOE_GEMV_UNROLL").filter(|u| (1..=8).contains(u))

@@ -794,6 +794,22 @@ pub fn choose_slabs_per_cta(nt: usize, rows_total: usize, sm_count: usize) -> us
         .unwrap_or(min)
 }
 
+/// Slabs per CTA that fit a launch of `rows_total` packed rows into one wave: the fewest slabs
+/// (most CTAs) whose grid still fits the SMs' [`min_ctas_per_sm`] slots, if that grid gives every
+/// SM at least one CTA; else [`choose_slabs_per_cta`]. (A bf16 shared expert's one-token L2 on a
+/// V4-Pro rank is 448 one-slab CTAs against 396 slots: its last 52 CTAs stream alone after the
+/// first wave; 224 two-slab CTAs run at once.) Opt-in (`MEGAMOE_SLAB_WAVES=1`) until measured.
+pub fn choose_slabs_per_cta_one_wave(nt: usize, rows_total: usize, sm_count: usize) -> usize {
+    let slots = min_ctas_per_sm(nt) * sm_count;
+    [1usize, 2, 4, 8]
+        .into_iter()
+        .filter(|&s| s >= min_slabs_per_cta(nt))
+        .map(|s| (s, rows_total / (SLAB_ROWS * s)))
+        .find(|&(_, ctas)| ctas <= slots)
+        .filter(|&(_, ctas)| ctas >= sm_count)
+        .map_or_else(|| choose_slabs_per_cta(nt, rows_total, sm_count), |(s, _)| s)
+}
+
 /// Token tiles the Hopper weight-streaming decode kernels (`moe_ds_*`, `gemm_tc_stream.cu`) are
 /// built for: the decode tiles, whose GEMMs are bound by weight bytes.
 pub const STREAM_TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
@@ -1220,6 +1236,15 @@ mod tests {
         assert_eq!(choose_slabs_per_cta(8, 6 * 6144, 132), 4);
         assert_eq!(choose_slabs_per_cta(8, 48 * 6144, 132), 8);
         assert_eq!(choose_slabs_per_cta(64, 6144, 132), 8);
+        // One wave: a V4-Pro shared expert's one-token L2 (7168 rows, 448 slabs > 396 slots) on
+        // two slabs, its L1 (6144 rows, 384 slabs) on one; launches too small or too large for one
+        // wave keep the default choice.
+        assert_eq!(choose_slabs_per_cta(1, 7168, 132), 1);
+        assert_eq!(choose_slabs_per_cta_one_wave(1, 7168, 132), 2);
+        assert_eq!(choose_slabs_per_cta_one_wave(1, 6144, 132), 1);
+        assert_eq!(choose_slabs_per_cta_one_wave(1, 1024, 132), choose_slabs_per_cta(1, 1024, 132));
+        assert_eq!(choose_slabs_per_cta_one_wave(8, 48 * 6144, 132), 8);
+        assert_eq!(choose_slabs_per_cta_one_wave(16, 6 * 6144, 132), 4);
         // wgmma tiles: a V4-Pro EP8 rank at T=4096 (64 +- 8 rows per expert) takes 80-row tiles
         // (64 would give half of the experts a second tile), at T=16384 (256 +- 16) 144; V4-Flash
         // at T=4096 (96 +- 10) 128; a dense GEMM of exactly 64 or 128 rows its own height.

@@ -50,6 +50,8 @@ struct TcKernels {
     /// T=4096 on a V4-Pro EP8 rank; with many waves they take SMs from the L1, +2.4-4.4% at
     /// T=16384: docs/PERFORMANCE.md, nineteenth and twenty-fifth sessions).
     chain: WgChain,
+    /// `MEGAMOE_SLAB_WAVES=1`: slabs per CTA of the mma.sync launches chosen for one wave.
+    slab_waves: bool,
     /// Consumer warpgroups of every wgmma launch whose tile is built with them
     /// (`MEGAMOE_WG_CONSUMERS`: A/B runs and tests); else [`DEFAULT_WG_CONSUMERS`] where the
     /// launch still gives every SM two CTAs.
@@ -238,6 +240,7 @@ struct TcKnobs {
     wgmma: bool,
     stream: bool,
     fused: bool,
+    slab_waves: bool,
 }
 
 impl TcKnobs {
@@ -258,6 +261,7 @@ impl TcKnobs {
             wgmma: wg && knobs::wgmma(),
             stream: wg && stream_selects(knobs::stream().as_deref(), f),
             fused: knobs::fused(),
+            slab_waves: knobs::slab_waves(),
         }
     }
 }
@@ -285,6 +289,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             wg_consumers: knobs.wg_consumers,
             wg_tile: knobs.wg_tile,
             chain: knobs.chain,
+            slab_waves: knobs.slab_waves,
             probe: knobs.probe.then(|| m.clone()),
         };
         if knobs.stream {
@@ -387,7 +392,12 @@ impl TcKernels {
     fn cfg(&self, l: &GemmLaunch, rows: usize, spc: Option<usize>) -> (usize, LaunchCfg) {
         let rows_pad = layout::padded_rows(rows);
         let spc = spc.unwrap_or_else(|| {
-            layout::choose_slabs_per_cta(l.block_m, rows_pad * l.expected_tiles.max(1), self.sm_count)
+            let choose = if self.slab_waves {
+                layout::choose_slabs_per_cta_one_wave
+            } else {
+                layout::choose_slabs_per_cta
+            };
+            choose(l.block_m, rows_pad * l.expected_tiles.max(1), self.sm_count)
         });
         // Row blocks in x (dispatched first), tiles in y: a margin tile's idle CTAs start last.
         // (grid.y is at most 65535; the CTAs loop over any further tiles.)
