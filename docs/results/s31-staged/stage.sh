@@ -5,7 +5,7 @@
 # (4-deep one-chunk rings for bf16 decode tiles). Run HERE on a clean tree; it leaves both patches
 # applied (new = the working tree). Then:
 #   run(command="bash .device-carry/call2.sh", carry=[".device-carry", ".peers"], timeout_s=540)
-# (call2b.sh: the short form — A/B rows, verify, tests, fixtures, sanitizers — for a small budget).
+# (SHORT=1 bash .device-carry/call2.sh: the A/B rows, verify, tests, fixtures, sanitizers — a small budget).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 git diff --quiet || { echo "stage.sh: the working tree has changes; commit or stash them first" >&2; exit 1; }
@@ -26,7 +26,7 @@ for b in mid old; do
 done
 KCACHE_SEED="$S/kcache" KCACHE_TRIM=0 PRECOMPILE_PROBE=0 AB_OLD_BIN="$S/old" bash scripts/device.sh
 mkdir -p .device-carry/mid && cp "$S/mid" .device-carry/mid/megamoe && strip --strip-debug .device-carry/mid/megamoe
-cp "$R/s31-staged/call2.sh" "$R/s31-staged/call2b.sh" .device-carry/
+cp "$R/s31-staged/call2.sh" .device-carry/
 # Every staged build must find its kernels in the carried cache (a miss costs minutes of NVRTC there).
 rm -rf "$S/check" && mkdir -p "$S/check" && tar -xJf .device-carry/kcache.tar.xz -C "$S/check"
 for b in .device-carry/bin/megamoe .device-carry/mid/megamoe .device-carry/old/megamoe; do
