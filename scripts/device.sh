@@ -75,7 +75,7 @@ cp scripts/device/fp8_rate.py "$carry/fp8_rate.py"
 # (The golden fixtures travel with the working tree: run.sh reads crates/megamoe/tests/data.)
 # The peers (torch baselines, triton_kernels' MXFP4 MoE) travel beside the binaries when present.
 if [ -d ../shared/peers ]; then rm -rf .peers && cp -r ../shared/peers .peers; fi
-du -sh "$carry" .peers 2>/dev/null
+du -sh "$carry" .peers 2>/dev/null || true   # (.peers is absent without ../shared/peers)
 cat <<MSG
 Staged in $carry. Now call the device tool:
   run(command="bash .device-carry/run.sh", carry=[".device-carry", ".peers"], timeout_s=600)
