@@ -765,11 +765,14 @@ pub fn min_slabs_per_cta(nt: usize) -> usize {
     (nt / 8).clamp(1, GROUP_SLABS)
 }
 
+/// The slabs per CTA token tile `nt` is instantiated with, ascending.
+pub fn slab_counts(nt: usize) -> impl DoubleEndedIterator<Item = usize> {
+    [1usize, 2, 4, 8].into_iter().filter(move |&s| s >= min_slabs_per_cta(nt))
+}
+
 /// Every (token tile, slabs per CTA) configuration the kernels are instantiated for.
 pub fn configs() -> impl Iterator<Item = (usize, usize)> {
-    TOKEN_TILES.into_iter().flat_map(|nt| {
-        [1usize, 2, 4, 8].into_iter().filter(move |&s| s >= min_slabs_per_cta(nt)).map(move |s| (nt, s))
-    })
+    TOKEN_TILES.into_iter().flat_map(|nt| slab_counts(nt).map(move |s| (nt, s)))
 }
 
 /// The token tile for `expected` rows per active expert spread by `spread` (standard deviation),
@@ -786,12 +789,10 @@ pub fn choose_token_tile(expected: f64, spread: f64, max_rows: usize) -> usize {
 /// the largest (fewest re-reads of the token tile) that still gives every SM three CTAs, else
 /// the smallest allowed (most CTAs).
 pub fn choose_slabs_per_cta(nt: usize, rows_total: usize, sm_count: usize) -> usize {
-    let min = min_slabs_per_cta(nt);
-    [8usize, 4, 2, 1]
-        .into_iter()
-        .filter(|&s| s >= min)
+    slab_counts(nt)
+        .rev()
         .find(|&s| rows_total / (SLAB_ROWS * s) >= 3 * sm_count)
-        .unwrap_or(min)
+        .unwrap_or(min_slabs_per_cta(nt))
 }
 
 /// Slabs per CTA that fit a launch of `rows_total` packed rows into one wave: the fewest slabs
@@ -801,9 +802,7 @@ pub fn choose_slabs_per_cta(nt: usize, rows_total: usize, sm_count: usize) -> us
 /// first wave; 224 two-slab CTAs run at once.) Opt-in (`MEGAMOE_SLAB_WAVES=1`) until measured.
 pub fn choose_slabs_per_cta_one_wave(nt: usize, rows_total: usize, sm_count: usize) -> usize {
     let slots = min_ctas_per_sm(nt) * sm_count;
-    [1usize, 2, 4, 8]
-        .into_iter()
-        .filter(|&s| s >= min_slabs_per_cta(nt))
+    slab_counts(nt)
         .map(|s| (s, rows_total / (SLAB_ROWS * s)))
         .find(|&(_, ctas)| ctas <= slots)
         .filter(|&(_, ctas)| ctas >= sm_count)
