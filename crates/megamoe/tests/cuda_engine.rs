@@ -654,6 +654,58 @@ fn decode_split_k_parts_match_host_model() {
     }
 }
 
+/// Decode steps of 1..=8 tokens on the slice-parallel kernel (`MEGAMOE_SLICE=1`; sm_90a, FP4
+/// experts): against the host model in both formats, with the shared expert forked beside it and
+/// without one, on shapes whose K chunks and row groups split unevenly over a cluster's 8 CTAs
+/// (H 1152: 18 chunks, 9 row groups; I 640: 10 slices) and on the tiny layer (H 256: 4 chunks, 2
+/// groups, so most CTAs stream no L1 and no L2 rows); every forward from a poisoned workspace, a
+/// repeat and a graph replay bitwise equal, and the slice kernel is what ran.
+#[test]
+fn slice_decode_matches_host_model() {
+    let no_shared = |c: megamoe::config::MoeConfig| megamoe::config::MoeConfig { n_shared_experts: 0, ..c };
+    let cfgs = [
+        two_group_config(),
+        no_shared(two_group_config()),
+        synthetic::tiny_config(),
+        no_shared(synthetic::tiny_config()),
+    ];
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (ci, cfg) in cfgs.iter().enumerate() {
+        for (fi, format) in [WeightFormat::Nvfp4, WeightFormat::Mxfp4].into_iter().enumerate() {
+            let seed = 300 + 10 * ci as u64 + fi as u64;
+            let layer = Arc::new(synthetic::random_layer(cfg, format, 0, false, seed));
+            std::env::set_var("MEGAMOE_SLICE", "1");
+            let eng = engine_with(&layer, 8, Some("tc"));
+            std::env::remove_var("MEGAMOE_SLICE");
+            let Some(mut eng) = eng else { return };
+            if eng.arch() != "sm_90a" {
+                eprintln!("SKIPPED: the slice kernel is sm_90a only ({})", eng.arch());
+                return;
+            }
+            for t in [1usize, 2, 5, 8] {
+                let what =
+                    format!("slice {format:?} H={} shared={} T={t}", cfg.hidden_size, cfg.n_shared_experts);
+                assert!(eng.runs_slice(t, Mode::W4A16), "{what}: the slice kernel should run");
+                let x = synthetic::random_hidden(t, cfg.hidden_size, seed + t as u64);
+                let input = ForwardInput { x: &x, input_ids: None };
+                eng.poison(0xFF).unwrap();
+                let out = eng.forward(&input, Mode::W4A16, None).unwrap();
+                let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
+                let err = rel_l2(&out.y, &want);
+                eprintln!("{what}: rel L2 {err:.2e}");
+                assert!(err < tol(Mode::W4A16), "{what}: rel L2 {err:.3e}");
+                eng.poison(0xA5).unwrap();
+                let again = eng.forward(&input, Mode::W4A16, None).unwrap();
+                assert_eq!(bits(&out.y), bits(&again.y), "{what}: repeat differs");
+                eng.capture_graph(t, Mode::W4A16).unwrap();
+                eng.poison(0x5A).unwrap();
+                let g = eng.replay(&input).unwrap();
+                assert_eq!(bits(&out.y), bits(&g.y), "{what}: graph replay differs");
+            }
+        }
+    }
+}
+
 /// The streaming kernels' split-K bookkeeping across many forwards: ranges of ~49 chunks over
 /// units of 32 (CTAs with two cut units and a reused ring), every mode in turn and again: each
 /// forward bitwise equal to the first of its mode, and every arrival counter back at zero.
@@ -1655,6 +1707,92 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
             eprintln!(
                 "fused decode {format:?} {mode} T={t}: fused {fused}, bitwise equal to the separate stages"
             );
+        }
+    }
+}
+
+/// A rank's routed forward on the slice-parallel kernel (`enqueue_routed` with `MEGAMOE_SLICE=1`:
+/// external routing with -1 and other ranks' ids, tokens with no slot here, the shared expert added
+/// or not, f32 and bf16 y) against the separate stages on the same poisoned workspace: equal up to
+/// f32 summation order (the slice kernel cuts the L2's K per slice); a malformed id sets the status
+/// bit and drops its slot.
+#[test]
+fn slice_routed_forward_matches_separate_stages() {
+    let Some(dev) = device() else { return };
+    if dev.arch() != "sm_90a" {
+        eprintln!("SKIPPED: the slice kernel is sm_90a only ({})", dev.arch());
+        return;
+    }
+    let cfg = rank24_config();
+    let stream = dev.new_stream().unwrap();
+    // SAFETY: the stream lives until the end of the test.
+    let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
+    for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
+        std::env::set_var("MEGAMOE_SLICE", "1");
+        let w = rank24_weights(&dev, &cfg, format, 0, 171);
+        std::env::remove_var("MEGAMOE_SLICE");
+        let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
+        let ws = Workspace::new(&dev, WorkspaceDims::of(&w, 8)).unwrap();
+        let arena = dev.alloc(16 << 20, "arena").unwrap();
+        for t in [1usize, 3, 8] {
+            assert!(w.runs_slice(&ws, t, Mode::W4A16), "{format:?} T={t}: the slice kernel should run");
+            let mut ids = vec![0i32; t * k];
+            let mut wts = vec![0f32; t * k];
+            for tok in 0..t {
+                for j in 0..k {
+                    ids[tok * k + j] =
+                        if (tok + 2 * j) % 5 == 0 { -1 } else { ((tok * 5 + j * 7 + tok / 2) % 24) as i32 };
+                    wts[tok * k + j] = 0.05 + 0.15 * ((tok + j) % 5) as f32;
+                }
+            }
+            let x = synthetic::random_hidden(t, h, 180 + t as u64);
+            let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &ids, &wts, h, k);
+            for (ydt, shared) in [(DType::F32, false), (DType::Bf16, true), (DType::F32, true)] {
+                let ybytes = t * h * ydt.size();
+                let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));
+                let ytensor = |at: usize| DeviceTensor::new(arena.ptr() + at as u64, t, h, ydt);
+                let read = |at: usize| -> Vec<f32> {
+                    if ydt == DType::Bf16 {
+                        let v = arena.read::<u16>(dev.stream(), at, t * h).unwrap();
+                        v.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect()
+                    } else {
+                        arena.read::<f32>(dev.stream(), at, t * h).unwrap()
+                    }
+                };
+                let what = format!("slice {format:?} T={t} y {ydt:?} shared {shared}");
+                ws.poison(0xFF).unwrap();
+                if shared {
+                    w.enqueue_shared(&ws, &xt, s).unwrap();
+                }
+                let plan = w.enqueue_plan(&ws, &it, Mode::W4A16, s).unwrap();
+                w.enqueue_experts(&ws, &plan, &xt, &wt, Mode::W4A16, s).unwrap();
+                w.enqueue_combine(&ws, &plan, &ytensor(ya), shared, s).unwrap();
+                stream.synchronize().unwrap();
+                let want = read(ya);
+                ws.poison(0xFF).unwrap();
+                if shared {
+                    w.enqueue_shared(&ws, &xt, s).unwrap();
+                }
+                w.enqueue_routed(&ws, &it, &xt, &wt, &ytensor(yb), shared, Mode::W4A16, s).unwrap();
+                stream.synchronize().unwrap();
+                let got = read(yb);
+                assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+                let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+                let err = rel_l2(&got, &want64);
+                let bound = if ydt == DType::Bf16 { 8e-3 } else { 1e-5 };
+                eprintln!("{what}: rel L2 {err:.2e} against the separate stages");
+                assert!(err < bound, "{what}: rel L2 {err:.3e} > {bound}");
+                assert_eq!(ws.take_status().unwrap(), 0, "{what}");
+            }
+            // A malformed id: the status bit, its slot dropped, the step still run.
+            let mut bad = ids.clone();
+            bad[0] = 99;
+            let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &bad, &wts, h, k);
+            let y = DeviceTensor::new(arena.ptr() + yo as u64, t, h, DType::F32);
+            w.enqueue_routed(&ws, &it, &xt, &wt, &y, false, Mode::W4A16, s).unwrap();
+            stream.synchronize().unwrap();
+            let status = ws.take_status().unwrap();
+            assert_eq!(status, megamoe::backend::cuda::params::STATUS_BAD_EXPERT_ID as u32, "T={t}");
         }
     }
 }

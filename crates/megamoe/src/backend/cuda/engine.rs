@@ -105,6 +105,12 @@ impl CudaEngine {
         &self.weights
     }
 
+    /// Whether a `mode` forward of `tokens` tokens runs its routed experts on the slice-parallel
+    /// decode kernel (`MEGAMOE_SLICE=1`; tests, bench notes).
+    pub fn runs_slice(&self, tokens: usize, mode: crate::forward::Mode) -> bool {
+        self.weights.runs_slice(&self.ws, tokens, mode)
+    }
+
     /// The engine's stream.
     pub(super) fn stream_ref(&self) -> StreamRef {
         StreamRef(self.stream.cu_stream())

@@ -120,6 +120,13 @@ impl LayerWeights {
             Some(p) => p,
             None => fork_shared()?,
         };
+        // A decode step of at most 8 tokens runs its routed experts as the slice-parallel kernel
+        // where the experts' kernels have one (`MEGAMOE_SLICE=1`): no plan, and no grid-wide
+        // barrier, so it also runs beside the shared expert (joined before the partials' sum).
+        if let Some(clusters) = self.slice_clusters(ws, t, mode, trace) {
+            let y = (&io.y, shared);
+            return self.slice_raw(ws, clusters, (ids, io.x.ptr, wts), t, y, overlap, s);
+        }
         let plan = self.plan_for(ws, ids, t, mode, trace);
         // A decode step runs plan, experts and combine as one fused launch where the kernels have
         // one — unless the shared expert runs beside it: the fused kernel is cooperative (all its
@@ -171,6 +178,10 @@ impl LayerWeights {
         }
         self.device.bind()?;
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
+        if let Some(clusters) = self.slice_clusters(ws, t, mode, false) {
+            let inputs = (topk_ids.ptr, x.ptr, topk_weights.ptr);
+            return self.slice_raw(ws, clusters, inputs, t, (y, shared), false, stream);
+        }
         let plan = self.plan_for(ws, topk_ids.ptr, t, mode, false);
         if let Some(split) = self.fused_split(ws, &plan, mode, false) {
             return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, y, shared, stream);
@@ -500,6 +511,74 @@ impl LayerWeights {
             return None;
         }
         ex.kernels.fused_decode(&plan.launch, &self.routed_operands(ws, 0, ws.perm.ptr(), &ex.l1, 0))
+    }
+
+    /// The clusters of a slice-parallel launch of a `t`-token step in `mode`, when the experts'
+    /// kernels have one for it (W4A16, untraced; [`super::gemm::GemmKernels::slice_decode`]).
+    fn slice_clusters(&self, ws: &Workspace, t: usize, mode: Mode, trace: bool) -> Option<usize> {
+        if trace || mode != Mode::W4A16 {
+            return None;
+        }
+        let ex = &self.experts;
+        let g = self.routed_operands(ws, 0, 0, &ex.l1, 0);
+        ex.kernels.slice_decode(t, self.config.num_experts_per_tok, self.local_experts(), &g)
+    }
+
+    /// Whether a `mode` forward of `tokens` tokens on `ws` runs its routed experts as the
+    /// slice-parallel kernel (diagnostics, tests and bench notes).
+    pub fn runs_slice(&self, ws: &Workspace, tokens: usize, mode: Mode) -> bool {
+        self.slice_clusters(ws, tokens, mode, false).is_some()
+    }
+
+    /// Enqueues a `t`-token decode step's routed experts (`(topk_ids, x, topk_weights)`) as the
+    /// slice kernel on `clusters` clusters, then — after the shared expert's join when `join` —
+    /// the sum of its partials into `y` (+ `shared`, 0: none).
+    #[allow(clippy::too_many_arguments)]
+    fn slice_raw(
+        &self,
+        ws: &Workspace,
+        clusters: usize,
+        (topk_ids, x, topk_w): (u64, u64, u64),
+        t: usize,
+        (y, shared): (&DeviceTensor, u64),
+        join: bool,
+        s: StreamRef,
+    ) -> Result<()> {
+        let (c, ex) = (&self.config, &self.experts);
+        let p = SliceParams {
+            topk_ids,
+            topk_w,
+            x,
+            w1: ex.l1.wq.ptr(),
+            alpha1: opt_ptr(&ex.l1.alpha),
+            w2: ex.l2.wq.ptr(),
+            alpha2: opt_ptr(&ex.l2.alpha),
+            partials: ws.slice_partials.ptr(),
+            status: ws.status.ptr(),
+            tokens: t as i32,
+            k: c.num_experts_per_tok as i32,
+            experts: self.local_experts() as i32,
+            expert_base: self.expert_range.start as i32,
+            global_experts: c.n_routed_experts as i32,
+            h: c.hidden_size as i32,
+            inter: ex.inter as i32,
+            limit: c.swiglu_limit,
+            stages: 0, // the kernels' choice (gpu_layout::slice::slice_stages)
+        };
+        ex.kernels.launch_slice(s, clusters, &p)?;
+        if join {
+            launch::wait(s, &ws.join)?;
+        }
+        let sum = SliceSumParams {
+            partials: ws.slice_partials.ptr(),
+            shared_out: shared,
+            y: y.ptr,
+            clusters: clusters as i32,
+            tokens: t as i32,
+            h: c.hidden_size as i32,
+            y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },
+        };
+        ex.kernels.launch_slice_sum(s, &sum)
     }
 
     /// Whether a `mode` forward of `tokens` tokens on `ws` runs its routed experts as one fused

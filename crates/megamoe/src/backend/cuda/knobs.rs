@@ -52,6 +52,12 @@ pub fn fused() -> bool {
     default_on("MEGAMOE_FUSED")
 }
 
+/// `MEGAMOE_SLICE=1`: decode steps of up to 8 tokens on the slice-parallel kernel (`moe_slice`,
+/// sm_90a FP4 experts) instead of the fused / streaming ones (opt-in until measured).
+pub fn slice() -> bool {
+    default_off("MEGAMOE_SLICE")
+}
+
 /// `MEGAMOE_FOLD=0`: the combine always sums every token's L2 rows (by default a forward whose
 /// expert inputs are staged, whose y is f32 and that adds no shared expert has its L2 write the
 /// tokens with one planned slot straight into y).

@@ -239,6 +239,35 @@ impl<P: Copy> Kernel<P> {
         Ok(n.max(0) as usize)
     }
 
+    /// How many clusters of `cluster` CTAs (x) of this kernel the GPU runs at once with `smem`
+    /// bytes of dynamic shared memory each.
+    pub fn max_active_clusters(&self, cluster: u32, smem: usize) -> Result<usize> {
+        // SAFETY: a zeroed attribute set to a documented id; the config outlives the call.
+        let n = unsafe {
+            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attr.value.clusterDim.x = cluster;
+            attr.value.clusterDim.y = 1;
+            attr.value.clusterDim.z = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: cluster,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: self.threads,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: smem as u32,
+                hStream: std::ptr::null_mut(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            let mut n: std::ffi::c_int = 0;
+            sys::cuOccupancyMaxActiveClusters(&mut n, self.func.cu_function(), &config).result().map(|_| n)
+        }
+        .map_err(|e| err(format!("kernel {}: cluster occupancy query: {e}", self.name)))?;
+        Ok(n.max(0) as usize)
+    }
+
     /// Enqueues one launch on `stream`.
     ///
     /// # Safety

@@ -582,6 +582,65 @@ kernel_abi! {
         prefetch_bytes: i32 => "int",
     }
 
+    /// The Hopper slice-parallel decode kernel (`gemm_tc_slice.cu` `moe_slice`, clusters of 8
+    /// CTAs): a decode step's routed L1, SwiGLU and L2 into per-cluster partial sums.
+    struct SliceParams {
+        /// `[T, k]` i32 global expert ids (-1 and other ranks' experts: not run here).
+        topk_ids: DevPtr => "const int*",
+        /// `[T, k]` f32 routing weights.
+        topk_w: DevPtr => "const float*",
+        /// `[T, H]` bf16 tokens.
+        x: DevPtr => "const bf16_t*",
+        /// The packed L1 weights (`gpu_layout::tc::pack_l1`).
+        w1: DevPtr => "const unsigned char*",
+        /// `[E_local][2]` gate / up alphas of the L1 (nullable: 1).
+        alpha1: DevPtr => "const float*",
+        /// The packed L2 weights (`gpu_layout::tc::pack_l2`).
+        w2: DevPtr => "const unsigned char*",
+        /// `[E_local]` alphas of the L2 (nullable: 1).
+        alpha2: DevPtr => "const float*",
+        /// `[clusters][T][H]` f32 partial sums (every element written).
+        partials: DevPtr => "float*",
+        /// Status word (`STATUS_BAD_EXPERT_ID` for an id outside -1..global_experts).
+        status: DevPtr => "unsigned*",
+        /// Tokens T (1..=8).
+        tokens: i32 => "int",
+        /// Routing slots per token.
+        k: i32 => "int",
+        /// Local experts.
+        experts: i32 => "int",
+        /// The global id of the first local expert.
+        expert_base: i32 => "int",
+        /// Experts of the whole layer (ids at or above are malformed).
+        global_experts: i32 => "int",
+        /// Hidden size H.
+        h: i32 => "int",
+        /// Intermediate size I.
+        inter: i32 => "int",
+        /// The SwiGLU clamp (0: none).
+        limit: f32 => "float",
+        /// Ring stages (`gpu_layout::tc::slice_stages`).
+        stages: i32 => "int",
+    }
+
+    /// The sum of the slice kernel's partials (`moe_slice_sum`, a programmatic dependent).
+    struct SliceSumParams {
+        /// `[clusters][T][H]` f32 partial sums.
+        partials: DevPtr => "const float*",
+        /// `[T, H]` f32 shared-expert output to add (nullable).
+        shared_out: DevPtr => "const float*",
+        /// `[T, H]` output (`y_dtype`).
+        y: DevPtr => "void*",
+        /// Clusters of the slice launch.
+        clusters: i32 => "int",
+        /// Tokens T.
+        tokens: i32 => "int",
+        /// Hidden size H.
+        h: i32 => "int",
+        /// `OUT_F32` / `OUT_BF16`.
+        y_dtype: i32 => "int",
+    }
+
     /// The Hopper wgmma L1 kernel: the L1 parameters and the tensor map of A (`[rows, H]` bf16,
     /// boxes of 64 columns x the token tile, 128B-swizzled).
     struct WgL1Params {

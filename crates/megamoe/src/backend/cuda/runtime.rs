@@ -51,6 +51,10 @@ pub const GEMM_TC_STREAM: &str = include_str!("kernels/gemm_tc_stream.cu");
 /// launch (appended after [`GEMM_TC_STREAM`], after [`PLAN_WARP`], [`COMBINE`] and [`QUANT_ROWS`]).
 pub const GEMM_TC_FUSED: &str = include_str!("kernels/gemm_tc_fused.cu");
 
+/// The tensor-core family's Hopper slice-parallel decode kernel and its partial sum (appended
+/// after [`GEMM_TC_FUSED`] in the FP4 modules).
+pub const GEMM_TC_SLICE: &str = include_str!("kernels/gemm_tc_slice.cu");
+
 /// Device code shared by the GEMM sources (prepended to each).
 pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 
@@ -58,7 +62,7 @@ pub const GEMM_COMMON: &str = include_str!("kernels/gemm_common.cuh");
 pub const GEMM_W4A8: &str = include_str!("kernels/gemm_w4a8.cu");
 
 /// Every source with its name (for the layout-comment check and the compile test).
-pub const ALL_SOURCES: [(&str, &str); 14] = [
+pub const ALL_SOURCES: [(&str, &str); 15] = [
     CORE_SOURCES[0],
     CORE_SOURCES[1],
     CORE_SOURCES[2],
@@ -71,6 +75,7 @@ pub const ALL_SOURCES: [(&str, &str); 14] = [
     ("gemm_tc", GEMM_TC),
     ("gemm_tc_stream", GEMM_TC_STREAM),
     ("gemm_tc_fused", GEMM_TC_FUSED),
+    ("gemm_tc_slice", GEMM_TC_SLICE),
     ("gemm_common", GEMM_COMMON),
     ("gemm_w4a8", GEMM_W4A8),
 ];

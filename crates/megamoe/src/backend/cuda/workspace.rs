@@ -118,6 +118,7 @@ impl WorkspaceDims {
             bytes(&[s, h, 4], "l2 rows")?,
             bytes(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
             bytes(&[mt, h, 4], "shared out")?,
+            bytes(&slice_partials_dims(d), "slice partials")?,
             2 * Workspace::split_bytes(SPLIT_ESTIMATE_SMS),
         ];
         parts
@@ -130,6 +131,20 @@ impl WorkspaceDims {
     pub fn slots(&self) -> usize {
         self.max_tokens * self.top_k
     }
+}
+
+/// `[clusters, tokens, H, 4 bytes]` of the slice decode kernel's partial sums: at most one cluster
+/// per 64 intermediate columns, at most [`SLICE_MAX_TOKENS`] tokens.
+///
+/// [`SLICE_MAX_TOKENS`]: crate::backend::gpu_layout::slice::SLICE_MAX_TOKENS
+fn slice_partials_dims(d: &WorkspaceDims) -> [usize; 4] {
+    use crate::backend::gpu_layout::slice::SLICE_MAX_TOKENS;
+    [
+        d.inter.div_ceil(crate::backend::gpu_layout::K_STEP).max(1),
+        d.max_tokens.min(SLICE_MAX_TOKENS),
+        d.hidden,
+        4,
+    ]
 }
 
 /// The split scratch layout of one GEMM pair on a GPU of `sm_count` SMs.
@@ -220,6 +235,9 @@ pub struct Workspace {
     pub(crate) sact: DevBuf,
     /// Shared-expert output `[T, H]` f32.
     pub(crate) shared_out: DevBuf,
+    /// The slice decode kernel's per-cluster partial sums `[clusters][T, H]` f32 (every element
+    /// written by the launch that reads it).
+    pub(crate) slice_partials: DevBuf,
     /// Status bits (`params::STATUS_*`) `[1]` u32.
     pub(crate) status: DevBuf,
     /// Split scratch of the routed experts' decode GEMMs ([`Self::split_bytes`]; zero between
@@ -301,6 +319,7 @@ impl Workspace {
             l2: z(&[s, h, 4], "l2 rows")?,
             sact: z(&[mt, d.shared_inter.max(1), 2], "shared activations")?,
             shared_out: z(&[mt, h, 4], "shared out")?,
+            slice_partials: z(&slice_partials_dims(&d), "slice partials")?,
             status: z(&[4], "status")?,
             split_routed: z(&[Workspace::split_bytes(device.sm_count())], "routed split scratch")?,
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
@@ -422,6 +441,7 @@ impl Workspace {
             &self.l2,
             &self.sact,
             &self.shared_out,
+            &self.slice_partials,
             &self.status,
             &self.split_routed,
             &self.split_shared,

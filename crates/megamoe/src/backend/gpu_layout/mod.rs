@@ -9,6 +9,8 @@
 //!   block scales beside them;
 //! - [`w4a8`]: the Hopper FP8 (W4A8) kernels' MXFP4 layout: the `wgmma` k32 A fragments, codes
 //!   arranged for a byte-permute lookup into e4m3 with each 32-block's power of two folded in;
+//! - [`slice`]: the Hopper slice-parallel decode kernel's shapes (the [`tc`] packing, cut per
+//!   64 intermediate columns);
 //! - [`router`]: which kernel computes a batch's router logits, and the K parts of the tiled one.
 //!
 //! Shared by all families here: the gate/up interleave, the FP8 block-scale expansion and the
@@ -16,6 +18,7 @@
 
 pub mod router;
 pub mod simt;
+pub mod slice;
 pub mod tc;
 pub mod w4a8;
 

@@ -16,7 +16,7 @@ pub(crate) mod w4a8;
 use super::buffer::DevBuf;
 use super::device::CudaDevice;
 use super::launch::StreamRef;
-use super::params::{DfParams, GemmL1Params, GemmL2Params, GemmOperands};
+use super::params::{DfParams, GemmL1Params, GemmL2Params, GemmOperands, SliceParams, SliceSumParams};
 use crate::checkpoint::{MoeLayer, SharedExpert};
 use crate::error::Result;
 use std::sync::Arc;
@@ -162,6 +162,26 @@ pub(crate) trait GemmKernels: Send + Sync {
     /// Enqueues the fused decode kernel (only after [`Self::fused_decode`] said it applies).
     fn launch_fused(&self, _s: StreamRef, _l: &GemmLaunch, _p: &DfParams) -> Result<()> {
         Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no fused decode kernel"))
+    }
+    /// The clusters of a slice-parallel decode launch (`moe_slice`: L1, SwiGLU and L2 of a step of
+    /// `tokens` tokens, `k` slots each, over `local_experts` experts of `g`'s sizes), when the
+    /// family has one for it.
+    fn slice_decode(
+        &self,
+        _tokens: usize,
+        _k: usize,
+        _local_experts: usize,
+        _g: &GemmOperands,
+    ) -> Option<usize> {
+        None
+    }
+    /// Enqueues the slice kernel on `p.partials` (only after [`Self::slice_decode`] gave `clusters`).
+    fn launch_slice(&self, _s: StreamRef, _clusters: usize, _p: &SliceParams) -> Result<()> {
+        Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no slice decode kernel"))
+    }
+    /// Enqueues the sum of the slice kernel's partials into y (a programmatic dependent).
+    fn launch_slice_sum(&self, _s: StreamRef, _p: &SliceSumParams) -> Result<()> {
+        Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no slice decode kernel"))
     }
     /// The phase clocks of the last fused decode launch, when the kernels were built with the
     /// probe (`MEGAMOE_PHASE_PROBE=1`; [`crate::backend::cuda::probe`]).

@@ -13,6 +13,7 @@ use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::probe::PhaseProbe;
 use crate::backend::cuda::runtime::{self, ModuleSpec};
+use crate::backend::gpu_layout::slice as slice_layout;
 use crate::backend::gpu_layout::tc::{self as layout, SLAB_ROWS};
 use crate::checkpoint::{MoeLayer, SharedExpert};
 use crate::error::Result;
@@ -65,6 +66,8 @@ struct TcKernels {
     /// Hopper fused decode kernels (plan, L1, L2, combine in one cooperative launch), by token
     /// tile, with the CTAs an SM holds (`MEGAMOE_FUSED=0`: none).
     df: HashMap<usize, (Kernel<DfParams>, usize)>,
+    /// Hopper slice-parallel decode kernels (sm_90a, FP4; `MEGAMOE_SLICE=1`).
+    slice: Option<SliceKernels>,
     /// Whether the streaming L2 is a programmatic dependent of the L1 (`MEGAMOE_PDL=0`: no).
     pdl: bool,
     /// Bytes per CTA of the L2's weights the streaming L1 prefetches into the L2 cache
@@ -77,6 +80,18 @@ struct TcKernels {
 /// Threads of the streaming kernels: 8 consumer warps and a producer warp.
 const DS_THREADS: u32 = 288;
 
+/// The slice-parallel decode kernel (`moe_slice`, clusters of [`slice_layout::SLICE_CLUSTER`]
+/// CTAs of [`DS_THREADS`]) and its partial sum, with the clusters the GPU runs at once.
+struct SliceKernels {
+    main: Kernel<SliceParams>,
+    sum: Kernel<SliceSumParams>,
+    max_clusters: usize,
+}
+
+const SLICE_NAME: &str = "moe_slice";
+const SLICE_SUM_NAME: &str = "moe_slice_sum";
+const SLICE_SUM_THREADS: u32 = 256;
+
 /// Consumer warpgroups of the wgmma launches whose tile is built with them and that still give
 /// every SM two CTAs, unless `MEGAMOE_WG_CONSUMERS` says otherwise
 /// ([`layout::WG_WIDE_SHAPES`]: measured fastest).
@@ -86,6 +101,11 @@ const DEFAULT_WG_CONSUMERS: usize = 3;
 /// mbarriers, programmatic dependent launch).
 fn has_wgmma(arch: &str) -> bool {
     arch == "sm_90a"
+}
+
+/// Whether format `f`'s module on `arch` holds the slice-parallel decode kernels (FP4 on sm_90a).
+fn has_slice(arch: &str, f: WeightFormat) -> bool {
+    has_wgmma(arch) && f != WeightFormat::Bf16
 }
 
 fn define(f: WeightFormat) -> &'static str {
@@ -122,6 +142,9 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
     let mut defines = vec![define(f).to_string()];
     if has_wgmma(arch) {
         defines.push("TC_WGMMA=1".into());
+        if has_slice(arch, f) {
+            defines.push("TC_SLICE=1".into());
+        }
         if knobs::phase_probe() {
             defines.push("DS_PROBE=1".into());
         }
@@ -143,6 +166,7 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
             runtime::COMBINE.into(),
             runtime::QUANT_ROWS.into(),
             runtime::GEMM_TC_FUSED.into(),
+            runtime::GEMM_TC_SLICE.into(),
             inst.into(),
         ],
         defines,
@@ -182,8 +206,16 @@ fn wg_instantiation(macro_name: &str, f: WeightFormat, c: layout::WgConfig) -> S
 /// format, and on sm_90a the NVFP4 L1 + L2 module (the other formats' instantiate the same
 /// templates and compile on first use).
 pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
-    let mut v: Vec<_> =
-        WeightFormat::ALL.into_iter().map(|f| (module_spec(f, arch), kernel_names(arch))).collect();
+    let mut v: Vec<_> = WeightFormat::ALL
+        .into_iter()
+        .map(|f| {
+            let mut names = kernel_names(arch);
+            if has_slice(arch, f) {
+                names.extend([SLICE_NAME, SLICE_SUM_NAME].map(String::from));
+            }
+            (module_spec(f, arch), names)
+        })
+        .collect();
     if has_wgmma(arch) {
         let names =
             layout::wg_chain_configs().flat_map(|c| [wg_chain_name(1, c), wg_chain_name(2, c)]).collect();
@@ -240,6 +272,7 @@ struct TcKnobs {
     wgmma: bool,
     stream: bool,
     fused: bool,
+    slice: bool,
     slab_waves: bool,
 }
 
@@ -261,6 +294,7 @@ impl TcKnobs {
             wgmma: wg && knobs::wgmma(),
             stream: wg && stream_selects(knobs::stream().as_deref(), f),
             fused: knobs::fused(),
+            slice: has_slice(dev.arch(), f) && knobs::slice(),
             slab_waves: knobs::slab_waves(),
         }
     }
@@ -284,6 +318,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             ds_l1: HashMap::new(),
             ds_l2: HashMap::new(),
             df: HashMap::new(),
+            slice: None,
             pdl: dev.programmatic_launches(),
             prefetch_bytes: knobs.prefetch_bytes,
             wg_consumers: knobs.wg_consumers,
@@ -306,6 +341,15 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                         k.df.insert(nt, (df, per_sm));
                     }
                 }
+            }
+        }
+        if knobs.slice {
+            let smem = slice_layout::SLICE_SMEM_BUDGET;
+            let main = Kernel::load(&m, SLICE_NAME, DS_THREADS, smem)?;
+            let sum = Kernel::load(&m, SLICE_SUM_NAME, SLICE_SUM_THREADS, 0)?;
+            let max_clusters = main.max_active_clusters(slice_layout::SLICE_CLUSTER as u32, smem)?;
+            if max_clusters > 0 {
+                k.slice = Some(SliceKernels { main, sum, max_clusters });
             }
         }
         if knobs.wgmma {
@@ -556,6 +600,36 @@ impl GemmKernels for TcKernels {
         // SAFETY: the operands cover the plan's rows and the packed weights; the split scratch
         // holds both sides and the barrier counters for this grid (at most `stream_ctas`), zeroed.
         unsafe { k.launch(s, &cfg, p) }
+    }
+    fn slice_decode(&self, tokens: usize, k: usize, local_experts: usize, g: &GemmOperands) -> Option<usize> {
+        let sk = self.slice.as_ref()?;
+        let (h, i) = (g.h as usize, g.inter as usize);
+        slice_layout::slice_fits(self.format, tokens, k, local_experts, h, i)
+            .then(|| slice_layout::slice_clusters(i, sk.max_clusters))
+    }
+    fn launch_slice(&self, s: StreamRef, clusters: usize, p: &SliceParams) -> Result<()> {
+        let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;
+        let p = &SliceParams { stages: slice_layout::slice_stages(self.format, p.h as usize) as i32, ..*p };
+        let cfg = LaunchCfg {
+            cluster: Some((slice_layout::SLICE_CLUSTER as u32, 1, 1)),
+            ..LaunchCfg::grid(
+                ((clusters * slice_layout::SLICE_CLUSTER) as u32, 1, 1),
+                slice_layout::slice_smem_bytes(self.format, p.h as usize),
+            )
+        };
+        // SAFETY: the operands cover T tokens and the packed weights; `partials` holds
+        // [clusters][T][H] f32 (every element written by the launch).
+        unsafe { sk.main.launch(s, &cfg, p) }
+    }
+    fn launch_slice_sum(&self, s: StreamRef, p: &SliceSumParams) -> Result<()> {
+        let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;
+        // Eight threads per 4 output columns (the kernel's lane groups); the CTAs loop beyond two per SM.
+        let threads = (p.tokens as usize * p.h as usize / 4 * 8).max(1);
+        let ctas = threads.div_ceil(SLICE_SUM_THREADS as usize).min(2 * self.sm_count.max(1)) as u32;
+        // A programmatic dependent of moe_slice (it waits before its first read).
+        let cfg = LaunchCfg { pdl: self.pdl, ..LaunchCfg::grid((ctas, 1, 1), 0) };
+        // SAFETY: the partials hold [clusters][T][H] f32; y and shared_out [T][H].
+        unsafe { sk.sum.launch(s, &cfg, p) }
     }
     fn phase_probe(&self, dev: &CudaDevice) -> Option<Result<PhaseProbe>> {
         let m = self.probe.as_ref()?;

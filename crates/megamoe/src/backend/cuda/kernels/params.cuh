@@ -287,6 +287,39 @@ struct DfParams {
 };
 static_assert(sizeof(DfParams) == 696, "DfParams mirrors params.rs");
 
+struct SliceParams {
+    const int* topk_ids;
+    const float* topk_w;
+    const bf16_t* x;
+    const unsigned char* w1;
+    const float* alpha1;
+    const unsigned char* w2;
+    const float* alpha2;
+    float* partials;
+    unsigned* status;
+    int tokens;
+    int k;
+    int experts;
+    int expert_base;
+    int global_experts;
+    int h;
+    int inter;
+    float limit;
+    int stages;
+};
+static_assert(sizeof(SliceParams) == 112, "SliceParams mirrors params.rs");
+
+struct SliceSumParams {
+    const float* partials;
+    const float* shared_out;
+    void* y;
+    int clusters;
+    int tokens;
+    int h;
+    int y_dtype;
+};
+static_assert(sizeof(SliceSumParams) == 40, "SliceSumParams mirrors params.rs");
+
 struct WgL1Params {
     GemmL1Params l1;
     TmaDesc amap;

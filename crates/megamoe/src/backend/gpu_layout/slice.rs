@@ -1,0 +1,134 @@
+//! The slice-parallel decode kernel's shapes (`kernels/gemm_tc_slice.cu`, `moe_slice`): which
+//! decode steps it takes, its shared memory, ring depth, grid and partial-sum scratch. Its weights
+//! are the tensor-core family's packing ([`super::tc`]): slice `s` of an expert is the L1's 128-row
+//! group `s` and the L2's 64-k chunk `s`.
+
+use super::tc::{block_bytes, CHUNK_K, GROUP_ROWS, GROUP_SLABS};
+use crate::formats::WeightFormat;
+
+/// CTAs per cluster (`SL_CLUSTER`): each streams an eighth of a slice's L1 K and of its L2 rows.
+pub const SLICE_CLUSTER: usize = 8;
+
+/// Most tokens of a step (`SL_TOKENS`: the tokens are the MMA's 8 columns).
+pub const SLICE_MAX_TOKENS: usize = 8;
+
+/// Most routing slots `T * k` of a step (`SL_MAX_SLOTS`: the active-expert list).
+pub const SLICE_MAX_SLOTS: usize = 64;
+
+/// Most local experts (`SL_MAX_LOCAL`: the active-expert bitmap).
+pub const SLICE_MAX_LOCAL: usize = 512;
+
+/// Most L1 K chunks of one CTA (`SL_MAX_L1_CHUNKS`) and L2 row groups (`SL_MAX_L2_GROUPS`):
+/// H <= 8192.
+const MAX_CHUNKS_PER_CTA: usize = 16;
+const MAX_GROUPS_PER_CTA: usize = 8;
+
+/// Most ring stages (`SL_MAX_STAGES`) and the fewest worth running.
+const MAX_STAGES: usize = 16;
+const MIN_STAGES: usize = 4;
+
+/// CTAs per SM (`__launch_bounds__(288, 3)`): 27 warps, three rings in flight per SM.
+pub const SLICE_CTAS_PER_SM: usize = 3;
+
+/// Dynamic shared memory one CTA may take so that three fit an SM's 228 KB (1 KB reserved per
+/// CTA, and the kernel's static ~8 KB: barriers, inbox, act buffer, expert list).
+pub const SLICE_SMEM_BUDGET: usize = 228 * 1024 / SLICE_CTAS_PER_SM - 1024 - 8 * 1024;
+
+/// Whether a decode step of `tokens` tokens, `k` slots each, on `local_experts` experts of
+/// hidden size `h` and intermediate size `inter` in `format` fits the kernel.
+pub fn slice_fits(
+    format: WeightFormat,
+    tokens: usize,
+    k: usize,
+    local_experts: usize,
+    h: usize,
+    inter: usize,
+) -> bool {
+    format != WeightFormat::Bf16
+        && (1..=SLICE_MAX_TOKENS).contains(&tokens)
+        && tokens * k <= SLICE_MAX_SLOTS
+        && (1..=SLICE_MAX_LOCAL).contains(&local_experts)
+        && h.is_multiple_of(CHUNK_K)
+        && h > 0
+        && (h / CHUNK_K).div_ceil(SLICE_CLUSTER) <= MAX_CHUNKS_PER_CTA
+        && h.div_ceil(GROUP_ROWS).div_ceil(SLICE_CLUSTER) <= MAX_GROUPS_PER_CTA
+        && inter.is_multiple_of(CHUNK_K)
+        && inter > 0
+}
+
+/// Bytes of one ring stage: one 64-k chunk of a 128-row group's 8 slabs.
+pub fn slice_stage_bytes(format: WeightFormat) -> usize {
+    GROUP_SLABS * block_bytes(format)
+}
+
+/// Bytes of the tokens' rows of one CTA's L1 K range (8 rows of `chunks * 128 + 16` bytes: the pad
+/// keeps an ldmatrix's 8 rows on distinct banks).
+pub fn slice_x_bytes(h: usize) -> usize {
+    SLICE_MAX_TOKENS * ((h / CHUNK_K).div_ceil(SLICE_CLUSTER) * 128 + 16)
+}
+
+/// Ring stages: as many as the budget holds beside the token rows.
+pub fn slice_stages(format: WeightFormat, h: usize) -> usize {
+    (SLICE_SMEM_BUDGET.saturating_sub(slice_x_bytes(h)) / slice_stage_bytes(format))
+        .clamp(MIN_STAGES, MAX_STAGES)
+}
+
+/// Dynamic shared memory of a launch: the ring, then the token rows.
+pub fn slice_smem_bytes(format: WeightFormat, h: usize) -> usize {
+    slice_stages(format, h) * slice_stage_bytes(format) + slice_x_bytes(h)
+}
+
+/// Clusters of a launch: one per slice (a one-expert step gives each cluster one unit), at most
+/// as many as run at once (`max_active`, from the occupancy query), at least one.
+pub fn slice_clusters(inter: usize, max_active: usize) -> usize {
+    (inter / CHUNK_K).min(max_active).max(1)
+}
+
+/// Bytes of the partial sums `[clusters][tokens][h]` f32.
+pub fn slice_partials_bytes(clusters: usize, tokens: usize, h: usize) -> usize {
+    clusters * tokens * h * 4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn v4_shapes_fit_and_keep_three_ctas_per_sm() {
+        for f in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
+            for (h, i) in [(7168, 3072), (4096, 2048)] {
+                assert!(slice_fits(f, 1, 6, 48, h, i) && slice_fits(f, 8, 6, 384, h, i), "{f:?} {h}");
+                let smem = slice_smem_bytes(f, h);
+                assert!(SLICE_CTAS_PER_SM * (smem + 1024 + 8 * 1024) <= 228 * 1024, "{f:?} {h}: {smem}");
+                // A V4-Pro CTA's 14 L1 chunks mostly in flight at once, every copy 16-byte sized.
+                assert!(slice_stages(f, h) >= 11, "{f:?} {h}: {}", slice_stages(f, h));
+                assert_eq!(slice_stage_bytes(f) % 16, 0);
+                assert_eq!(slice_x_bytes(h) % (16 * SLICE_MAX_TOKENS), 0);
+            }
+        }
+    }
+
+    #[test]
+    fn steps_outside_the_kernel_are_refused() {
+        let f = WeightFormat::Nvfp4;
+        assert!(!slice_fits(WeightFormat::Bf16, 1, 6, 48, 7168, 3072));
+        assert!(!slice_fits(f, 0, 6, 48, 7168, 3072));
+        assert!(!slice_fits(f, 9, 6, 48, 7168, 3072));
+        assert!(!slice_fits(f, 8, 9, 48, 7168, 3072), "72 slots");
+        assert!(!slice_fits(f, 1, 6, 513, 7168, 3072));
+        assert!(!slice_fits(f, 1, 6, 48, 8256, 3072), "H > 8192");
+        assert!(!slice_fits(f, 1, 6, 48, 7168, 3000), "I not whole chunks");
+        assert!(slice_fits(f, 1, 6, 48, 8192, 64));
+        // Uneven cuts: 9 chunks over 8 CTAs, one group.
+        assert!(slice_fits(f, 3, 2, 4, 576, 128));
+    }
+
+    #[test]
+    fn clusters_follow_the_slices_within_the_active_limit() {
+        assert_eq!(slice_clusters(3072, 49), 48);
+        assert_eq!(slice_clusters(3072, 40), 40);
+        assert_eq!(slice_clusters(2048, 49), 32);
+        assert_eq!(slice_clusters(64, 0), 1);
+        assert_eq!(slice_partials_bytes(48, 8, 7168), 48 * 8 * 7168 * 4);
+    }
+}
