@@ -9,7 +9,7 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 export MEGAMOE_CACHE=/tmp/megamoe-kernels MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_PTXAS_VERBOSE=1
 export MEGAMOE_TEST_DATA="$PWD/crates/megamoe/tests/data" MEGAMOE_REQUIRE_GPU=1
 mkdir -p "$MEGAMOE_CACHE" && tar -xJf $C/kcache.tar.xz -C /tmp && cp -n /tmp/kcache/* "$MEGAMOE_CACHE"/
-chmod +x $C/bin/* $C/old/megamoe
+chmod +x $C/bin/*; builds="slice base"; [ -f $C/old/megamoe ] && chmod +x $C/old/megamoe && builds="slice base old"
 nvidia-smi --query-gpu=name --format=csv,noheader
 rows() { grep -E "^v4-" | awk '{printf "  %-8s %-14s T=%-6s %s ms ratio %s\n", $1, $6, $7, $10, $15}'; }
 bench() {  # build-tag, env, args...
@@ -18,17 +18,17 @@ bench() {  # build-tag, env, args...
   env $envs MEGAMOE_LOG=megamoe=warn timeout 100 $b bench forward --backend cuda "$@" 2>&1 | rows
 }
 for r in $(seq 1 ${ROUNDS:-2}); do
-  for w in slice base old; do
+  for w in $builds; do
     e="MEGAMOE_SLICE=0"; [ $w = slice ] && e="MEGAMOE_SLICE=1"
     echo "== round $r $w pro" | tee -a $OUT/ab.txt
     bench $w "$e" --shape v4-pro --simulate-ep 8 --whole-layer --tokens 1,8 --json $OUT/ab_pro_${w}_$r.json | tee -a $OUT/ab.txt
-    [ $r = 2 ] && continue                 # V4-Flash once (a small budget)
+    { [ $r = 2 ] || [ "${FLASH:-1}" = 0 ]; } && continue   # V4-Flash once (FLASH=0: never)
     echo "== round $r $w flash" | tee -a $OUT/ab.txt
     bench $w "$e" --shape v4-flash --whole-layer --tokens 1,8 --json $OUT/ab_flash_${w}_$r.json | tee -a $OUT/ab.txt
   done
 done
 echo "elapsed ${SECONDS}s"
-if command -v ncu >/dev/null; then
+if command -v ncu >/dev/null && [ "${NCU:-1}" = 1 ]; then
   m=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size
   for t in 1; do
     echo "== ncu slice rank T=$t"
@@ -39,7 +39,7 @@ if command -v ncu >/dev/null; then
 fi
 echo "== slice tests"
 timeout 120 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|test |panicked|SKIPPED|result" | tail -60 > $OUT/slice_tests.txt; grep -E "test |panicked|result" $OUT/slice_tests.txt
-echo "== verify under MEGAMOE_SLICE=1"; MEGAMOE_SLICE=1 MEGAMOE_LOG=megamoe=warn timeout 100 $C/bin/megamoe verify --backend cuda 2>&1 | grep -E "verify:|FAIL" | head -5
+[ "${VERIFY:-1}" = 1 ] && echo "== verify under MEGAMOE_SLICE=1" && MEGAMOE_SLICE=1 MEGAMOE_LOG=megamoe=warn timeout 100 $C/bin/megamoe verify --backend cuda 2>&1 | grep -E "verify:|FAIL" | head -5
 echo "elapsed ${SECONDS}s"
 if command -v compute-sanitizer >/dev/null; then
   echo "== memcheck slice tests"
