@@ -17,7 +17,7 @@
 use super::buffer::{err, lazy, opt_ptr, DevBuf};
 use super::device::CORE_THREADS;
 use super::gemm::w4a8::{Fp8Rows, W4a8Experts};
-use super::gemm::{GemmLaunch, PackedSide, TileDemand};
+use super::gemm::{GemmLaunch, PackedSide, SliceStep, TileDemand};
 use super::io::{check_input_ids, DType, DeviceTensor, ForwardIo, Routing, TOPK_IDS, TOPK_WEIGHTS, X, Y};
 use super::knobs::SharedOverlap;
 use super::launch::{self, LaunchCfg, StreamRef};
@@ -123,7 +123,7 @@ impl LayerWeights {
         // A decode step of at most 8 tokens runs its routed experts as the slice-parallel kernel
         // where the experts' kernels have one (`MEGAMOE_SLICE=1`): no plan, and no grid-wide
         // barrier, so it also runs beside the shared expert (joined before the partials' sum).
-        if let Some(clusters) = self.slice_clusters(ws, t, mode, trace) {
+        if let Some(clusters) = self.slice_clusters(t, mode, trace) {
             let y = (&io.y, shared);
             return self.slice_raw(ws, clusters, (ids, io.x.ptr, wts), t, y, overlap, s);
         }
@@ -178,7 +178,7 @@ impl LayerWeights {
         }
         self.device.bind()?;
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
-        if let Some(clusters) = self.slice_clusters(ws, t, mode, false) {
+        if let Some(clusters) = self.slice_clusters(t, mode, false) {
             let inputs = (topk_ids.ptr, x.ptr, topk_weights.ptr);
             return self.slice_raw(ws, clusters, inputs, t, (y, shared), false, stream);
         }
@@ -515,19 +515,23 @@ impl LayerWeights {
 
     /// The clusters of a slice-parallel launch of a `t`-token step in `mode`, when the experts'
     /// kernels have one for it (W4A16, untraced; [`super::gemm::GemmKernels::slice_decode`]).
-    fn slice_clusters(&self, ws: &Workspace, t: usize, mode: Mode, trace: bool) -> Option<usize> {
+    fn slice_clusters(&self, t: usize, mode: Mode, trace: bool) -> Option<usize> {
         if trace || mode != Mode::W4A16 {
             return None;
         }
-        let ex = &self.experts;
-        let g = self.routed_operands(ws, 0, 0, &ex.l1, 0);
-        ex.kernels.slice_decode(t, self.config.num_experts_per_tok, self.local_experts(), &g)
+        self.experts.kernels.slice_decode(&SliceStep {
+            tokens: t,
+            k: self.config.num_experts_per_tok,
+            local_experts: self.local_experts(),
+            hidden: self.config.hidden_size,
+            inter: self.experts.inter,
+        })
     }
 
-    /// Whether a `mode` forward of `tokens` tokens on `ws` runs its routed experts as the
-    /// slice-parallel kernel (diagnostics, tests and bench notes).
-    pub fn runs_slice(&self, ws: &Workspace, tokens: usize, mode: Mode) -> bool {
-        self.slice_clusters(ws, tokens, mode, false).is_some()
+    /// Whether a `mode` forward of `tokens` tokens runs its routed experts as the slice-parallel
+    /// kernel (diagnostics, tests and bench notes).
+    pub fn runs_slice(&self, tokens: usize, mode: Mode) -> bool {
+        self.slice_clusters(tokens, mode, false).is_some()
     }
 
     /// Enqueues a `t`-token decode step's routed experts (`(topk_ids, x, topk_weights)`) as the

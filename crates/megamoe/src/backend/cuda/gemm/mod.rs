@@ -163,16 +163,9 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn launch_fused(&self, _s: StreamRef, _l: &GemmLaunch, _p: &DfParams) -> Result<()> {
         Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no fused decode kernel"))
     }
-    /// The clusters of a slice-parallel decode launch (`moe_slice`: L1, SwiGLU and L2 of a step of
-    /// `tokens` tokens, `k` slots each, over `local_experts` experts of `g`'s sizes), when the
-    /// family has one for it.
-    fn slice_decode(
-        &self,
-        _tokens: usize,
-        _k: usize,
-        _local_experts: usize,
-        _g: &GemmOperands,
-    ) -> Option<usize> {
+    /// The clusters of a slice-parallel decode launch (`moe_slice`: L1, SwiGLU and L2 of `step`),
+    /// when the family has one for it.
+    fn slice_decode(&self, _step: &SliceStep) -> Option<usize> {
         None
     }
     /// Enqueues the slice kernel on `p.partials` (only after [`Self::slice_decode`] gave `clusters`).
@@ -188,6 +181,18 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn phase_probe(&self, _dev: &CudaDevice) -> Option<Result<crate::backend::cuda::probe::PhaseProbe>> {
         None
     }
+}
+
+/// The shape of a decode step, as the slice-parallel kernel's fit needs it
+/// ([`GemmKernels::slice_decode`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SliceStep {
+    pub tokens: usize,
+    /// Routing slots per token.
+    pub k: usize,
+    pub local_experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
 }
 
 /// The split scratch pointers of a fused decode launch ([`GemmKernels::fused_decode`]).

@@ -5,7 +5,9 @@
 //! MXFP4 whose scales fit one bf16 exponent window per expert and projection, bf16, and an FP8
 //! shared expert whose block scales are powers of two (converted to bf16 exactly).
 
-use super::{FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
+use super::{
+    FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, SliceStep, TileDemand,
+};
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::knobs::{self, WgChain};
@@ -601,11 +603,10 @@ impl GemmKernels for TcKernels {
         // holds both sides and the barrier counters for this grid (at most `stream_ctas`), zeroed.
         unsafe { k.launch(s, &cfg, p) }
     }
-    fn slice_decode(&self, tokens: usize, k: usize, local_experts: usize, g: &GemmOperands) -> Option<usize> {
+    fn slice_decode(&self, st: &SliceStep) -> Option<usize> {
         let sk = self.slice.as_ref()?;
-        let (h, i) = (g.h as usize, g.inter as usize);
-        slice_layout::slice_fits(self.format, tokens, k, local_experts, h, i)
-            .then(|| slice_layout::slice_clusters(i, sk.max_clusters))
+        slice_layout::slice_fits(self.format, st.tokens, st.k, st.local_experts, st.hidden, st.inter)
+            .then(|| slice_layout::slice_clusters(st.inter, sk.max_clusters))
     }
     fn launch_slice(&self, s: StreamRef, clusters: usize, p: &SliceParams) -> Result<()> {
         let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;
