@@ -659,7 +659,10 @@ fn decode_split_k_parts_match_host_model() {
 /// without one, on shapes whose K chunks and row groups split unevenly over a cluster's 8 CTAs
 /// (H 1152: 18 chunks, 9 row groups; I 640: 10 slices) and on the tiny layer (H 256: 4 chunks, 2
 /// groups, so most CTAs stream no L1 and no L2 rows); every forward from a poisoned workspace, a
-/// repeat and a graph replay bitwise equal, and the slice kernel is what ran.
+/// repeat and a graph replay bitwise equal, and the slice kernel is what ran. Each layer also runs
+/// on at most 7 clusters (`MEGAMOE_SLICE_CLUSTERS=7`): more units than clusters, so clusters take
+/// several units and, where the rounds leave some over (10 units: 5 clusters of two), idle
+/// clusters write zero partials.
 #[test]
 fn slice_decode_matches_host_model() {
     let no_shared = |c: megamoe::config::MoeConfig| megamoe::config::MoeConfig { n_shared_experts: 0, ..c };
@@ -674,33 +677,43 @@ fn slice_decode_matches_host_model() {
         for (fi, format) in [WeightFormat::Nvfp4, WeightFormat::Mxfp4].into_iter().enumerate() {
             let seed = 300 + 10 * ci as u64 + fi as u64;
             let layer = Arc::new(synthetic::random_layer(cfg, format, 0, false, seed));
-            std::env::set_var("MEGAMOE_SLICE", "1");
-            let eng = engine_with(&layer, 8, Some("tc"));
-            std::env::remove_var("MEGAMOE_SLICE");
-            let Some(mut eng) = eng else { return };
-            if eng.arch() != "sm_90a" {
-                eprintln!("SKIPPED: the slice kernel is sm_90a only ({})", eng.arch());
-                return;
-            }
-            for t in [1usize, 2, 5, 8] {
-                let what =
-                    format!("slice {format:?} H={} shared={} T={t}", cfg.hidden_size, cfg.n_shared_experts);
-                assert!(eng.runs_slice(t, Mode::W4A16), "{what}: the slice kernel should run");
-                let x = synthetic::random_hidden(t, cfg.hidden_size, seed + t as u64);
-                let input = ForwardInput { x: &x, input_ids: None };
-                eng.poison(0xFF).unwrap();
-                let out = eng.forward(&input, Mode::W4A16, None).unwrap();
-                let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
-                let err = rel_l2(&out.y, &want);
-                eprintln!("{what}: rel L2 {err:.2e}");
-                assert!(err < tol(Mode::W4A16), "{what}: rel L2 {err:.3e}");
-                eng.poison(0xA5).unwrap();
-                let again = eng.forward(&input, Mode::W4A16, None).unwrap();
-                assert_eq!(bits(&out.y), bits(&again.y), "{what}: repeat differs");
-                eng.capture_graph(t, Mode::W4A16).unwrap();
-                eng.poison(0x5A).unwrap();
-                let g = eng.replay(&input).unwrap();
-                assert_eq!(bits(&out.y), bits(&g.y), "{what}: graph replay differs");
+            for cap in [None, Some("7")] {
+                std::env::set_var("MEGAMOE_SLICE", "1");
+                if let Some(c) = cap {
+                    std::env::set_var("MEGAMOE_SLICE_CLUSTERS", c);
+                }
+                let eng = engine_with(&layer, 8, Some("tc"));
+                std::env::remove_var("MEGAMOE_SLICE");
+                std::env::remove_var("MEGAMOE_SLICE_CLUSTERS");
+                let Some(mut eng) = eng else { return };
+                if eng.arch() != "sm_90a" {
+                    eprintln!("SKIPPED: the slice kernel is sm_90a only ({})", eng.arch());
+                    return;
+                }
+                for t in [1usize, 2, 5, 8] {
+                    let what = format!(
+                        "slice {format:?} H={} shared={} T={t} clusters<={}",
+                        cfg.hidden_size,
+                        cfg.n_shared_experts,
+                        cap.unwrap_or("resident")
+                    );
+                    assert!(eng.runs_slice(t, Mode::W4A16), "{what}: the slice kernel should run");
+                    let x = synthetic::random_hidden(t, cfg.hidden_size, seed + t as u64);
+                    let input = ForwardInput { x: &x, input_ids: None };
+                    eng.poison(0xFF).unwrap();
+                    let out = eng.forward(&input, Mode::W4A16, None).unwrap();
+                    let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
+                    let err = rel_l2(&out.y, &want);
+                    eprintln!("{what}: rel L2 {err:.2e}");
+                    assert!(err < tol(Mode::W4A16), "{what}: rel L2 {err:.3e}");
+                    eng.poison(0xA5).unwrap();
+                    let again = eng.forward(&input, Mode::W4A16, None).unwrap();
+                    assert_eq!(bits(&out.y), bits(&again.y), "{what}: repeat differs");
+                    eng.capture_graph(t, Mode::W4A16).unwrap();
+                    eng.poison(0x5A).unwrap();
+                    let g = eng.replay(&input).unwrap();
+                    assert_eq!(bits(&out.y), bits(&g.y), "{what}: graph replay differs");
+                }
             }
         }
     }

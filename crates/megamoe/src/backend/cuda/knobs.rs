@@ -58,6 +58,12 @@ pub fn slice() -> bool {
     default_off("MEGAMOE_SLICE")
 }
 
+/// `MEGAMOE_SLICE_CLUSTERS=N`: at most N clusters per slice launch (at least one), below the
+/// occupancy limit: A/B runs of the unit shares, and tests that need more units than clusters.
+pub fn slice_clusters() -> Option<usize> {
+    number::<usize>("MEGAMOE_SLICE_CLUSTERS").map(|n| n.max(1))
+}
+
 /// `MEGAMOE_FOLD=0`: the combine always sums every token's L2 rows (by default a forward whose
 /// expert inputs are staged, whose y is f32 and that adds no shared expert has its L2 write the
 /// tokens with one planned slot straight into y).

@@ -275,6 +275,7 @@ struct TcKnobs {
     stream: bool,
     fused: bool,
     slice: bool,
+    slice_clusters: Option<usize>,
     slab_waves: bool,
 }
 
@@ -297,6 +298,7 @@ impl TcKnobs {
             stream: wg && stream_selects(knobs::stream().as_deref(), f),
             fused: knobs::fused(),
             slice: has_slice(dev.arch(), f) && knobs::slice(),
+            slice_clusters: knobs::slice_clusters(),
             slab_waves: knobs::slab_waves(),
         }
     }
@@ -349,7 +351,8 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             let smem = slice_layout::SLICE_SMEM_BUDGET;
             let main = Kernel::load(&m, SLICE_NAME, DS_THREADS, smem)?;
             let sum = Kernel::load(&m, SLICE_SUM_NAME, SLICE_SUM_THREADS, 0)?;
-            let max_clusters = main.max_active_clusters(slice_layout::SLICE_CLUSTER as u32, smem)?;
+            let resident = main.max_active_clusters(slice_layout::SLICE_CLUSTER as u32, smem)?;
+            let max_clusters = knobs.slice_clusters.map_or(resident, |cap| cap.min(resident));
             if max_clusters > 0 {
                 k.slice = Some(SliceKernels { main, sum, max_clusters });
             }

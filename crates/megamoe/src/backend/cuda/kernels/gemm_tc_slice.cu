@@ -12,7 +12,8 @@
 // final sum over slices, so after its last byte a step waits only for one cluster's exchange.
 //
 // Work: unit u = (active local expert a, slice s), u = a * S + s (S = I / 64; active experts in
-// ascending local id). Cluster c (of gridDim.x / 8) takes units c, c + clusters, ... One cluster =
+// ascending local id). Cluster c takes units c, c + busy, ... (busy = the fewest clusters that
+// take all units in the rounds the grid needs: equal shares). One cluster =
 // 8 CTAs; CTA r of a cluster streams, per unit, the L1 group's K chunks [r nch1 / 8, (r+1) nch1 / 8)
 // and the L2 chunk s of the 128-row groups [r G2 / 8, (r+1) G2 / 8) (its rows of the output).
 //
@@ -213,8 +214,14 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     }
     if (warp == SL_CONSUMERS) sl_find_experts(p, ex);
     sl_cluster_sync();                                 // barriers and the expert list, cluster-wide
+    // Units over clusters in equal shares: with `rounds` units per cluster, only as many clusters
+    // as those rounds need take work (48 units on 45 clusters: 24 clusters of two, not 3 of two and
+    // 42 of one, whose last 24 CTAs would stream their second unit alone at a fraction of the
+    // bandwidth). The clusters past `busy` write zero partials.
     const int units = ex.count * nch2;
-    const bool has_x = units > (int)cl && k1 > k0;     // this CTA reads x's rows (H < 512: some CTAs none)
+    const int rounds = (units + (int)ncl - 1) / (int)ncl;
+    const int busy = rounds ? (units + rounds - 1) / rounds : 0;
+    const bool has_x = busy > (int)cl && k1 > k0;      // this CTA reads x's rows (H < 512: some CTAs none)
 
     if (warp == SL_CONSUMERS) {
         if (lane != 0) return;
@@ -234,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
             bulk_g2s_hint(ring + s * W_STAGE, src, W_STAGE, fb, pol);
             ++j;
         };
-        for (int u = (int)cl; u < units; u += (int)ncl) {
+        for (int u = (int)cl; u < units && (int)cl < busy; u += busy) {
             const int e = ex.list[u / nch2], s = u % nch2;
             const unsigned char* w1 = p.w1 + (size_t)e * eb1 + (size_t)s * nch1 * W_STAGE;
             for (int k = k0; k < k1; ++k) issue(w1 + (size_t)k * W_STAGE);
@@ -268,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * (jj % ST));
     };
-    for (int u = (int)cl; u < units; u += (int)ncl, ++ui) {
+    for (int u = (int)cl; u < units && (int)cl < busy; u += busy, ++ui) {
         const int a_idx = u / nch2, e = ex.list[a_idx], s = u % nch2;
         // 1. L1 partial of slab `warp` over this CTA's K chunks.
         float acc1[4] = {0.f, 0.f, 0.f, 0.f};

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Session 33, call 5 (runs THERE, from .device-carry as staged by stage5.sh): the slice kernel with
+# equal unit shares ("slice" = this build, MEGAMOE_SLICE=1) against the thirty-second session's form
+# ("v2" = 8fd1e18 staged as old/megamoe, MEGAMOE_SLICE=1; neither has run on a GPU before) and this
+# build's default path ("base"), alternated; a cluster-cap sweep (MEGAMOE_SLICE_CLUSTERS); ncu of
+# both slice forms; the slice tests; verify under MEGAMOE_SLICE=1; memcheck and racecheck (hazards kept).
+# Knobs: ROUNDS (2), FLASH=0, SWEEP=0, NCU=0, NCU_T ("1 8"), VERIFY=0, RACE=0.
+OUT="${OUT:-/tmp/megamoe-out}"; mkdir -p "$OUT"
+C=.device-carry
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export MEGAMOE_CACHE=/tmp/megamoe-kernels MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_PTXAS_VERBOSE=1
+export MEGAMOE_TEST_DATA="$PWD/crates/megamoe/tests/data" MEGAMOE_REQUIRE_GPU=1
+mkdir -p "$MEGAMOE_CACHE" && tar -xJf $C/kcache.tar.xz -C /tmp && cp -n /tmp/kcache/* "$MEGAMOE_CACHE"/
+chmod +x $C/bin/* $C/old/*
+nvidia-smi --query-gpu=name --format=csv,noheader
+rows() { grep -E "^v4-" | awk '{printf "  %-8s %-14s T=%-6s %s ms ratio %s\n", $1, $6, $7, $10, $15}'; }
+bin_of() { if [ "$1" = v2 ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
+env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1; fi; }
+bench() {  # build-tag, extra env, args...
+  local w=$1 extra=$2; shift 2
+  env $(env_of $w) $extra MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) bench forward --backend cuda "$@" 2>&1 | rows
+}
+for r in $(seq 1 ${ROUNDS:-2}); do
+  for w in slice v2 base; do
+    echo "== round $r $w pro" | tee -a $OUT/ab.txt
+    bench $w "" --shape v4-pro --simulate-ep 8 --whole-layer --tokens 1,8 --json $OUT/ab_pro_${w}_$r.json | tee -a $OUT/ab.txt
+    { [ $r = 2 ] || [ "${FLASH:-1}" = 0 ]; } && continue   # V4-Flash once
+    echo "== round $r $w flash" | tee -a $OUT/ab.txt
+    bench $w "" --shape v4-flash --whole-layer --tokens 1,8 --json $OUT/ab_flash_${w}_$r.json | tee -a $OUT/ab.txt
+  done
+done
+if [ "${SWEEP:-1}" = 1 ]; then
+  for n in 16 24 32 40; do
+    echo "== slice clusters <= $n pro rank" | tee -a $OUT/ab.txt
+    bench slice "MEGAMOE_SLICE_CLUSTERS=$n" --shape v4-pro --simulate-ep 8 --tokens 1,8 --json $OUT/sweep_$n.json | tee -a $OUT/ab.txt
+  done
+fi
+echo "elapsed ${SECONDS}s"
+if command -v ncu >/dev/null && [ "${NCU:-1}" = 1 ]; then
+  m=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size
+  for t in ${NCU_T:-1 8}; do for w in slice v2; do
+    echo "== ncu $w rank T=$t"
+    MEGAMOE_SLICE=1 MEGAMOE_LOG=megamoe=warn timeout 60 ncu --clock-control none -k "regex:moe_slice" --launch-count 2 --metrics $m \
+      $(bin_of $w) bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens $t --iters 1 --runs 1 > $OUT/ncu_${w}_t$t.txt 2>&1
+    awk '/^  moe_/{printf "\n%s %s", $1, $2} /gpu__time|dram__bytes|dram__thr|grid_size/{printf " %s=%s", $1, $NF}' $OUT/ncu_${w}_t$t.txt | sed 's/__/./g' | cut -c1-200; echo
+  done; done
+fi
+echo "== slice tests"
+timeout 180 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|test |panicked|SKIPPED|result" > $OUT/slice_tests.txt; grep -E "test |panicked|result" $OUT/slice_tests.txt
+if [ "${VERIFY:-1}" = 1 ]; then
+  echo "== verify under MEGAMOE_SLICE=1"
+  MEGAMOE_SLICE=1 MEGAMOE_LOG=megamoe=warn timeout 100 $C/bin/megamoe verify --backend cuda 2>&1 | grep -E "verify:|FAIL" | head -5
+fi
+echo "elapsed ${SECONDS}s"
+if command -v compute-sanitizer >/dev/null; then
+  echo "== memcheck slice tests"
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
+  if [ "${RACE:-1}" = 1 ]; then
+    echo "== racecheck slice tests"
+    timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_slice.txt 2>&1
+    grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_slice.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_slice.txt | head -24
+  fi
+fi
+echo "elapsed ${SECONDS}s"
