@@ -18,6 +18,9 @@ source scripts/nvrtc_env.sh
 (cd "$S/v2" && CARGO_TARGET_DIR="$root/target" cargo build --release -p megamoe-cli)
 cp target/release/megamoe "$S/v2.bin"
 git worktree remove --force "$S/v2"
+# Cargo's fingerprints of path crates are mtimes checked against the last build, and the worktree's
+# build was the last: without this, device.sh's build of this tree finds it "fresh" and stages v2.
+find crates -type f \( -name '*.rs' -o -name '*.cu' -o -name '*.cuh' \) -exec touch {} +
 seed=""
 if [ -f .device-carry/kcache.tar.xz ]; then tar -xJf .device-carry/kcache.tar.xz -C "$S" && seed="$S/kcache"; fi
 KCACHE_SEED="$seed" PRECOMPILE_PROBE=0 AB_OLD_BIN="$S/v2.bin" bash scripts/device.sh
@@ -25,3 +28,6 @@ KCACHE_SEED="$seed" PRECOMPILE_PROBE=0 AB_OLD_BIN="$S/v2.bin" bash scripts/devic
 rm -f .device-carry/bin/cuda_ep .device-carry/bin/cuda_fixtures
 cp docs/results/s33-staged/call5.sh .device-carry/
 du -sh .device-carry
+cmp -s .device-carry/bin/megamoe .device-carry/old/megamoe && { echo "error: this build and v2 staged the same binary" >&2; exit 1; }
+grep -qa MEGAMOE_SLICE_CLUSTERS .device-carry/bin/megamoe || { echo "error: the staged build lacks this tree's knob" >&2; exit 1; }
+echo staged
