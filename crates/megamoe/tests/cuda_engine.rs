@@ -700,12 +700,7 @@ fn slice_decode_matches_host_model() {
                     assert!(eng.runs_slice(t, Mode::W4A16), "{what}: the slice kernel should run");
                     let x = synthetic::random_hidden(t, cfg.hidden_size, seed + t as u64);
                     let input = ForwardInput { x: &x, input_ids: None };
-                    eng.poison(0xFF).unwrap();
-                    let out = eng.forward(&input, Mode::W4A16, None).unwrap();
-                    let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
-                    let err = rel_l2(&out.y, &want);
-                    eprintln!("{what}: rel L2 {err:.2e}");
-                    assert!(err < tol(Mode::W4A16), "{what}: rel L2 {err:.3e}");
+                    let out = w4a16_forward_checked(&mut eng, &layer, &x, &what);
                     eng.poison(0xA5).unwrap();
                     let again = eng.forward(&input, Mode::W4A16, None).unwrap();
                     assert_eq!(bits(&out.y), bits(&again.y), "{what}: repeat differs");
@@ -769,14 +764,21 @@ fn format_matches_host_model(
     let Some(mut eng) = engine_with(&layer, t, Some("tc")) else { return };
     let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 2);
     let input = ForwardInput { x: &x, input_ids: None };
-    eng.poison(0xFF).unwrap();
-    let out = eng.forward(&input, Mode::W4A16, None).unwrap();
-    let want = host_forward(&layer, &x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
-    let err = rel_l2(&out.y, &want);
-    eprintln!("{what} {format:?} T={t}: rel L2 {err:.2e}");
-    assert!(err < tol(Mode::W4A16), "{what} {format:?} T={t}: rel L2 {err:.3e}");
+    let what = format!("{what} {format:?} T={t}");
+    let out = w4a16_forward_checked(&mut eng, &layer, &x, &what);
     let again = eng.forward(&input, Mode::W4A16, None).unwrap();
-    assert_eq!(out.y, again.y, "{what} {format:?} T={t}: repeat differs");
+    assert_eq!(out.y, again.y, "{what}: repeat differs");
+}
+
+/// One W4A16 forward of `x` from a poisoned workspace, checked against the host model.
+fn w4a16_forward_checked(eng: &mut CudaEngine, layer: &MoeLayer, x: &[bf16], what: &str) -> ForwardOutput {
+    eng.poison(0xFF).unwrap();
+    let out = eng.forward(&ForwardInput { x, input_ids: None }, Mode::W4A16, None).unwrap();
+    let want = host_forward(layer, x, &out.topk_ids, &out.topk_weights, Mode::W4A16);
+    let err = rel_l2(&out.y, &want);
+    eprintln!("{what}: rel L2 {err:.2e}");
+    assert!(err < tol(Mode::W4A16), "{what}: rel L2 {err:.3e}");
+    out
 }
 
 /// The plan's large-batch path (chunk counts, one offsets CTA, chunk scatter): more slots than the

@@ -5,14 +5,8 @@
 # build's default path ("base"), alternated; a cluster-cap sweep (MEGAMOE_SLICE_CLUSTERS); ncu of
 # both slice forms; the slice tests; verify under MEGAMOE_SLICE=1; memcheck and racecheck (hazards kept).
 # Knobs: ROUNDS (2), FLASH=0, SWEEP=0, NCU=0, NCU_T ("1 8"), VERIFY=0, RACE=0.
-OUT="${OUT:-/tmp/megamoe-out}"; mkdir -p "$OUT"
-C=.device-carry
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export MEGAMOE_CACHE=/tmp/megamoe-kernels MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_PTXAS_VERBOSE=1
-export MEGAMOE_TEST_DATA="$PWD/crates/megamoe/tests/data" MEGAMOE_REQUIRE_GPU=1
-mkdir -p "$MEGAMOE_CACHE" && tar -xJf $C/kcache.tar.xz -C /tmp && cp -n /tmp/kcache/* "$MEGAMOE_CACHE"/
-chmod +x $C/bin/* $C/old/*
-nvidia-smi --query-gpu=name --format=csv,noheader
+# shellcheck disable=SC1091
+source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
 rows() { grep -E "^v4-" | awk '{printf "  %-8s %-14s T=%-6s %s ms ratio %s\n", $1, $6, $7, $10, $15}'; }
 bin_of() { if [ "$1" = v2 ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
 env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1; fi; }

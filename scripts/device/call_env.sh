@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sourced THERE by a staged call script (docs/results/*-staged/call*.sh) from the repository root:
+# $OUT, the CUDA library path, the kernel cache unpacked from the carry (so no module is compiled
+# on the device), the golden fixtures, and C = the carry folder.
+OUT="${OUT:-/tmp/megamoe-out}"; mkdir -p "$OUT"
+C=.device-carry
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export MEGAMOE_CACHE=/tmp/megamoe-kernels MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_PTXAS_VERBOSE=1
+export MEGAMOE_TEST_DATA="$PWD/crates/megamoe/tests/data" MEGAMOE_REQUIRE_GPU=1
+mkdir -p "$MEGAMOE_CACHE"
+if [ -f $C/kcache.tar.xz ]; then tar -xJf $C/kcache.tar.xz -C /tmp && cp -n /tmp/kcache/* "$MEGAMOE_CACHE"/; fi
+chmod +x $C/bin/* 2>/dev/null
+[ -d $C/old ] && chmod +x $C/old/*
+nvidia-smi --query-gpu=name --format=csv,noheader
