@@ -84,6 +84,19 @@ pub fn slice_clusters(inter: usize, max_active: usize) -> usize {
     (inter / CHUNK_K).min(max_active).max(1)
 }
 
+/// The clusters of a launch of `clusters` that take work when a step has `units` units (the
+/// kernel's `busy`, computed on the device from the step's active experts): the fewest that take
+/// every unit in the rounds the launch needs, so their shares differ by at most one unit. Cluster
+/// `c < busy` takes units `c, c + busy, ...`; the others write zero partials.
+pub fn slice_busy_clusters(units: usize, clusters: usize) -> usize {
+    let rounds = units.div_ceil(clusters.max(1));
+    if rounds == 0 {
+        0
+    } else {
+        units.div_ceil(rounds)
+    }
+}
+
 /// Bytes of the partial sums `[clusters][tokens][h]` f32.
 pub fn slice_partials_bytes(clusters: usize, tokens: usize, h: usize) -> usize {
     clusters * tokens * h * 4
@@ -121,6 +134,30 @@ mod tests {
         assert!(slice_fits(f, 1, 6, 48, 8192, 64));
         // Uneven cuts: 9 chunks over 8 CTAs, one group.
         assert!(slice_fits(f, 3, 2, 4, 576, 128));
+    }
+
+    #[test]
+    fn units_are_shared_out_equally_over_the_busy_clusters() {
+        // A one-expert V4-Pro step on the H100's 45 resident clusters: 24 clusters of two units.
+        assert_eq!(slice_busy_clusters(48, 45), 24);
+        assert_eq!(slice_busy_clusters(48, 48), 48);
+        assert_eq!(slice_busy_clusters(0, 45), 0);
+        assert_eq!(slice_busy_clusters(10, 7), 5, "the test cap: two idle clusters");
+        for clusters in 1..=64 {
+            for units in 0..=600 {
+                let busy = slice_busy_clusters(units, clusters);
+                assert!(busy <= clusters && busy <= units, "{units} on {clusters}");
+                // Cluster c takes units c, c + busy, ...: every unit once, shares within one.
+                let shares: Vec<usize> = (0..busy).map(|c| (c..units).step_by(busy).count()).collect();
+                assert_eq!(shares.iter().sum::<usize>(), units, "{units} on {clusters}");
+                let (lo, hi) = (shares.iter().min(), shares.iter().max());
+                if let (Some(lo), Some(hi)) = (lo, hi) {
+                    assert!(hi - lo <= 1, "{units} on {clusters}: shares {lo}..{hi}");
+                    // No fewer rounds than the launch allows.
+                    assert_eq!(*hi, units.div_ceil(clusters), "{units} on {clusters}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -217,7 +217,8 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     // Units over clusters in equal shares: with `rounds` units per cluster, only as many clusters
     // as those rounds need take work (48 units on 45 clusters: 24 clusters of two, not 3 of two and
     // 42 of one, whose last 24 CTAs would stream their second unit alone at a fraction of the
-    // bandwidth). The clusters past `busy` write zero partials.
+    // bandwidth). The clusters past `busy` write zero partials. (Host twin, tested:
+    // gpu_layout::slice::slice_busy_clusters.)
     const int units = ex.count * nch2;
     const int rounds = (units + (int)ncl - 1) / (int)ncl;
     const int busy = rounds ? (units + rounds - 1) / rounds : 0;
