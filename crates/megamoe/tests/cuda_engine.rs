@@ -1601,6 +1601,22 @@ fn rank24_weights(
     LayerWeights::upload(dev, &rank).unwrap()
 }
 
+/// Deterministic routing of `t` tokens over the 24 experts of [`rank24_weights`]: slot (tok, j) is
+/// -1 where `(tok + 2 j) % drop == 0` (a dispatch's empty slots), else a spread of ids, weights
+/// in 0.05..=0.65.
+fn rank24_routing(t: usize, k: usize, drop: usize) -> (Vec<i32>, Vec<f32>) {
+    let mut ids = vec![0i32; t * k];
+    let mut wts = vec![0f32; t * k];
+    for tok in 0..t {
+        for j in 0..k {
+            ids[tok * k + j] =
+                if (tok + 2 * j) % drop == 0 { -1 } else { ((tok * 5 + j * 7 + tok / 2) % 24) as i32 };
+            wts[tok * k + j] = 0.05 + 0.15 * ((tok + j) % 5) as f32;
+        }
+    }
+    (ids, wts)
+}
+
 /// Writes a routed forward's inputs (x `[T, H]` bf16, ids and weights `[T, K]`) at the start of
 /// `arena`; returns their tensors and the first 256-aligned offset after them (for outputs).
 fn stage_routed_inputs(
@@ -1651,15 +1667,7 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
         assert!(modes.len() >= 2, "{format:?}: W4A16 and W4A8 at least ({modes:?})");
         for (mode, t) in modes.iter().flat_map(|&m| [1usize, 2, 3, 8, 17, 42].map(|t| (m, t))) {
             ws.prepare(mode, false).unwrap();
-            let mut ids = vec![0i32; t * k];
-            let mut wts = vec![0f32; t * k];
-            for tok in 0..t {
-                for j in 0..k {
-                    ids[tok * k + j] =
-                        if (tok + 2 * j) % 7 == 0 { -1 } else { ((tok * 5 + j * 7 + tok / 2) % 24) as i32 };
-                    wts[tok * k + j] = 0.05 + 0.15 * ((tok + j) % 5) as f32;
-                }
-            }
+            let (ids, wts) = rank24_routing(t, k, 7);
             let x = synthetic::random_hidden(t, h, 140 + t as u64);
             let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &ids, &wts, h, k);
             for (ydt, shared) in [(DType::F32, false), (DType::Bf16, true)] {
@@ -1751,15 +1759,7 @@ fn slice_routed_forward_matches_separate_stages() {
         let arena = dev.alloc(16 << 20, "arena").unwrap();
         for t in [1usize, 3, 8] {
             assert!(w.runs_slice(t, Mode::W4A16), "{format:?} T={t}: the slice kernel should run");
-            let mut ids = vec![0i32; t * k];
-            let mut wts = vec![0f32; t * k];
-            for tok in 0..t {
-                for j in 0..k {
-                    ids[tok * k + j] =
-                        if (tok + 2 * j) % 5 == 0 { -1 } else { ((tok * 5 + j * 7 + tok / 2) % 24) as i32 };
-                    wts[tok * k + j] = 0.05 + 0.15 * ((tok + j) % 5) as f32;
-                }
-            }
+            let (ids, wts) = rank24_routing(t, k, 5);
             let x = synthetic::random_hidden(t, h, 180 + t as u64);
             let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &ids, &wts, h, k);
             for (ydt, shared) in [(DType::F32, false), (DType::Bf16, true), (DType::F32, true)] {

@@ -242,47 +242,29 @@ impl<P: Copy> Kernel<P> {
     /// How many clusters of `cluster` CTAs (x) of this kernel the GPU runs at once with `smem`
     /// bytes of dynamic shared memory each.
     pub fn max_active_clusters(&self, cluster: u32, smem: usize) -> Result<usize> {
-        // SAFETY: a zeroed attribute set to a documented id; the config outlives the call.
-        let n = unsafe {
-            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attr.value.clusterDim.x = cluster;
-            attr.value.clusterDim.y = 1;
-            attr.value.clusterDim.z = 1;
-            let config = sys::CUlaunchConfig {
-                gridDimX: cluster,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: self.threads,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: smem as u32,
-                hStream: std::ptr::null_mut(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            let mut n: std::ffi::c_int = 0;
-            sys::cuOccupancyMaxActiveClusters(&mut n, self.func.cu_function(), &config).result().map(|_| n)
+        let cfg = LaunchCfg { cluster: Some((cluster, 1, 1)), ..LaunchCfg::grid((cluster, 1, 1), smem) };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: a valid function handle; the config lives for the call.
+        unsafe {
+            self.with_config(StreamRef(std::ptr::null_mut()), &cfg, |config| {
+                sys::cuOccupancyMaxActiveClusters(&mut n, self.func.cu_function(), config).result()
+            })
         }
         .map_err(|e| err(format!("kernel {}: cluster occupancy query: {e}", self.name)))?;
         Ok(n.max(0) as usize)
     }
 
-    /// Enqueues one launch on `stream`.
+    /// Calls `f` with the driver's launch config of `cfg` on `stream` (grid, this kernel's block,
+    /// shared memory, and the cluster / programmatic / cooperative attributes it asks for).
     ///
     /// # Safety
-    /// Every device pointer in `params` must cover the extent the kernel reads or writes for this
-    /// grid, and stay valid until the launch completes.
-    pub unsafe fn launch(&self, stream: StreamRef, cfg: &LaunchCfg, params: &P) -> Result<()> {
-        if cfg.smem as usize > self.max_smem.max(DEFAULT_SMEM_LIMIT) {
-            return Err(err(format!(
-                "kernel {}: {} bytes of shared memory requested, loaded for {}",
-                self.name, cfg.smem, self.max_smem
-            )));
-        }
-        if cfg.grid.0 == 0 || cfg.grid.1 == 0 || cfg.grid.2 == 0 {
-            return Ok(());
-        }
+    /// `f` must not keep the config past its return (it points at a local attribute array).
+    unsafe fn with_config<R>(
+        &self,
+        stream: StreamRef,
+        cfg: &LaunchCfg,
+        f: impl FnOnce(&sys::CUlaunchConfig) -> R,
+    ) -> R {
         let mut attrs: [sys::CUlaunchAttribute; 3] = std::mem::zeroed();
         let mut n = 0;
         if let Some((x, y, z)) = cfg.cluster {
@@ -314,11 +296,29 @@ impl<P: Copy> Kernel<P> {
             attrs: attrs.as_mut_ptr(),
             numAttrs: n as u32,
         };
+        f(&config)
+    }
+
+    /// Enqueues one launch on `stream`.
+    ///
+    /// # Safety
+    /// Every device pointer in `params` must cover the extent the kernel reads or writes for this
+    /// grid, and stay valid until the launch completes.
+    pub unsafe fn launch(&self, stream: StreamRef, cfg: &LaunchCfg, params: &P) -> Result<()> {
+        if cfg.smem as usize > self.max_smem.max(DEFAULT_SMEM_LIMIT) {
+            return Err(err(format!(
+                "kernel {}: {} bytes of shared memory requested, loaded for {}",
+                self.name, cfg.smem, self.max_smem
+            )));
+        }
+        if cfg.grid.0 == 0 || cfg.grid.1 == 0 || cfg.grid.2 == 0 {
+            return Ok(());
+        }
         let mut args = [params as *const P as *mut c_void];
-        sys::cuLaunchKernelEx(&config, self.func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
-            .result()
-            .map_err(|e| {
-                err(format!("launching {} (grid {:?}, {} B smem): {e}", self.name, cfg.grid, cfg.smem))
-            })
+        self.with_config(stream, cfg, |config| {
+            sys::cuLaunchKernelEx(config, self.func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
+        })
+        .result()
+        .map_err(|e| err(format!("launching {} (grid {:?}, {} B smem): {e}", self.name, cfg.grid, cfg.smem)))
     }
 }

@@ -619,7 +619,7 @@ kernel_abi! {
         inter: i32 => "int",
         /// The SwiGLU clamp (0: none).
         limit: f32 => "float",
-        /// Ring stages (`gpu_layout::tc::slice_stages`).
+        /// Ring stages (`gpu_layout::slice::slice_stages`).
         stages: i32 => "int",
     }
 

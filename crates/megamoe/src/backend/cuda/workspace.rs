@@ -133,18 +133,11 @@ impl WorkspaceDims {
     }
 }
 
-/// `[clusters, tokens, H, 4 bytes]` of the slice decode kernel's partial sums: at most one cluster
-/// per 64 intermediate columns, at most [`SLICE_MAX_TOKENS`] tokens.
+/// The slice decode kernel's partial sums ([`slice_partials_dims`]).
 ///
-/// [`SLICE_MAX_TOKENS`]: crate::backend::gpu_layout::slice::SLICE_MAX_TOKENS
+/// [`slice_partials_dims`]: crate::backend::gpu_layout::slice::slice_partials_dims
 fn slice_partials_dims(d: &WorkspaceDims) -> [usize; 4] {
-    use crate::backend::gpu_layout::slice::SLICE_MAX_TOKENS;
-    [
-        d.inter.div_ceil(crate::backend::gpu_layout::K_STEP).max(1),
-        d.max_tokens.min(SLICE_MAX_TOKENS),
-        d.hidden,
-        4,
-    ]
+    crate::backend::gpu_layout::slice::slice_partials_dims(d.inter, d.max_tokens, d.hidden)
 }
 
 /// The split scratch layout of one GEMM pair on a GPU of `sm_count` SMs.

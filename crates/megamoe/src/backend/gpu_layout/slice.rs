@@ -97,9 +97,11 @@ pub fn slice_busy_clusters(units: usize, clusters: usize) -> usize {
     }
 }
 
-/// Bytes of the partial sums `[clusters][tokens][h]` f32.
-pub fn slice_partials_bytes(clusters: usize, tokens: usize, h: usize) -> usize {
-    clusters * tokens * h * 4
+/// `[clusters, tokens, h, 4 bytes]` of the partial sums (f32) a workspace holds for steps of up to
+/// `max_tokens` tokens: the most clusters any launch takes ([`slice_clusters`] with no occupancy
+/// limit), at most [`SLICE_MAX_TOKENS`] tokens.
+pub fn slice_partials_dims(inter: usize, max_tokens: usize, h: usize) -> [usize; 4] {
+    [slice_clusters(inter, usize::MAX), max_tokens.min(SLICE_MAX_TOKENS), h, 4]
 }
 
 #[cfg(test)]
@@ -166,6 +168,9 @@ mod tests {
         assert_eq!(slice_clusters(3072, 40), 40);
         assert_eq!(slice_clusters(2048, 49), 32);
         assert_eq!(slice_clusters(64, 0), 1);
-        assert_eq!(slice_partials_bytes(48, 8, 7168), 48 * 8 * 7168 * 4);
+        assert_eq!(slice_partials_dims(3072, 64, 7168), [48, 8, 7168, 4]);
+        assert_eq!(slice_partials_dims(64, 1, 256), [1, 1, 256, 4]);
+        // Every launch's partials fit: its clusters never exceed the workspace's.
+        assert!(slice_clusters(3072, 45) <= slice_partials_dims(3072, 8, 7168)[0]);
     }
 }
