@@ -653,9 +653,9 @@ impl GemmKernels for TcKernels {
 
 /// Whether the streaming decode kernels serve weight format `f` under `MEGAMOE_STREAM` = `setting`
 /// (`knobs::stream`): by default the FP4 formats (the bf16 shared expert stays on the mma.sync
-/// kernels: its streaming variant repeated non-bitwise on the V4-Pro-sized verify rows, under
-/// investigation, docs/PERFORMANCE.md); `0`: none; `1`: every format; else a comma-separated list
-/// of format names.
+/// kernels: its streaming variant is correct since the cross-proxy fence of c3b7f55 but measured
+/// slower, docs/PERFORMANCE.md, sixth session); `0`: none; `1`: every format; else a
+/// comma-separated list of format names.
 fn stream_selects(setting: Option<&str>, f: WeightFormat) -> bool {
     match setting.map(str::trim) {
         None => f != WeightFormat::Bf16,
