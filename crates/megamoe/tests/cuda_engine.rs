@@ -672,7 +672,6 @@ fn slice_decode_matches_host_model() {
         synthetic::tiny_config(),
         no_shared(synthetic::tiny_config()),
     ];
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for (ci, cfg) in cfgs.iter().enumerate() {
         for (fi, format) in [WeightFormat::Nvfp4, WeightFormat::Mxfp4].into_iter().enumerate() {
             let seed = 300 + 10 * ci as u64 + fi as u64;
@@ -701,13 +700,8 @@ fn slice_decode_matches_host_model() {
                     let x = synthetic::random_hidden(t, cfg.hidden_size, seed + t as u64);
                     let input = ForwardInput { x: &x, input_ids: None };
                     let out = w4a16_forward_checked(&mut eng, &layer, &x, &what);
-                    eng.poison(0xA5).unwrap();
-                    let again = eng.forward(&input, Mode::W4A16, None).unwrap();
-                    assert_eq!(bits(&out.y), bits(&again.y), "{what}: repeat differs");
-                    eng.capture_graph(t, Mode::W4A16).unwrap();
-                    eng.poison(0x5A).unwrap();
-                    let g = eng.replay(&input).unwrap();
-                    assert_eq!(bits(&out.y), bits(&g.y), "{what}: graph replay differs");
+                    assert_repeat_bitwise(&mut eng, &input, Mode::W4A16, &out.y, &what);
+                    assert_replay_bitwise(&mut eng, &input, t, Mode::W4A16, &out.y, &what);
                 }
             }
         }
@@ -735,9 +729,9 @@ fn decode_split_counters_return_to_zero_and_forwards_repeat() {
             let input = ForwardInput { x: &x, input_ids: None };
             for mode in Mode::ALL {
                 let y = eng.forward(&input, mode, None).unwrap().y;
-                let bits: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
-                let want = first.entry((t, mode.name())).or_insert_with(|| bits.clone());
-                assert!(*want == bits, "round {round} T={t} {mode}: forward differs from the first");
+                let y_bits = bits(&y);
+                let want = first.entry((t, mode.name())).or_insert_with(|| y_bits.clone());
+                assert!(*want == y_bits, "round {round} T={t} {mode}: forward differs from the first");
                 let left: Vec<(usize, u32)> =
                     eng.split_counters().unwrap().into_iter().enumerate().filter(|&(_, c)| c != 0).collect();
                 assert!(left.is_empty(), "round {round} T={t} {mode}: counters left non-zero {left:?}");
@@ -768,6 +762,35 @@ fn format_matches_host_model(
     let out = w4a16_forward_checked(&mut eng, &layer, &x, &what);
     let again = eng.forward(&input, Mode::W4A16, None).unwrap();
     assert_eq!(out.y, again.y, "{what}: repeat differs");
+}
+
+/// f32 values as their bit patterns (bitwise comparisons of outputs).
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+/// The same forward again from a poisoned workspace gives `want` bit for bit.
+fn assert_repeat_bitwise(eng: &mut CudaEngine, input: &ForwardInput, mode: Mode, want: &[f32], what: &str) {
+    eng.poison(0xA5).unwrap();
+    let again = eng.forward(input, mode, None).unwrap();
+    assert_eq!(bits(want), bits(&again.y), "{what}: repeat differs");
+}
+
+/// A graph captured for `t` tokens and replayed from a poisoned workspace gives `want` bit for bit;
+/// returns the replay's output.
+fn assert_replay_bitwise(
+    eng: &mut CudaEngine,
+    input: &ForwardInput,
+    t: usize,
+    mode: Mode,
+    want: &[f32],
+    what: &str,
+) -> ForwardOutput {
+    eng.capture_graph(t, mode).unwrap();
+    eng.poison(0x5A).unwrap();
+    let g = eng.replay(input).unwrap();
+    assert_eq!(bits(want), bits(&g.y), "{what}: graph replay differs");
+    g
 }
 
 /// One W4A16 forward of `x` from a poisoned workspace, checked against the host model.
@@ -816,7 +839,6 @@ fn shared_expert_forked_before_the_router_changes_no_bit() {
     let early = engine(&layer, 300);
     std::env::remove_var("MEGAMOE_OVERLAP");
     let mut early = early.expect("a second engine on the same GPU");
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for t in [1usize, 8, 257] {
         let x = synthetic::random_hidden(t, cfg.hidden_size, 9 + t as u64);
         let input = ForwardInput { x: &x, input_ids: None };
@@ -824,10 +846,7 @@ fn shared_expert_forked_before_the_router_changes_no_bit() {
         early.poison(0xFF).unwrap();
         let got = early.forward(&input, Mode::W4A16, None).unwrap();
         assert_eq!(bits(&want.y), bits(&got.y), "T={t}: the early fork differs");
-        early.capture_graph(t, Mode::W4A16).unwrap();
-        early.poison(0x5A).unwrap();
-        let g = early.replay(&input).unwrap();
-        assert_eq!(bits(&want.y), bits(&g.y), "T={t}: the early fork's graph replay differs");
+        assert_replay_bitwise(&mut early, &input, t, Mode::W4A16, &want.y, &format!("T={t}: the early fork"));
     }
 }
 
@@ -846,14 +865,8 @@ fn repeat_runs_and_graph_replay_on(family: &str) {
     let input = ForwardInput { x: &x, input_ids: None };
     for mode in Mode::ALL {
         let a = eng.forward(&input, mode, None).unwrap();
-        eng.poison(0xA5).unwrap();
-        let b = eng.forward(&input, mode, None).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&a.y), bits(&b.y), "{mode}: repeat differs");
-        eng.capture_graph(257, mode).unwrap();
-        eng.poison(0x5A).unwrap();
-        let g = eng.replay(&input).unwrap();
-        assert_eq!(bits(&a.y), bits(&g.y), "{mode}: graph replay differs");
+        assert_repeat_bitwise(&mut eng, &input, mode, &a.y, mode.name());
+        let g = assert_replay_bitwise(&mut eng, &input, 257, mode, &a.y, mode.name());
         assert_eq!(a.topk_ids, g.topk_ids);
         // A different input through the same graph gives that input's forward.
         let x2 = synthetic::random_hidden(257, 256, 6);
@@ -1171,15 +1184,10 @@ fn decode_path_on(family: &str) {
                 let err = rel_l2(&gy, &ry);
                 eprintln!("decode {family} {format:?} {mode} T={t}: rel L2 vs CPU reference {err:.2e}");
                 assert!(err < tol(mode), "{format:?} {mode} T={t}: rel L2 {err:.3e} > {}", tol(mode));
-                eng.poison(0xA5).unwrap();
-                let g2 = eng.forward(&input, mode, None).unwrap();
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&g.y), bits(&g2.y), "{format:?} {mode} T={t}: repeat differs");
+                let what = format!("{format:?} {mode} T={t}");
+                assert_repeat_bitwise(&mut eng, &input, mode, &g.y, &what);
                 if t == 5 {
-                    eng.capture_graph(t, mode).unwrap();
-                    eng.poison(0x5A).unwrap();
-                    let gr = eng.replay(&input).unwrap();
-                    assert_eq!(bits(&g.y), bits(&gr.y), "{format:?} {mode} T={t}: graph replay differs");
+                    assert_replay_bitwise(&mut eng, &input, t, mode, &g.y, &what);
                 }
             }
         }
@@ -1363,7 +1371,6 @@ fn the_same_forward_on_concurrent_streams_is_bitwise_identical() {
             w.enqueue_forward(&wss[0], &io(0), mode, dev.stream_ref()).unwrap();
             dev.synchronize().unwrap();
             let want = outs[0].0.read::<f32>(dev.stream(), 0, t * h).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             for _ in 0..3 {
                 for i in 1..3 {
                     // SAFETY: the streams live until the end of the test.
