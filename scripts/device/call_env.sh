@@ -12,3 +12,5 @@ if [ -f $C/kcache.tar.xz ]; then tar -xJf $C/kcache.tar.xz -C /tmp && cp -n /tmp
 chmod +x $C/bin/* 2>/dev/null
 [ -d $C/old ] && chmod +x $C/old/*
 nvidia-smi --query-gpu=name --format=csv,noheader
+# A bench table's rows, one line each: shape, what, T, median ms, x floor (the staged calls' A/B logs).
+bench_rows() { grep -E "^v4-" | awk '{printf "  %-8s %-14s T=%-6s %s ms ratio %s\n", $1, $6, $7, $10, $15}'; }

@@ -4,23 +4,27 @@
 # ("v2" = 8fd1e18 staged as old/megamoe, MEGAMOE_SLICE=1; neither has run on a GPU before) and this
 # build's default path ("base"), alternated; a cluster-cap sweep (MEGAMOE_SLICE_CLUSTERS); ncu of
 # both slice forms; the slice tests; verify under MEGAMOE_SLICE=1; memcheck and racecheck (hazards kept).
-# Knobs: ROUNDS (2), FLASH=0, SWEEP=0, NCU=0, NCU_T ("1 8"), VERIFY=0, RACE=0.
+# Knobs: ROUNDS (2), BUILDS ("slice v2 base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=0, NCU=0,
+# NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures), MEMCHECK=0, RACE=0. For a small budget
+# (thirty-fourth session; estimates, never run): ROUNDS=1 BUILDS="slice base" FLASH=0 SWEEP=0 NCU_T=1
+# VERIFY=0 MEMCHECK=0 (~150 s of command), and WHOLE=0 NCU=0 on top (~100 s).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
-rows() { grep -E "^v4-" | awk '{printf "  %-8s %-14s T=%-6s %s ms ratio %s\n", $1, $6, $7, $10, $15}'; }
 bin_of() { if [ "$1" = v2 ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
 env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1; fi; }
 bench() {  # build-tag, extra env, args...
   local w=$1 extra=$2; shift 2
-  env $(env_of $w) $extra MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) bench forward --backend cuda "$@" 2>&1 | rows
+  env $(env_of $w) $extra MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) bench forward --backend cuda "$@" 2>&1 | bench_rows
 }
+whole=--whole-layer; [ "${WHOLE:-1}" = 0 ] && whole=
+builds=${BUILDS:-slice v2 base}
 for r in $(seq 1 ${ROUNDS:-2}); do
-  for w in slice v2 base; do
+  for w in $builds; do
     echo "== round $r $w pro" | tee -a $OUT/ab.txt
-    bench $w "" --shape v4-pro --simulate-ep 8 --whole-layer --tokens 1,8 --json $OUT/ab_pro_${w}_$r.json | tee -a $OUT/ab.txt
+    bench $w "" --shape v4-pro --simulate-ep 8 $whole --tokens 1,8 --json $OUT/ab_pro_${w}_$r.json | tee -a $OUT/ab.txt
     { [ $r = 2 ] || [ "${FLASH:-1}" = 0 ]; } && continue   # V4-Flash once
     echo "== round $r $w flash" | tee -a $OUT/ab.txt
-    bench $w "" --shape v4-flash --whole-layer --tokens 1,8 --json $OUT/ab_flash_${w}_$r.json | tee -a $OUT/ab.txt
+    bench $w "" --shape v4-flash $whole --tokens 1,8 --json $OUT/ab_flash_${w}_$r.json | tee -a $OUT/ab.txt
   done
 done
 if [ "${SWEEP:-1}" = 1 ]; then
@@ -32,7 +36,7 @@ fi
 echo "elapsed ${SECONDS}s"
 if command -v ncu >/dev/null && [ "${NCU:-1}" = 1 ]; then
   m=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size
-  for t in ${NCU_T:-1 8}; do for w in slice v2; do
+  for t in ${NCU_T:-1 8}; do for w in $builds; do [ $w = base ] && continue
     echo "== ncu $w rank T=$t"
     MEGAMOE_SLICE=1 MEGAMOE_LOG=megamoe=warn timeout 60 ncu --clock-control none -k "regex:moe_slice" --launch-count 2 --metrics $m \
       $(bin_of $w) bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens $t --iters 1 --runs 1 > $OUT/ncu_${w}_t$t.txt 2>&1
@@ -44,9 +48,13 @@ timeout 180 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|te
 if [ "${VERIFY:-1}" = 1 ]; then
   echo "== verify under MEGAMOE_SLICE=1"
   MEGAMOE_SLICE=1 MEGAMOE_LOG=megamoe=warn timeout 100 $C/bin/megamoe verify --backend cuda 2>&1 | grep -E "verify:|FAIL" | head -5
+  if [ -x $C/bin/cuda_fixtures ]; then
+    echo "== golden fixtures under MEGAMOE_SLICE=1"
+    MEGAMOE_SLICE=1 timeout 150 $C/bin/cuda_fixtures --test-threads 1 2>&1 | grep -E "^test |test result|panicked" | tee $OUT/fixtures_slice.txt
+  fi
 fi
 echo "elapsed ${SECONDS}s"
-if command -v compute-sanitizer >/dev/null; then
+if command -v compute-sanitizer >/dev/null && [ "${MEMCHECK:-1}" = 1 ]; then
   echo "== memcheck slice tests"
   timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
   if [ "${RACE:-1}" = 1 ]; then

@@ -28,8 +28,7 @@ KCACHE_SEED="$seed" PRECOMPILE_PROBE=0 AB_OLD_BIN="$S/v2.bin" bash scripts/devic
 # stripped: 4 MB); cuda_ep stays here (64 MiB carry limit).
 rm -f .device-carry/bin/cuda_ep
 strip .device-carry/bin/cuda_fixtures 2>/dev/null || true
-# call6 / call7: shorter forms of call5 for a small device budget (thirty-fourth session).
-cp docs/results/s33-staged/call5.sh docs/results/s33-staged/call6.sh docs/results/s33-staged/call7.sh .device-carry/
+cp docs/results/s33-staged/call5.sh .device-carry/
 du -sh .device-carry
 cmp -s .device-carry/bin/megamoe .device-carry/old/megamoe && { echo "error: this build and v2 staged the same binary" >&2; exit 1; }
 grep -qa MEGAMOE_SLICE_CLUSTERS .device-carry/bin/megamoe || { echo "error: the staged build lacks this tree's knob" >&2; exit 1; }
