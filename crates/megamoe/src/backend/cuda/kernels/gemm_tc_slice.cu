@@ -26,12 +26,17 @@
 // copies through an ST-deep ring of one (8-slab, 64-k) chunk per stage):
 //   1. L1: warp w's 16 x 8 partial over the CTA's K chunks (decode + 4 n8 MMAs per chunk);
 //   2. exchange: warp w sends its partial to CTA w's inbox (slot r) over distributed shared memory
-//      and arrives on CTA w's inbox mbarrier (release.cluster); warp 0 of each CTA waits for its 8
-//      parts, adds them in CTA order (fixed: bitwise repeatable), applies the alphas and the clamped
-//      SwiGLU x routing weight (0 for tokens not routed to the expert), and writes its 8 bf16
-//      activations x 8 tokens into every cluster CTA's act buffer (+ an arrival on its act mbarrier);
+//      with st.async, whose bytes complete on CTA w's inbox mbarrier (expecting 8 x 32 x 16 bytes a
+//      unit); warp 0 of each CTA waits for its 8 parts, adds them in CTA order (fixed: bitwise
+//      repeatable), applies the alphas and the clamped SwiGLU x routing weight (0 for tokens not
+//      routed to the expert), and sends its 8 bf16 activations x 8 tokens to every cluster CTA's
+//      act buffer the same way (1 KB a unit per CTA: [64 columns][8 tokens], one 32-bit word per
+//      lane = a column's two tokens). No fence on the way: the earlier forms' stores + release
+//      arrivals at cluster scope were MEMBAR.ALL.GPU each in SASS (one per thread and unit, and eight
+//      in a row in warp 0), and a unit took ~12 us for ~97 KB a CTA (thirty-fifth session);
 //   3. L2: every warp waits for the 64 activations, then per 128-row group its slab x the
-//      activations (one chunk: 4 MMAs), times the expert's alpha, added to its per-token sums;
+//      activations (one chunk: 4 MMAs, B from the act buffer by transposing ldmatrix), times the
+//      expert's alpha, added to its per-token sums;
 //   4. a consumer barrier (the act buffer and inbox are reused by the next unit: a CTA's partials
 //      of unit u + 1 leave only once all its warps are past the L2 of unit u).
 // Ring: full barriers complete on the copies' bytes, empty ones on one arrival per consumer warp.
@@ -54,7 +59,8 @@ constexpr int SL_MAX_L2_GROUPS = 8;                    // ceil(H / 128 / 8), H <
 constexpr int SL_MAX_SLOTS = 64;                       // T * k
 constexpr int SL_MAX_LOCAL = 512;                      // local experts (the bitmap's bits)
 constexpr int SL_MAX_STAGES = 16;
-constexpr int SL_ACT_PITCH = 64 * 2 + 16;              // bytes per token row of the act buffer
+constexpr int SL_INBOX_BYTES = SL_CLUSTER * 32 * 16;   // a CTA's partials received per unit
+constexpr int SL_ACT_BYTES = 64 * SL_TOKENS * 2;       // the act buffer: [64 columns][8 tokens] bf16
 
 __device__ __forceinline__ unsigned sl_cluster_rank() {
     unsigned r;
@@ -82,16 +88,15 @@ __device__ __forceinline__ unsigned sl_mapa(unsigned addr, unsigned rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(d) : "r"(addr), "r"(rank));
     return d;
 }
-__device__ __forceinline__ void sl_st_cluster(unsigned addr, float4 v) {
-    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
-                 :: "r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+// Stores into (possibly remote) cluster shared memory whose bytes complete a transaction count on
+// the mbarrier `bar` of the same CTA: the receiver's wait on it sees them, no fence needed here.
+__device__ __forceinline__ void sl_st_async(unsigned addr, float4 v, unsigned bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar) : "memory");
 }
-__device__ __forceinline__ void sl_st_cluster_u16(unsigned addr, unsigned short v) {
-    asm volatile("st.shared::cluster.u16 [%0], %1;" :: "r"(addr), "h"(v) : "memory");
-}
-// An arrival on a (possibly remote) mbarrier, releasing this thread's earlier writes to the cluster.
-__device__ __forceinline__ void sl_arrive_cluster(unsigned bar) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
+__device__ __forceinline__ void sl_st_async(unsigned addr, unsigned v, unsigned bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 :: "r"(addr), "r"(v), "r"(bar) : "memory");
 }
 // Waits for phase `parity` of a local mbarrier that remote CTAs arrive on (acquire at cluster scope).
 // No suspend-time hint: a thread suspended on a barrier that only remote arrivals complete was
@@ -161,8 +166,10 @@ __device__ __forceinline__ void sl_find_experts(const SliceParams& p, SlExperts&
 // One (slab, 64-k chunk) block of a warp times 8 token rows (gemm_tc_stream.cu ds_consume's chunk
 // step, kept apart there: folding ds_consume onto this helper changed its SASS): the lane's block
 // slice decoded to the A fragments of the chunk's four k16 steps, and per pair of steps one
-// ldmatrix of the B fragments (matrices step q lo, q hi, q + 1 lo, q + 1 hi: 16-byte units
-// 2q + lane / 8 of chunk `kk` of the rows whose lane addresses `tk` holds) and two MMAs.
+// ldmatrix of the B fragments (matrices step q lo, q hi, q + 1 lo, q + 1 hi) and two MMAs. B is
+// token-major (x's rows: 16-byte units 2q + lane / 8 of chunk `kk` of the rows whose lane addresses
+// `tk` holds) or, TRANS, column-major (the act buffer: `tk` = lane * 16, rows 16q + lane of it).
+template <bool TRANS>
 __device__ __forceinline__ void sl_mma_chunk(float (&acc)[4], const TcLane& ln, unsigned tk, int kk)
 {
     unsigned a[4][4];
@@ -173,7 +180,8 @@ __device__ __forceinline__ void sl_mma_chunk(float (&acc)[4], const TcLane& ln, 
     #pragma unroll
     for (int q = 0; q < 4; q += 2) {
         unsigned b0, b1, b2, b3;
-        ldmatrix_x4(b0, b1, b2, b3, tk + (kk * 8 + 2 * q) * 16);
+        if constexpr (TRANS) ldmatrix_x4_trans(b0, b1, b2, b3, tk + q * 256);
+        else ldmatrix_x4(b0, b1, b2, b3, tk + (kk * 8 + 2 * q) * 16);
         mma_bf16_16816(acc, a[q], b0, b1);
         mma_bf16_16816(acc, a[q + 1], b2, b3);
     }
@@ -186,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     __shared__ __align__(8) unsigned long long full[SL_MAX_STAGES], empty[SL_MAX_STAGES];
     __shared__ __align__(8) unsigned long long xbar, inbox_bar, act_bar;
     __shared__ __align__(16) float4 inbox[SL_CLUSTER][32];
-    __shared__ __align__(16) unsigned char act[SL_TOKENS * SL_ACT_PITCH];
+    __shared__ __align__(16) unsigned char act[SL_ACT_BYTES];
     __shared__ SlExperts ex;
     extern __shared__ __align__(128) unsigned char smem[];   // ring [ST][W_STAGE], then x's rows
 
@@ -208,8 +216,8 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
             mbar_init(empty0 + 8 * s, SL_CONSUMERS);      // one arrival per consumer warp
         }
         mbar_init(smem_u32(&xbar), 1);
-        mbar_init(smem_u32(&inbox_bar), 32 * SL_CLUSTER);
-        mbar_init(smem_u32(&act_bar), 32 * SL_CLUSTER);
+        mbar_init(smem_u32(&inbox_bar), 1);            // the local expect_tx; the bytes from st.async
+        mbar_init(smem_u32(&act_bar), 1);
         fence_mbar_init();
     }
     if (warp == SL_CONSUMERS) sl_find_experts(p, ex);
@@ -258,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     const int wl_off = warp * BLK + lane * 16;
     const int sc_off = warp * BLK + 512 + gi * (MM_WF == WF_NVFP4 ? 8 : 4);
     const unsigned x_lane = xs + (li < T ? li : 0) * x_pitch + mi * 16;
-    const unsigned act_base = smem_u32(act), act_lane = act_base + li * SL_ACT_PITCH + mi * 16;
+    const unsigned act_base = smem_u32(act), act_lane = act_base + lane * 16;
     float acc2[SL_MAX_L2_GROUPS][4];
     #pragma unroll
     for (int i = 0; i < SL_MAX_L2_GROUPS; ++i) acc2[i][0] = acc2[i][1] = acc2[i][2] = acc2[i][3] = 0.f;
@@ -278,19 +286,23 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     };
     for (int u = (int)cl; u < units && (int)cl < busy; u += busy, ++ui) {
         const int a_idx = u / nch2, e = ex.list[a_idx], s = u % nch2;
+        // This unit's phase of the two exchange barriers: what they are to receive (warp 0 waits on
+        // both within the unit, so the previous phases are complete).
+        if (threadIdx.x == 0) {
+            mbar_arrive_expect_tx(smem_u32(&inbox_bar), SL_INBOX_BYTES);
+            mbar_arrive_expect_tx(smem_u32(&act_bar), SL_ACT_BYTES);
+        }
         // 1. L1 partial of slab `warp` over this CTA's K chunks.
         float acc1[4] = {0.f, 0.f, 0.f, 0.f};
         for (int k = k0; k < k1; ++k, ++j) {
             const unsigned char* st = stage(j);
-            sl_mma_chunk(acc1, tc_load_lane(st + wl_off, st + sc_off), x_lane, k - k0);
+            sl_mma_chunk<false>(acc1, tc_load_lane(st + wl_off, st + sc_off), x_lane, k - k0);
             release(j);
         }
-        // 2. The partial to CTA `warp` (inbox slot r), then its arrival.
-        {
-            const unsigned dst = sl_mapa(smem_u32(&inbox[r][lane]), (unsigned)warp);
-            sl_st_cluster(dst, make_float4(acc1[0], acc1[1], acc1[2], acc1[3]));
-            sl_arrive_cluster(sl_mapa(smem_u32(&inbox_bar), (unsigned)warp));
-        }
+        // 2. The partial to CTA `warp` (inbox slot r; the rank and lane read here, not held in a
+        // register through the loop: at the 72-register cap that spilled).
+        sl_st_async(sl_mapa(smem_u32(&inbox[sl_cluster_rank()][lane_id_here()]), (unsigned)warp), make_float4(acc1[0], acc1[1], acc1[2], acc1[3]),
+                    sl_mapa(smem_u32(&inbox_bar), (unsigned)warp));
         if (warp == 0) {
             sl_wait_cluster(smem_u32(&inbox_bar), ui & 1);
             float4 v = inbox[0][lane];
@@ -303,21 +315,18 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
             // tokens 2 tq and 2 tq + 1.
             const float ag = p.alpha1 ? p.alpha1[2 * e] : 1.f, au = p.alpha1 ? p.alpha1[2 * e + 1] : 1.f;
             const unsigned m = ex.mask[a_idx];
-            unsigned short h[2];
+            unsigned h2 = 0u;                          // tokens 2 tq (low half), 2 tq + 1
             #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int t = 2 * tq + c;
                 const float gt = (c ? v.y : v.x) * ag, up = (c ? v.w : v.z) * au;
-                h[c] = ((m >> t) & 1u) ? f2bf(swiglu(gt, up, ex.w[a_idx][t], p.limit)) : (unsigned short)0;
+                if ((m >> t) & 1u) h2 |= (unsigned)f2bf(swiglu(gt, up, ex.w[a_idx][t], p.limit)) << (16 * c);
             }
-            const unsigned off0 = (unsigned)((2 * tq) * SL_ACT_PITCH + (8 * r + gi) * 2);
+            // Column 8 r + gi of every CTA's act buffer (every byte of it is written each unit).
+            const unsigned off = (unsigned)((8 * r + gi) * SL_TOKENS * 2 + tq * 4);
             #pragma unroll
-            for (int q = 0; q < SL_CLUSTER; ++q) {
-                const unsigned base = sl_mapa(act_base, (unsigned)q);
-                sl_st_cluster_u16(base + off0, h[0]);
-                sl_st_cluster_u16(base + off0 + SL_ACT_PITCH, h[1]);
-                sl_arrive_cluster(sl_mapa(smem_u32(&act_bar), (unsigned)q));
-            }
+            for (int q = 0; q < SL_CLUSTER; ++q)
+                sl_st_async(sl_mapa(act_base + off, (unsigned)q), h2, sl_mapa(smem_u32(&act_bar), (unsigned)q));
         }
         // 3. L2: slab `warp` of each of this CTA's groups x the 64 activations.
         sl_wait_cluster(smem_u32(&act_bar), ui & 1);
@@ -327,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
             if (i >= g1 - g0) break;                   // uniform over the CTA
             const unsigned char* st = stage(j);
             float t4[4] = {0.f, 0.f, 0.f, 0.f};
-            sl_mma_chunk(t4, tc_load_lane(st + wl_off, st + sc_off), act_lane, 0);
+            sl_mma_chunk<true>(t4, tc_load_lane(st + wl_off, st + sc_off), act_lane, 0);
             release(j);
             ++j;
             #pragma unroll

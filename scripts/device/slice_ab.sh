@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# Session 33, call 5 (runs THERE, from .device-carry as staged by stage5.sh): the slice kernel with
-# equal unit shares ("slice" = this build, MEGAMOE_SLICE=1) against the thirty-second session's form
-# ("v2" = 8fd1e18 staged as old/megamoe, MEGAMOE_SLICE=1; neither has run on a GPU before) and this
-# build's default path ("base"), alternated; a cluster-cap sweep (MEGAMOE_SLICE_CLUSTERS); ncu of
-# both slice forms; the slice tests; verify under MEGAMOE_SLICE=1; memcheck and racecheck (hazards kept).
-# Knobs: ROUNDS (2), BUILDS ("slice v2 base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=0, NCU=0,
-# NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures), MEMCHECK=0, RACE=0. For a small budget
-# (thirty-fourth session; estimates, never run): ROUNDS=1 BUILDS="slice base" FLASH=0 SWEEP=0 NCU_T=1
-# VERIFY=0 MEMCHECK=0 (~150 s of command), and WHOLE=0 NCU=0 on top (~100 s).
+# The slice decode kernel against the default path (runs THERE, from .device-carry as staged by
+# `AB_OLD_BIN=<an earlier megamoe> bash scripts/device.sh`; first written as the thirty-third
+# session's call 5): "slice" = this build under MEGAMOE_SLICE=1, "old" = the staged earlier binary
+# under MEGAMOE_SLICE=1, "base" = this build's default path (the fused decode kernel), alternated;
+# then a cluster-cap sweep (MEGAMOE_SLICE_CLUSTERS), ncu of both slice builds, the slice tests,
+# verify and the golden fixtures under MEGAMOE_SLICE=1, memcheck and racecheck (hazards kept).
+#   run(command="bash .device-carry/slice_ab.sh", carry=[".device-carry", ".peers"], timeout_s=480)
+# Knobs: ROUNDS (2), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
+# NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures), MEMCHECK=0, RACE=0. For a small
+# budget: ROUNDS=1 BUILDS="slice base" FLASH=0 NCU_T=1 VERIFY=0 MEMCHECK=0 (~150 s of command).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
-bin_of() { if [ "$1" = v2 ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
+bin_of() { if [ "$1" = old ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
 env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1; fi; }
 bench() {  # build-tag, extra env, args...
   local w=$1 extra=$2; shift 2
   env $(env_of $w) $extra MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) bench forward --backend cuda "$@" 2>&1 | bench_rows
 }
 whole=--whole-layer; [ "${WHOLE:-1}" = 0 ] && whole=
-builds=${BUILDS:-slice v2 base}
+builds=${BUILDS:-slice old base}
 for r in $(seq 1 ${ROUNDS:-2}); do
   for w in $builds; do
     echo "== round $r $w pro" | tee -a $OUT/ab.txt
@@ -27,7 +28,7 @@ for r in $(seq 1 ${ROUNDS:-2}); do
     bench $w "" --shape v4-flash $whole --tokens 1,8 --json $OUT/ab_flash_${w}_$r.json | tee -a $OUT/ab.txt
   done
 done
-if [ "${SWEEP:-1}" = 1 ]; then
+if [ "${SWEEP:-0}" = 1 ]; then
   for n in 16 24 32 40; do
     echo "== slice clusters <= $n pro rank" | tee -a $OUT/ab.txt
     bench slice "MEGAMOE_SLICE_CLUSTERS=$n" --shape v4-pro --simulate-ep 8 --tokens 1,8 --json $OUT/sweep_$n.json | tee -a $OUT/ab.txt
