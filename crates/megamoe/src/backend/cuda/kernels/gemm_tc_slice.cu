@@ -39,6 +39,8 @@
 //      expert's alpha, added to its per-token sums;
 //   4. a consumer barrier (the act buffer and inbox are reused by the next unit: a CTA's partials
 //      of unit u + 1 leave only once all its warps are past the L2 of unit u).
+// Pipelined: the warps compute unit u + 1's L1 (step 1) before unit u's L2, so unit u's exchange
+// runs under it; the producer's copies follow that order (L1 u0, then per unit L1 u + 1, L2 u).
 // Ring: full barriers complete on the copies' bytes, empty ones on one arrival per consumer warp.
 // End: each thread stores its rows' per-token sums in partials [clusters][T][H] (f32; every
 // cluster writes all of its rows, zeros where it had no unit). moe_slice_sum, a programmatic
@@ -250,10 +252,16 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
             bulk_g2s_hint(ring + s * W_STAGE, src, W_STAGE, fb, pol);
             ++j;
         };
-        for (int u = (int)cl; u < units && (int)cl < busy; u += busy) {
+        // The consumers' order: L1 of the first unit, then per unit the next unit's L1 and its L2.
+        auto issue_l1 = [&](int u) {
             const int e = ex.list[u / nch2], s = u % nch2;
             const unsigned char* w1 = p.w1 + (size_t)e * eb1 + (size_t)s * nch1 * W_STAGE;
             for (int k = k0; k < k1; ++k) issue(w1 + (size_t)k * W_STAGE);
+        };
+        if ((int)cl < busy && (int)cl < units) issue_l1((int)cl);
+        for (int u = (int)cl; u < units && (int)cl < busy; u += busy) {
+            if (u + busy < units) issue_l1(u + busy);
+            const int e = ex.list[u / nch2], s = u % nch2;
             const unsigned char* w2 = p.w2 + (size_t)e * eb2 + (size_t)s * W_STAGE;
             for (int g = g0; g < g1; ++g) issue(w2 + (size_t)g * nch2 * W_STAGE);
         }
@@ -284,25 +292,38 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * (jj % ST));
     };
-    for (int u = (int)cl; u < units && (int)cl < busy; u += busy, ++ui) {
-        const int a_idx = u / nch2, e = ex.list[a_idx], s = u % nch2;
-        // This unit's phase of the two exchange barriers: what they are to receive (warp 0 waits on
-        // both within the unit, so the previous phases are complete).
-        if (threadIdx.x == 0) {
-            mbar_arrive_expect_tx(smem_u32(&inbox_bar), SL_INBOX_BYTES);
-            mbar_arrive_expect_tx(smem_u32(&act_bar), SL_ACT_BYTES);
-        }
-        // 1. L1 partial of slab `warp` over this CTA's K chunks.
-        float acc1[4] = {0.f, 0.f, 0.f, 0.f};
+    // The L1 partial of slab `warp` of unit u over this CTA's K chunks.
+    auto l1 = [&](float (&acc1)[4]) {
         for (int k = k0; k < k1; ++k, ++j) {
             const unsigned char* st = stage(j);
             sl_mma_chunk<false>(acc1, tc_load_lane(st + wl_off, st + sc_off), x_lane, k - k0);
             release(j);
         }
-        // 2. The partial to CTA `warp` (inbox slot r; the rank and lane read here, not held in a
-        // register through the loop: at the 72-register cap that spilled).
-        sl_st_async(sl_mapa(smem_u32(&inbox[sl_cluster_rank()][lane_id_here()]), (unsigned)warp), make_float4(acc1[0], acc1[1], acc1[2], acc1[3]),
-                    sl_mapa(smem_u32(&inbox_bar), (unsigned)warp));
+    };
+    // The exchange barriers' next phase (thread 0: once the previous phases are complete, which
+    // warp 0 has waited for), then the partial to CTA `warp` (inbox slot r; the rank and lane read
+    // here, not held in a register through the loop: at the 72-register cap that spilled).
+    auto send = [&](const float (&acc1)[4]) {
+        if (threadIdx.x == 0) {
+            mbar_arrive_expect_tx(smem_u32(&inbox_bar), SL_INBOX_BYTES);
+            mbar_arrive_expect_tx(smem_u32(&act_bar), SL_ACT_BYTES);
+        }
+        sl_st_async(sl_mapa(smem_u32(&inbox[sl_cluster_rank()][lane_id_here()]), (unsigned)warp),
+                    make_float4(acc1[0], acc1[1], acc1[2], acc1[3]), sl_mapa(smem_u32(&inbox_bar), (unsigned)warp));
+    };
+    // Pipelined over the CTA's units: unit u's exchange runs while its warps compute unit u + 1's
+    // L1 (the next unit's partial leaves once every warp is past unit u's L2: the inbox and act
+    // buffers hold one unit each).
+    if ((int)cl < busy && (int)cl < units) {
+        float acc1[4] = {0.f, 0.f, 0.f, 0.f};
+        l1(acc1);
+        send(acc1);
+    }
+    for (int u = (int)cl; u < units && (int)cl < busy; u += busy, ++ui) {
+        const int a_idx = u / nch2, e = ex.list[a_idx];
+        const bool next = u + busy < units;
+        float acc1n[4] = {0.f, 0.f, 0.f, 0.f};
+        if (next) l1(acc1n);
         if (warp == 0) {
             sl_wait_cluster(smem_u32(&inbox_bar), ui & 1);
             float4 v = inbox[0][lane];
@@ -344,6 +365,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         }
         // 4. Every warp past this unit's L2 before the next unit's partials leave.
         named_bar(1, 32 * SL_CONSUMERS);
+        if (next) send(acc1n);
     }
     // Rows 128 g + 16 warp + gi (+ 8) of tokens 2 tq, 2 tq + 1: this cluster's partial sums.
     #pragma unroll
