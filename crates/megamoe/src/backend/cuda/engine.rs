@@ -106,7 +106,7 @@ impl CudaEngine {
     }
 
     /// Whether a `mode` forward of `tokens` tokens runs its routed experts on the slice-parallel
-    /// decode kernel (`MEGAMOE_SLICE=1`; tests, bench notes).
+    /// decode kernel (where it pays, or every step it fits under `MEGAMOE_SLICE=1`; tests, bench notes).
     pub fn runs_slice(&self, tokens: usize, mode: crate::forward::Mode) -> bool {
         self.weights.runs_slice(tokens, mode)
     }

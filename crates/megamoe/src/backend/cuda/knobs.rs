@@ -52,10 +52,26 @@ pub fn fused() -> bool {
     default_on("MEGAMOE_FUSED")
 }
 
-/// `MEGAMOE_SLICE=1`: decode steps of up to 8 tokens on the slice-parallel kernel (`moe_slice`,
-/// sm_90a FP4 experts) instead of the fused / streaming ones (opt-in until measured).
-pub fn slice() -> bool {
-    default_off("MEGAMOE_SLICE")
+/// When decode steps of up to 8 tokens run on the slice-parallel kernel (`moe_slice`, sm_90a FP4
+/// experts) instead of the fused kernel or the separate stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SliceUse {
+    /// `MEGAMOE_SLICE=0`: never (the kernel is not loaded).
+    Never,
+    /// Default: where it measured faster (`gpu_layout::slice::slice_pays`: a step whose expected
+    /// units fill one round of clusters, beside the shared expert).
+    Auto,
+    /// `MEGAMOE_SLICE=1`: every step it fits (A/B runs, the kernel's tests).
+    Always,
+}
+
+/// `MEGAMOE_SLICE`: see [`SliceUse`].
+pub fn slice() -> SliceUse {
+    match value("MEGAMOE_SLICE").as_deref() {
+        Some("0") => SliceUse::Never,
+        Some("1") => SliceUse::Always,
+        _ => SliceUse::Auto,
+    }
 }
 
 /// `MEGAMOE_SLICE_CLUSTERS=N`: at most N clusters per slice launch (at least one), below the

@@ -191,8 +191,12 @@ pub(crate) struct SliceStep {
     /// Routing slots per token.
     pub k: usize,
     pub local_experts: usize,
+    /// Experts of the whole layer (the routing's id range).
+    pub global_experts: usize,
     pub hidden: usize,
     pub inter: usize,
+    /// The shared expert runs beside the routed experts (the workspace's side stream).
+    pub beside_shared: bool,
 }
 
 /// The split scratch pointers of a fused decode launch ([`GemmKernels::fused_decode`]).

@@ -10,7 +10,7 @@ use super::{
 };
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
-use crate::backend::cuda::knobs::{self, WgChain};
+use crate::backend::cuda::knobs::{self, SliceUse, WgChain};
 use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::probe::PhaseProbe;
@@ -68,7 +68,7 @@ struct TcKernels {
     /// Hopper fused decode kernels (plan, L1, L2, combine in one cooperative launch), by token
     /// tile, with the CTAs an SM holds (`MEGAMOE_FUSED=0`: none).
     df: HashMap<usize, (Kernel<DfParams>, usize)>,
-    /// Hopper slice-parallel decode kernels (sm_90a, FP4; `MEGAMOE_SLICE=1`).
+    /// Hopper slice-parallel decode kernels (sm_90a, FP4; `knobs::SliceUse`, `MEGAMOE_SLICE=0`: none).
     slice: Option<SliceKernels>,
     /// Whether the streaming L2 is a programmatic dependent of the L1 (`MEGAMOE_PDL=0`: no).
     pdl: bool,
@@ -88,6 +88,8 @@ struct SliceKernels {
     main: Kernel<SliceParams>,
     sum: Kernel<SliceSumParams>,
     max_clusters: usize,
+    /// `MEGAMOE_SLICE=1`: every step that fits, not only those where it pays.
+    always: bool,
 }
 
 const SLICE_NAME: &str = "moe_slice";
@@ -274,7 +276,7 @@ struct TcKnobs {
     wgmma: bool,
     stream: bool,
     fused: bool,
-    slice: bool,
+    slice: SliceUse,
     slice_clusters: Option<usize>,
     slab_waves: bool,
 }
@@ -297,7 +299,7 @@ impl TcKnobs {
             wgmma: wg && knobs::wgmma(),
             stream: wg && stream_selects(knobs::stream().as_deref(), f),
             fused: knobs::fused(),
-            slice: has_slice(dev.arch(), f) && knobs::slice(),
+            slice: if has_slice(dev.arch(), f) { knobs::slice() } else { SliceUse::Never },
             slice_clusters: knobs::slice_clusters(),
             slab_waves: knobs::slab_waves(),
         }
@@ -347,14 +349,15 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
                 }
             }
         }
-        if knobs.slice {
+        if knobs.slice != SliceUse::Never {
             let smem = slice_layout::SLICE_SMEM_BUDGET;
             let main = Kernel::load(&m, SLICE_NAME, DS_THREADS, smem)?;
             let sum = Kernel::load(&m, SLICE_SUM_NAME, SLICE_SUM_THREADS, 0)?;
             let resident = main.max_active_clusters(slice_layout::SLICE_CLUSTER as u32, smem)?;
             let max_clusters = knobs.slice_clusters.map_or(resident, |cap| cap.min(resident));
             if max_clusters > 0 {
-                k.slice = Some(SliceKernels { main, sum, max_clusters });
+                let always = knobs.slice == SliceUse::Always;
+                k.slice = Some(SliceKernels { main, sum, max_clusters, always });
             }
         }
         if knobs.wgmma {
@@ -608,8 +611,22 @@ impl GemmKernels for TcKernels {
     }
     fn slice_decode(&self, st: &SliceStep) -> Option<usize> {
         let sk = self.slice.as_ref()?;
-        slice_layout::slice_fits(self.format, st.tokens, st.k, st.local_experts, st.hidden, st.inter)
-            .then(|| slice_layout::slice_clusters(st.inter, sk.max_clusters))
+        if !slice_layout::slice_fits(self.format, st.tokens, st.k, st.local_experts, st.hidden, st.inter) {
+            return None;
+        }
+        let clusters = slice_layout::slice_clusters(st.inter, sk.max_clusters);
+        let pays = || {
+            slice_layout::slice_pays(
+                st.tokens,
+                st.k,
+                st.local_experts,
+                st.global_experts,
+                st.inter,
+                clusters,
+                st.beside_shared,
+            )
+        };
+        (sk.always || pays()).then_some(clusters)
     }
     fn launch_slice(&self, s: StreamRef, clusters: usize, p: &SliceParams) -> Result<()> {
         let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;
