@@ -73,7 +73,7 @@ fi
 cp scripts/device/run.sh "$carry/run.sh"
 cp scripts/device/fp8_rate.py "$carry/fp8_rate.py"
 cp scripts/device/call_env.sh "$carry/call_env.sh"
-cp scripts/device/slice_ab.sh "$carry/slice_ab.sh"
+cp scripts/device/slice_ab.sh scripts/device/default_check.sh "$carry/"
 # (The golden fixtures travel with the working tree: run.sh reads crates/megamoe/tests/data.)
 # The peers (torch baselines, triton_kernels' MXFP4 MoE) travel beside the binaries when present.
 if [ -d ../shared/peers ]; then rm -rf .peers && cp -r ../shared/peers .peers; fi
