@@ -74,6 +74,13 @@ pub fn slice() -> SliceUse {
     }
 }
 
+/// `MEGAMOE_SLICE_CTAS=7|8`: the slice kernel's clusters of that many CTAs wherever the layer fits
+/// them (A/B runs, tests; by default `gpu_layout::slice::choose_slice_ctas`).
+pub fn slice_ctas() -> Option<usize> {
+    number::<usize>("MEGAMOE_SLICE_CTAS")
+        .filter(|c| crate::backend::gpu_layout::slice::SLICE_CLUSTER_CTAS.contains(c))
+}
+
 /// `MEGAMOE_SLICE_CLUSTERS=N`: at most N clusters per slice launch (at least one), below the
 /// occupancy limit: A/B runs of the unit shares, and tests that need more units than clusters.
 pub fn slice_clusters() -> Option<usize> {

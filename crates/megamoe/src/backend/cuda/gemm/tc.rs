@@ -6,7 +6,8 @@
 //! shared expert whose block scales are powers of two (converted to bf16 exactly).
 
 use super::{
-    FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, SliceStep, TileDemand,
+    FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, SliceGrid, SliceStep,
+    TileDemand,
 };
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
@@ -82,18 +83,25 @@ struct TcKernels {
 /// Threads of the streaming kernels: 8 consumer warps and a producer warp.
 const DS_THREADS: u32 = 288;
 
-/// The slice-parallel decode kernel (`moe_slice`, clusters of [`slice_layout::SLICE_CLUSTER`]
+/// The slice-parallel decode kernel (`moe_slice`, clusters of up to [`slice_layout::SLICE_CLUSTER`]
 /// CTAs of [`DS_THREADS`]) and its partial sum, with the clusters the GPU runs at once.
 struct SliceKernels {
-    main: Kernel<SliceParams>,
+    /// By cluster size ([`slice_layout::SLICE_CLUSTER_CTAS`]): the kernel and the clusters of it
+    /// resident at once (under `MEGAMOE_SLICE_CLUSTERS`).
+    main: Vec<(usize, Kernel<SliceParams>, usize)>,
     sum: Kernel<SliceSumParams>,
-    max_clusters: usize,
+    /// `MEGAMOE_SLICE_CTAS`: this cluster size wherever it fits.
+    ctas: Option<usize>,
     /// `MEGAMOE_SLICE=1`: every step that fits, not only those where it pays.
     always: bool,
 }
 
-const SLICE_NAME: &str = "moe_slice";
 const SLICE_SUM_NAME: &str = "moe_slice_sum";
+
+/// The slice kernel on clusters of `ctas` CTAs.
+fn slice_name(ctas: usize) -> String {
+    format!("moe_slice_c{ctas}")
+}
 const SLICE_SUM_THREADS: u32 = 256;
 
 /// Consumer warpgroups of the wgmma launches whose tile is built with them and that still give
@@ -148,6 +156,9 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
         defines.push("TC_WGMMA=1".into());
         if has_slice(arch, f) {
             defines.push("TC_SLICE=1".into());
+            for c in slice_layout::SLICE_CLUSTER_CTAS {
+                inst.push_str(&format!("SL_KERNEL({c})\n"));
+            }
         }
         if knobs::phase_probe() {
             defines.push("DS_PROBE=1".into());
@@ -215,7 +226,8 @@ pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
         .map(|f| {
             let mut names = kernel_names(arch);
             if has_slice(arch, f) {
-                names.extend([SLICE_NAME, SLICE_SUM_NAME].map(String::from));
+                names.extend(slice_layout::SLICE_CLUSTER_CTAS.map(slice_name));
+                names.push(SLICE_SUM_NAME.into());
             }
             (module_spec(f, arch), names)
         })
@@ -278,6 +290,7 @@ struct TcKnobs {
     fused: bool,
     slice: SliceUse,
     slice_clusters: Option<usize>,
+    slice_ctas: Option<usize>,
     slab_waves: bool,
 }
 
@@ -301,6 +314,7 @@ impl TcKnobs {
             fused: knobs::fused(),
             slice: if has_slice(dev.arch(), f) { knobs::slice() } else { SliceUse::Never },
             slice_clusters: knobs::slice_clusters(),
+            slice_ctas: knobs::slice_ctas(),
             slab_waves: knobs::slab_waves(),
         }
     }
@@ -351,13 +365,16 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
         }
         if knobs.slice != SliceUse::Never {
             let smem = slice_layout::SLICE_SMEM_BUDGET;
-            let main = Kernel::load(&m, SLICE_NAME, DS_THREADS, smem)?;
+            let mut main = Vec::new();
+            for c in slice_layout::SLICE_CLUSTER_CTAS {
+                let kernel = Kernel::load(&m, &slice_name(c), DS_THREADS, smem)?;
+                let r = kernel.max_active_clusters(c as u32, smem)?;
+                main.push((c, kernel, knobs.slice_clusters.map_or(r, |cap| cap.min(r))));
+            }
             let sum = Kernel::load(&m, SLICE_SUM_NAME, SLICE_SUM_THREADS, 0)?;
-            let resident = main.max_active_clusters(slice_layout::SLICE_CLUSTER as u32, smem)?;
-            let max_clusters = knobs.slice_clusters.map_or(resident, |cap| cap.min(resident));
-            if max_clusters > 0 {
+            if main.iter().any(|m| m.2 > 0) {
                 let always = knobs.slice == SliceUse::Always;
-                k.slice = Some(SliceKernels { main, sum, max_clusters, always });
+                k.slice = Some(SliceKernels { main, sum, ctas: knobs.slice_ctas, always });
             }
         }
         if knobs.wgmma {
@@ -609,12 +626,20 @@ impl GemmKernels for TcKernels {
         // holds both sides and the barrier counters for this grid (at most `stream_ctas`), zeroed.
         unsafe { k.launch(s, &cfg, p) }
     }
-    fn slice_decode(&self, st: &SliceStep) -> Option<usize> {
+    fn slice_decode(&self, st: &SliceStep) -> Option<SliceGrid> {
         let sk = self.slice.as_ref()?;
         if !slice_layout::slice_fits(self.format, st.tokens, st.k, st.local_experts, st.hidden, st.inter) {
             return None;
         }
-        let clusters = slice_layout::slice_clusters(st.inter, sk.max_clusters);
+        let resident = |c: usize| sk.main.iter().find(|m| m.0 == c).map_or(0, |m| m.2);
+        let ctas = match sk.ctas {
+            Some(c) if slice_layout::slice_ctas_fit(st.hidden, c) && resident(c) > 0 => c,
+            _ => slice_layout::choose_slice_ctas(st.hidden, st.inter, resident),
+        };
+        if resident(ctas) == 0 {
+            return None;
+        }
+        let clusters = slice_layout::slice_clusters(st.inter, resident(ctas));
         let pays = || {
             slice_layout::slice_pays(
                 st.tokens,
@@ -626,21 +651,27 @@ impl GemmKernels for TcKernels {
                 st.beside_shared,
             )
         };
-        (sk.always || pays()).then_some(clusters)
+        (sk.always || pays()).then_some(SliceGrid { clusters, ctas })
     }
-    fn launch_slice(&self, s: StreamRef, clusters: usize, p: &SliceParams) -> Result<()> {
+    fn launch_slice(&self, s: StreamRef, grid: SliceGrid, p: &SliceParams) -> Result<()> {
         let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;
-        let p = &SliceParams { stages: slice_layout::slice_stages(self.format, p.h as usize) as i32, ..*p };
+        let (h, c) = (p.h as usize, grid.ctas);
+        let main = sk
+            .main
+            .iter()
+            .find(|m| m.0 == c)
+            .ok_or_else(|| err("internal: no slice kernel of that cluster size"))?;
+        let p = &SliceParams { stages: slice_layout::slice_stages(self.format, h, c) as i32, ..*p };
         let cfg = LaunchCfg {
-            cluster: Some((slice_layout::SLICE_CLUSTER as u32, 1, 1)),
+            cluster: Some((c as u32, 1, 1)),
             ..LaunchCfg::grid(
-                ((clusters * slice_layout::SLICE_CLUSTER) as u32, 1, 1),
-                slice_layout::slice_smem_bytes(self.format, p.h as usize),
+                ((grid.clusters * c) as u32, 1, 1),
+                slice_layout::slice_smem_bytes(self.format, h, c),
             )
         };
         // SAFETY: the operands cover T tokens and the packed weights; `partials` holds
         // [clusters][T][H] f32 (every element written by the launch).
-        unsafe { sk.main.launch(s, &cfg, p) }
+        unsafe { main.1.launch(s, &cfg, p) }
     }
     fn launch_slice_sum(&self, s: StreamRef, p: &SliceSumParams) -> Result<()> {
         let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;
