@@ -11,7 +11,7 @@ use super::{
 };
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
-use crate::backend::cuda::knobs::{self, SliceUse, WgChain};
+use crate::backend::cuda::knobs::{self, SliceCtas, SliceUse, WgChain};
 use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::probe::PhaseProbe;
@@ -90,8 +90,8 @@ struct SliceKernels {
     /// resident at once (under `MEGAMOE_SLICE_CLUSTERS`).
     main: Vec<(usize, Kernel<SliceParams>, usize)>,
     sum: Kernel<SliceSumParams>,
-    /// `MEGAMOE_SLICE_CTAS`: this cluster size wherever it fits.
-    ctas: Option<usize>,
+    /// `MEGAMOE_SLICE_CTAS`: a cluster size wherever it fits (default 8), or the chooser's.
+    ctas: SliceCtas,
     /// `MEGAMOE_SLICE=1`: every step that fits, not only those where it pays.
     always: bool,
 }
@@ -290,7 +290,7 @@ struct TcKnobs {
     fused: bool,
     slice: SliceUse,
     slice_clusters: Option<usize>,
-    slice_ctas: Option<usize>,
+    slice_ctas: SliceCtas,
     slab_waves: bool,
 }
 
@@ -633,8 +633,9 @@ impl GemmKernels for TcKernels {
         }
         let resident = |c: usize| sk.main.iter().find(|m| m.0 == c).map_or(0, |m| m.2);
         let ctas = match sk.ctas {
-            Some(c) if slice_layout::slice_ctas_fit(st.hidden, c) && resident(c) > 0 => c,
-            _ => slice_layout::choose_slice_ctas(st.hidden, st.inter, resident),
+            SliceCtas::Fixed(c) if slice_layout::slice_ctas_fit(st.hidden, c) && resident(c) > 0 => c,
+            SliceCtas::Fixed(_) => slice_layout::SLICE_CLUSTER,
+            SliceCtas::Auto => slice_layout::choose_slice_ctas(st.hidden, st.inter, resident),
         };
         if resident(ctas) == 0 {
             return None;
