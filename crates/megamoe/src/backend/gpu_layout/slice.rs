@@ -7,7 +7,8 @@ use super::tc::{block_bytes, CHUNK_K, GROUP_ROWS, GROUP_SLABS};
 use crate::formats::WeightFormat;
 
 /// Most CTAs per cluster (`SL_CLUSTER`): each streams its share (1 / C) of a slice's L1 K and of
-/// its L2 rows. A launch takes 8 or 7 ([`choose_slice_ctas`]; the kernel any C in 4..=8).
+/// its L2 rows. A launch takes 8, or 7 where asked (`MEGAMOE_SLICE_CTAS`; [`choose_slice_ctas`]
+/// under `=auto`); the kernel takes any C in 4..=8.
 pub const SLICE_CLUSTER: usize = 8;
 
 /// The cluster sizes launches choose from, the default first.

@@ -14,7 +14,8 @@
 // Work: unit u = (active local expert a, slice s), u = a * S + s (S = I / 64; active experts in
 // ascending local id). Cluster c takes units c, c + busy, ... (busy = the fewest clusters that
 // take all units in the rounds the grid needs: equal shares). One cluster = C CTAs (the launch's,
-// 4..8: gpu_layout::slice::slice_cluster_ctas — 7 where that makes a one-expert step one round);
+// 4..8; 8 by default, 7 under MEGAMOE_SLICE_CTAS=7, or =auto where that makes a one-expert step
+// one round: gpu_layout::slice::choose_slice_ctas — built, not yet run on a GPU);
 // CTA r of a cluster streams, per unit, the L1 group's K chunks [r nch1 / C, (r+1) nch1 / C) and
 // the L2 chunk s of the 128-row groups [r G2 / C, (r+1) G2 / C) (its rows of the output).
 //
