@@ -17,7 +17,7 @@
 use super::buffer::{err, lazy, opt_ptr, DevBuf};
 use super::device::CORE_THREADS;
 use super::gemm::w4a8::{Fp8Rows, W4a8Experts};
-use super::gemm::{GemmLaunch, PackedSide, SliceGrid, SliceStep, TileDemand};
+use super::gemm::{GemmLaunch, PackedSide, SliceStep, TileDemand};
 use super::io::{check_input_ids, DType, DeviceTensor, ForwardIo, Routing, TOPK_IDS, TOPK_WEIGHTS, X, Y};
 use super::knobs::{self, SharedOverlap};
 use super::launch::{self, LaunchCfg, StreamRef};
@@ -123,9 +123,9 @@ impl LayerWeights {
         // A decode step of at most 8 tokens runs its routed experts as the slice-parallel kernel
         // where the experts' kernels have one and it pays (`knobs::SliceUse`): no plan, and no
         // grid-wide barrier, so it also runs beside the shared expert (joined before the partials' sum).
-        if let Some(grid) = self.slice_grid(t, mode, trace, overlap) {
+        if let Some(clusters) = self.slice_clusters(t, mode, trace, overlap) {
             let y = (&io.y, shared);
-            return self.slice_raw(ws, grid, (ids, io.x.ptr, wts), t, y, overlap, s);
+            return self.slice_raw(ws, clusters, (ids, io.x.ptr, wts), t, y, overlap, s);
         }
         let plan = self.plan_for(ws, ids, t, mode, trace);
         // A decode step runs plan, experts and combine as one fused launch where the kernels have
@@ -178,9 +178,9 @@ impl LayerWeights {
         }
         self.device.bind()?;
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
-        if let Some(grid) = self.slice_grid(t, mode, false, false) {
+        if let Some(clusters) = self.slice_clusters(t, mode, false, false) {
             let inputs = (topk_ids.ptr, x.ptr, topk_weights.ptr);
-            return self.slice_raw(ws, grid, inputs, t, (y, shared), false, stream);
+            return self.slice_raw(ws, clusters, inputs, t, (y, shared), false, stream);
         }
         let plan = self.plan_for(ws, topk_ids.ptr, t, mode, false);
         if let Some(split) = self.fused_split(ws, &plan, mode, false) {
@@ -513,10 +513,10 @@ impl LayerWeights {
         ex.kernels.fused_decode(&plan.launch, &self.routed_operands(ws, 0, ws.perm.ptr(), &ex.l1, 0))
     }
 
-    /// The grid of a slice-parallel launch of a `t`-token step in `mode`, the shared expert
+    /// The clusters of a slice-parallel launch of a `t`-token step in `mode`, the shared expert
     /// running beside it when `beside_shared`, when the experts' kernels have one for it and it
     /// pays (W4A16, untraced; [`super::gemm::GemmKernels::slice_decode`]).
-    fn slice_grid(&self, t: usize, mode: Mode, trace: bool, beside_shared: bool) -> Option<SliceGrid> {
+    fn slice_clusters(&self, t: usize, mode: Mode, trace: bool, beside_shared: bool) -> Option<usize> {
         if trace || mode != Mode::W4A16 {
             return None;
         }
@@ -536,17 +536,17 @@ impl LayerWeights {
     /// diagnostics, tests and bench notes).
     pub fn runs_slice(&self, tokens: usize, mode: Mode) -> bool {
         let beside = self.shared.is_some() && knobs::shared_overlap() != SharedOverlap::Off;
-        self.slice_grid(tokens, mode, false, beside).is_some()
+        self.slice_clusters(tokens, mode, false, beside).is_some()
     }
 
     /// Enqueues a `t`-token decode step's routed experts (`(topk_ids, x, topk_weights)`) as the
-    /// slice kernel on `grid`, then — after the shared expert's join when `join` —
+    /// slice kernel on `clusters` clusters, then — after the shared expert's join when `join` —
     /// the sum of its partials into `y` (+ `shared`, 0: none).
     #[allow(clippy::too_many_arguments)]
     fn slice_raw(
         &self,
         ws: &Workspace,
-        grid: SliceGrid,
+        clusters: usize,
         (topk_ids, x, topk_w): (u64, u64, u64),
         t: usize,
         (y, shared): (&DeviceTensor, u64),
@@ -574,7 +574,7 @@ impl LayerWeights {
             limit: c.swiglu_limit,
             stages: 0, // the kernels' choice (gpu_layout::slice::slice_stages)
         };
-        ex.kernels.launch_slice(s, grid, &p)?;
+        ex.kernels.launch_slice(s, clusters, &p)?;
         if join {
             launch::wait(s, &ws.join)?;
         }
@@ -582,7 +582,7 @@ impl LayerWeights {
             partials: ws.slice_partials.ptr(),
             shared_out: shared,
             y: y.ptr,
-            clusters: grid.clusters as i32,
+            clusters: clusters as i32,
             tokens: t as i32,
             h: c.hidden_size as i32,
             y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },

@@ -74,26 +74,6 @@ pub fn slice() -> SliceUse {
     }
 }
 
-/// CTAs per cluster of the slice kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum SliceCtas {
-    /// Default 8; `MEGAMOE_SLICE_CTAS=7|8`: that many wherever the layer fits them.
-    Fixed(usize),
-    /// `MEGAMOE_SLICE_CTAS=auto`: 7 where clusters of 8 cannot take one expert's slices in one
-    /// round (`gpu_layout::slice::choose_slice_ctas`; not the default until measured on a GPU).
-    Auto,
-}
-
-/// `MEGAMOE_SLICE_CTAS`: see [`SliceCtas`].
-pub fn slice_ctas() -> SliceCtas {
-    use crate::backend::gpu_layout::slice::{SLICE_CLUSTER, SLICE_CLUSTER_CTAS};
-    if value("MEGAMOE_SLICE_CTAS").as_deref() == Some("auto") {
-        return SliceCtas::Auto;
-    }
-    let fixed = number::<usize>("MEGAMOE_SLICE_CTAS").filter(|c| SLICE_CLUSTER_CTAS.contains(c));
-    SliceCtas::Fixed(fixed.unwrap_or(SLICE_CLUSTER))
-}
-
 /// `MEGAMOE_SLICE_CLUSTERS=N`: at most N clusters per slice launch (at least one), below the
 /// occupancy limit: A/B runs of the unit shares, and tests that need more units than clusters.
 pub fn slice_clusters() -> Option<usize> {

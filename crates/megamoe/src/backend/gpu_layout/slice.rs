@@ -6,13 +6,8 @@
 use super::tc::{block_bytes, CHUNK_K, GROUP_ROWS, GROUP_SLABS};
 use crate::formats::WeightFormat;
 
-/// Most CTAs per cluster (`SL_CLUSTER`): each streams its share (1 / C) of a slice's L1 K and of
-/// its L2 rows. A launch takes 8, or 7 where asked (`MEGAMOE_SLICE_CTAS`; [`choose_slice_ctas`]
-/// under `=auto`); the kernel takes any C in 4..=8.
+/// CTAs per cluster (`SL_CLUSTER`): each streams an eighth of a slice's L1 K and of its L2 rows.
 pub const SLICE_CLUSTER: usize = 8;
-
-/// The cluster sizes launches choose from, the default first.
-pub const SLICE_CLUSTER_CTAS: [usize; 2] = [8, 7];
 
 /// Most tokens of a step (`SL_TOKENS`: the tokens are the MMA's 8 columns).
 pub const SLICE_MAX_TOKENS: usize = 8;
@@ -36,11 +31,11 @@ const MIN_STAGES: usize = 4;
 pub const SLICE_CTAS_PER_SM: usize = 3;
 
 /// Dynamic shared memory one CTA may take so that three fit an SM's 228 KB (1 KB reserved per
-/// CTA, and the kernel's static ~11 KB: barriers, inbox, act buffer, expert list).
-pub const SLICE_SMEM_BUDGET: usize = 228 * 1024 / SLICE_CTAS_PER_SM - 1024 - 11 * 1024;
+/// CTA, and the kernel's static ~8 KB: barriers, inbox, act buffer, expert list).
+pub const SLICE_SMEM_BUDGET: usize = 228 * 1024 / SLICE_CTAS_PER_SM - 1024 - 8 * 1024;
 
 /// Whether a decode step of `tokens` tokens, `k` slots each, on `local_experts` experts of
-/// hidden size `h` and intermediate size `inter` in `format` fits the kernel on clusters of 8.
+/// hidden size `h` and intermediate size `inter` in `format` fits the kernel.
 pub fn slice_fits(
     format: WeightFormat,
     tokens: usize,
@@ -53,31 +48,12 @@ pub fn slice_fits(
         && (1..=SLICE_MAX_TOKENS).contains(&tokens)
         && tokens * k <= SLICE_MAX_SLOTS
         && (1..=SLICE_MAX_LOCAL).contains(&local_experts)
+        && h.is_multiple_of(CHUNK_K)
         && h > 0
-        && slice_ctas_fit(h, SLICE_CLUSTER)
+        && (h / CHUNK_K).div_ceil(SLICE_CLUSTER) <= MAX_CHUNKS_PER_CTA
+        && h.div_ceil(GROUP_ROWS).div_ceil(SLICE_CLUSTER) <= MAX_GROUPS_PER_CTA
         && inter.is_multiple_of(CHUNK_K)
         && inter > 0
-}
-
-/// Whether clusters of `ctas` CTAs take hidden size `h`: each CTA's share of the L1's K chunks and
-/// of the L2's row groups within the kernel's per-CTA limits.
-pub fn slice_ctas_fit(h: usize, ctas: usize) -> bool {
-    (4..=SLICE_CLUSTER).contains(&ctas)
-        && h.is_multiple_of(CHUNK_K)
-        && (h / CHUNK_K).div_ceil(ctas) <= MAX_CHUNKS_PER_CTA
-        && h.div_ceil(GROUP_ROWS).div_ceil(ctas) <= MAX_GROUPS_PER_CTA
-}
-
-/// CTAs per cluster of a launch for a layer of hidden size `h` and intermediate size `inter`, with
-/// `resident(c)` clusters of `c` CTAs resident at once: 8, unless clusters of 8 cannot hold one
-/// expert's `inter / 64` slices in one round and clusters of 7 can (a V4-Pro EP8 rank's one-expert
-/// step at T=1: 48 slices, ~45 clusters of 8 resident on 132 SMs at 3 CTAs each, ~52 of 7).
-pub fn choose_slice_ctas(h: usize, inter: usize, resident: impl Fn(usize) -> usize) -> usize {
-    let slices = inter / CHUNK_K;
-    SLICE_CLUSTER_CTAS
-        .into_iter()
-        .find(|&c| slice_ctas_fit(h, c) && resident(c) >= slices)
-        .unwrap_or(SLICE_CLUSTER)
 }
 
 /// Bytes of one ring stage: one 64-k chunk of a 128-row group's 8 slabs.
@@ -85,21 +61,21 @@ pub fn slice_stage_bytes(format: WeightFormat) -> usize {
     GROUP_SLABS * block_bytes(format)
 }
 
-/// Bytes of the tokens' rows of one CTA's L1 K range on clusters of `ctas` (8 rows of
-/// `chunks * 128 + 16` bytes: the pad keeps an ldmatrix's 8 rows on distinct banks).
-pub fn slice_x_bytes(h: usize, ctas: usize) -> usize {
-    SLICE_MAX_TOKENS * ((h / CHUNK_K).div_ceil(ctas) * 128 + 16)
+/// Bytes of the tokens' rows of one CTA's L1 K range (8 rows of `chunks * 128 + 16` bytes: the pad
+/// keeps an ldmatrix's 8 rows on distinct banks).
+pub fn slice_x_bytes(h: usize) -> usize {
+    SLICE_MAX_TOKENS * ((h / CHUNK_K).div_ceil(SLICE_CLUSTER) * 128 + 16)
 }
 
-/// Ring stages on clusters of `ctas`: as many as the budget holds beside the token rows.
-pub fn slice_stages(format: WeightFormat, h: usize, ctas: usize) -> usize {
-    (SLICE_SMEM_BUDGET.saturating_sub(slice_x_bytes(h, ctas)) / slice_stage_bytes(format))
+/// Ring stages: as many as the budget holds beside the token rows.
+pub fn slice_stages(format: WeightFormat, h: usize) -> usize {
+    (SLICE_SMEM_BUDGET.saturating_sub(slice_x_bytes(h)) / slice_stage_bytes(format))
         .clamp(MIN_STAGES, MAX_STAGES)
 }
 
-/// Dynamic shared memory of a launch on clusters of `ctas`: the ring, then the token rows.
-pub fn slice_smem_bytes(format: WeightFormat, h: usize, ctas: usize) -> usize {
-    slice_stages(format, h, ctas) * slice_stage_bytes(format) + slice_x_bytes(h, ctas)
+/// Dynamic shared memory of a launch: the ring, then the token rows.
+pub fn slice_smem_bytes(format: WeightFormat, h: usize) -> usize {
+    slice_stages(format, h) * slice_stage_bytes(format) + slice_x_bytes(h)
 }
 
 /// Clusters of a launch: one per slice (a one-expert step gives each cluster one unit), at most
@@ -164,32 +140,14 @@ mod tests {
         for f in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
             for (h, i) in [(7168, 3072), (4096, 2048)] {
                 assert!(slice_fits(f, 1, 6, 48, h, i) && slice_fits(f, 8, 6, 384, h, i), "{f:?} {h}");
-                for c in SLICE_CLUSTER_CTAS {
-                    assert!(slice_ctas_fit(h, c), "{f:?} {h} on {c}");
-                    let smem = slice_smem_bytes(f, h, c);
-                    assert!(smem <= SLICE_SMEM_BUDGET, "{f:?} {h} on {c}: {smem}");
-                    assert!(SLICE_CTAS_PER_SM * (smem + 1024 + 11 * 1024) <= 228 * 1024, "{f:?} {h}: {smem}");
-                    // A V4-Pro CTA's 14-16 L1 chunks mostly in flight at once, every copy 16-byte sized.
-                    assert!(slice_stages(f, h, c) >= 10, "{f:?} {h} on {c}: {}", slice_stages(f, h, c));
-                    assert_eq!(slice_x_bytes(h, c) % (16 * SLICE_MAX_TOKENS), 0);
-                }
+                let smem = slice_smem_bytes(f, h);
+                assert!(SLICE_CTAS_PER_SM * (smem + 1024 + 8 * 1024) <= 228 * 1024, "{f:?} {h}: {smem}");
+                // A V4-Pro CTA's 14 L1 chunks mostly in flight at once, every copy 16-byte sized.
+                assert!(slice_stages(f, h) >= 11, "{f:?} {h}: {}", slice_stages(f, h));
                 assert_eq!(slice_stage_bytes(f) % 16, 0);
+                assert_eq!(slice_x_bytes(h) % (16 * SLICE_MAX_TOKENS), 0);
             }
         }
-    }
-
-    #[test]
-    fn clusters_of_seven_where_eight_need_two_rounds_for_one_expert() {
-        // V4-Pro (48 slices): 45 clusters of 8 resident, 52 of 7 -> 7; both plenty -> 8.
-        let h100 = |c: usize| if c == 8 { 45 } else { 52 };
-        assert_eq!(choose_slice_ctas(7168, 3072, h100), 7);
-        assert_eq!(choose_slice_ctas(7168, 3072, |_| 60), 8);
-        // V4-Flash (32 slices) fits one round of 8.
-        assert_eq!(choose_slice_ctas(4096, 2048, h100), 8);
-        // Neither size holds a round: 8. H 8192 does not fit clusters of 7 (19 chunks a CTA).
-        assert_eq!(choose_slice_ctas(7168, 3072, |_| 30), 8);
-        assert!(!slice_ctas_fit(8192, 7) && slice_ctas_fit(8192, 8));
-        assert_eq!(choose_slice_ctas(8192, 3072, h100), 8);
     }
 
     #[test]

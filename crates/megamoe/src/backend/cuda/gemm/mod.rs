@@ -163,13 +163,13 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn launch_fused(&self, _s: StreamRef, _l: &GemmLaunch, _p: &DfParams) -> Result<()> {
         Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no fused decode kernel"))
     }
-    /// The grid of a slice-parallel decode launch (`moe_slice`: L1, SwiGLU and L2 of `step`),
-    /// when the family has one for it and it runs there.
-    fn slice_decode(&self, _step: &SliceStep) -> Option<SliceGrid> {
+    /// The clusters of a slice-parallel decode launch (`moe_slice`: L1, SwiGLU and L2 of `step`),
+    /// when the family has one for it.
+    fn slice_decode(&self, _step: &SliceStep) -> Option<usize> {
         None
     }
-    /// Enqueues the slice kernel on `p.partials` (only on a grid [`Self::slice_decode`] gave).
-    fn launch_slice(&self, _s: StreamRef, _grid: SliceGrid, _p: &SliceParams) -> Result<()> {
+    /// Enqueues the slice kernel on `p.partials` (only after [`Self::slice_decode`] gave `clusters`).
+    fn launch_slice(&self, _s: StreamRef, _clusters: usize, _p: &SliceParams) -> Result<()> {
         Err(crate::backend::cuda::buffer::err("internal: this GEMM family has no slice decode kernel"))
     }
     /// Enqueues the sum of the slice kernel's partials into y (a programmatic dependent).
@@ -197,13 +197,6 @@ pub(crate) struct SliceStep {
     pub inter: usize,
     /// The shared expert runs beside the routed experts (the workspace's side stream).
     pub beside_shared: bool,
-}
-
-/// A slice-parallel launch: `clusters` clusters of `ctas` CTAs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct SliceGrid {
-    pub clusters: usize,
-    pub ctas: usize,
 }
 
 /// The split scratch pointers of a fused decode launch ([`GemmKernels::fused_decode`]).

@@ -6,12 +6,11 @@
 //! shared expert whose block scales are powers of two (converted to bf16 exactly).
 
 use super::{
-    FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, SliceGrid, SliceStep,
-    TileDemand,
+    FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, SliceStep, TileDemand,
 };
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
-use crate::backend::cuda::knobs::{self, SliceCtas, SliceUse, WgChain};
+use crate::backend::cuda::knobs::{self, SliceUse, WgChain};
 use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::probe::PhaseProbe;
@@ -83,25 +82,18 @@ struct TcKernels {
 /// Threads of the streaming kernels: 8 consumer warps and a producer warp.
 const DS_THREADS: u32 = 288;
 
-/// The slice-parallel decode kernel (`moe_slice`, clusters of up to [`slice_layout::SLICE_CLUSTER`]
+/// The slice-parallel decode kernel (`moe_slice`, clusters of [`slice_layout::SLICE_CLUSTER`]
 /// CTAs of [`DS_THREADS`]) and its partial sum, with the clusters the GPU runs at once.
 struct SliceKernels {
-    /// By cluster size ([`slice_layout::SLICE_CLUSTER_CTAS`]): the kernel and the clusters of it
-    /// resident at once (under `MEGAMOE_SLICE_CLUSTERS`).
-    main: Vec<(usize, Kernel<SliceParams>, usize)>,
+    main: Kernel<SliceParams>,
     sum: Kernel<SliceSumParams>,
-    /// `MEGAMOE_SLICE_CTAS`: a cluster size wherever it fits (default 8), or the chooser's.
-    ctas: SliceCtas,
+    max_clusters: usize,
     /// `MEGAMOE_SLICE=1`: every step that fits, not only those where it pays.
     always: bool,
 }
 
+const SLICE_NAME: &str = "moe_slice";
 const SLICE_SUM_NAME: &str = "moe_slice_sum";
-
-/// The slice kernel on clusters of `ctas` CTAs.
-fn slice_name(ctas: usize) -> String {
-    format!("moe_slice_c{ctas}")
-}
 const SLICE_SUM_THREADS: u32 = 256;
 
 /// Consumer warpgroups of the wgmma launches whose tile is built with them and that still give
@@ -156,9 +148,6 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
         defines.push("TC_WGMMA=1".into());
         if has_slice(arch, f) {
             defines.push("TC_SLICE=1".into());
-            for c in slice_layout::SLICE_CLUSTER_CTAS {
-                inst.push_str(&format!("SL_KERNEL({c})\n"));
-            }
         }
         if knobs::phase_probe() {
             defines.push("DS_PROBE=1".into());
@@ -226,8 +215,7 @@ pub fn modules(arch: &str) -> Vec<(ModuleSpec, Vec<String>)> {
         .map(|f| {
             let mut names = kernel_names(arch);
             if has_slice(arch, f) {
-                names.extend(slice_layout::SLICE_CLUSTER_CTAS.map(slice_name));
-                names.push(SLICE_SUM_NAME.into());
+                names.extend([SLICE_NAME, SLICE_SUM_NAME].map(String::from));
             }
             (module_spec(f, arch), names)
         })
@@ -290,7 +278,6 @@ struct TcKnobs {
     fused: bool,
     slice: SliceUse,
     slice_clusters: Option<usize>,
-    slice_ctas: SliceCtas,
     slab_waves: bool,
 }
 
@@ -314,7 +301,6 @@ impl TcKnobs {
             fused: knobs::fused(),
             slice: if has_slice(dev.arch(), f) { knobs::slice() } else { SliceUse::Never },
             slice_clusters: knobs::slice_clusters(),
-            slice_ctas: knobs::slice_ctas(),
             slab_waves: knobs::slab_waves(),
         }
     }
@@ -365,16 +351,13 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
         }
         if knobs.slice != SliceUse::Never {
             let smem = slice_layout::SLICE_SMEM_BUDGET;
-            let mut main = Vec::new();
-            for c in slice_layout::SLICE_CLUSTER_CTAS {
-                let kernel = Kernel::load(&m, &slice_name(c), DS_THREADS, smem)?;
-                let r = kernel.max_active_clusters(c as u32, smem)?;
-                main.push((c, kernel, knobs.slice_clusters.map_or(r, |cap| cap.min(r))));
-            }
+            let main = Kernel::load(&m, SLICE_NAME, DS_THREADS, smem)?;
             let sum = Kernel::load(&m, SLICE_SUM_NAME, SLICE_SUM_THREADS, 0)?;
-            if main.iter().any(|m| m.2 > 0) {
+            let resident = main.max_active_clusters(slice_layout::SLICE_CLUSTER as u32, smem)?;
+            let max_clusters = knobs.slice_clusters.map_or(resident, |cap| cap.min(resident));
+            if max_clusters > 0 {
                 let always = knobs.slice == SliceUse::Always;
-                k.slice = Some(SliceKernels { main, sum, ctas: knobs.slice_ctas, always });
+                k.slice = Some(SliceKernels { main, sum, max_clusters, always });
             }
         }
         if knobs.wgmma {
@@ -626,21 +609,12 @@ impl GemmKernels for TcKernels {
         // holds both sides and the barrier counters for this grid (at most `stream_ctas`), zeroed.
         unsafe { k.launch(s, &cfg, p) }
     }
-    fn slice_decode(&self, st: &SliceStep) -> Option<SliceGrid> {
+    fn slice_decode(&self, st: &SliceStep) -> Option<usize> {
         let sk = self.slice.as_ref()?;
         if !slice_layout::slice_fits(self.format, st.tokens, st.k, st.local_experts, st.hidden, st.inter) {
             return None;
         }
-        let resident = |c: usize| sk.main.iter().find(|m| m.0 == c).map_or(0, |m| m.2);
-        let ctas = match sk.ctas {
-            SliceCtas::Fixed(c) if slice_layout::slice_ctas_fit(st.hidden, c) && resident(c) > 0 => c,
-            SliceCtas::Fixed(_) => slice_layout::SLICE_CLUSTER,
-            SliceCtas::Auto => slice_layout::choose_slice_ctas(st.hidden, st.inter, resident),
-        };
-        if resident(ctas) == 0 {
-            return None;
-        }
-        let clusters = slice_layout::slice_clusters(st.inter, resident(ctas));
+        let clusters = slice_layout::slice_clusters(st.inter, sk.max_clusters);
         let pays = || {
             slice_layout::slice_pays(
                 st.tokens,
@@ -652,27 +626,21 @@ impl GemmKernels for TcKernels {
                 st.beside_shared,
             )
         };
-        (sk.always || pays()).then_some(SliceGrid { clusters, ctas })
+        (sk.always || pays()).then_some(clusters)
     }
-    fn launch_slice(&self, s: StreamRef, grid: SliceGrid, p: &SliceParams) -> Result<()> {
+    fn launch_slice(&self, s: StreamRef, clusters: usize, p: &SliceParams) -> Result<()> {
         let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;
-        let (h, c) = (p.h as usize, grid.ctas);
-        let main = sk
-            .main
-            .iter()
-            .find(|m| m.0 == c)
-            .ok_or_else(|| err("internal: no slice kernel of that cluster size"))?;
-        let p = &SliceParams { stages: slice_layout::slice_stages(self.format, h, c) as i32, ..*p };
+        let p = &SliceParams { stages: slice_layout::slice_stages(self.format, p.h as usize) as i32, ..*p };
         let cfg = LaunchCfg {
-            cluster: Some((c as u32, 1, 1)),
+            cluster: Some((slice_layout::SLICE_CLUSTER as u32, 1, 1)),
             ..LaunchCfg::grid(
-                ((grid.clusters * c) as u32, 1, 1),
-                slice_layout::slice_smem_bytes(self.format, h, c),
+                ((clusters * slice_layout::SLICE_CLUSTER) as u32, 1, 1),
+                slice_layout::slice_smem_bytes(self.format, p.h as usize),
             )
         };
         // SAFETY: the operands cover T tokens and the packed weights; `partials` holds
         // [clusters][T][H] f32 (every element written by the launch).
-        unsafe { main.1.launch(s, &cfg, p) }
+        unsafe { sk.main.launch(s, &cfg, p) }
     }
     fn launch_slice_sum(&self, s: StreamRef, p: &SliceSumParams) -> Result<()> {
         let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;

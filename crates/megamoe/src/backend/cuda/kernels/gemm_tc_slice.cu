@@ -13,11 +13,9 @@
 //
 // Work: unit u = (active local expert a, slice s), u = a * S + s (S = I / 64; active experts in
 // ascending local id). Cluster c takes units c, c + busy, ... (busy = the fewest clusters that
-// take all units in the rounds the grid needs: equal shares). One cluster = C CTAs (the launch's,
-// 4..8; 8 by default, 7 under MEGAMOE_SLICE_CTAS=7, or =auto where that makes a one-expert step
-// one round: gpu_layout::slice::choose_slice_ctas — built, not yet run on a GPU);
-// CTA r of a cluster streams, per unit, the L1 group's K chunks [r nch1 / C, (r+1) nch1 / C) and
-// the L2 chunk s of the 128-row groups [r G2 / C, (r+1) G2 / C) (its rows of the output).
+// take all units in the rounds the grid needs: equal shares). One cluster =
+// 8 CTAs; CTA r of a cluster streams, per unit, the L1 group's K chunks [r nch1 / 8, (r+1) nch1 / 8)
+// and the L2 chunk s of the 128-row groups [r G2 / 8, (r+1) G2 / 8) (its rows of the output).
 //
 // Tokens as MMA columns: the B operand is every token of the step (column t = token t, T <= 8), not
 // the expert's gathered rows: x's rows of the CTA's K range are copied into shared memory once, and
@@ -27,12 +25,12 @@
 // Per unit (CTA = 8 consumer warps, warp w = slab w, + a producer warp whose lane 0 issues bulk
 // copies through an ST-deep ring of one (8-slab, 64-k) chunk per stage):
 //   1. L1: warp w's 16 x 8 partial over the CTA's K chunks (decode + 4 n8 MMAs per chunk);
-//   2. exchange: warp w sends its partial to CTA w % C's inbox (row (w / C) C + r) over distributed
-//      shared memory with st.async, whose bytes complete on that CTA's inbox mbarrier (expecting
-//      C x 32 x 16 bytes a unit per slab it finalises); there warp w waits for the C parts, adds
-//      them in CTA order (fixed: bitwise repeatable), applies the alphas and the clamped SwiGLU x
-//      routing weight (0 for tokens not routed to the expert), and sends slab w's 8 bf16
-//      activations x 8 tokens to every cluster CTA's act buffer the same way (1 KB a unit per CTA: [64 columns][8 tokens], one 32-bit word per
+//   2. exchange: warp w sends its partial to CTA w's inbox (slot r) over distributed shared memory
+//      with st.async, whose bytes complete on CTA w's inbox mbarrier (expecting 8 x 32 x 16 bytes a
+//      unit); warp 0 of each CTA waits for its 8 parts, adds them in CTA order (fixed: bitwise
+//      repeatable), applies the alphas and the clamped SwiGLU x routing weight (0 for tokens not
+//      routed to the expert), and sends its 8 bf16 activations x 8 tokens to every cluster CTA's
+//      act buffer the same way (1 KB a unit per CTA: [64 columns][8 tokens], one 32-bit word per
 //      lane = a column's two tokens). No fence on the way: the earlier forms' stores + release
 //      arrivals at cluster scope were MEMBAR.ALL.GPU each in SASS (one per thread and unit, and eight
 //      in a row in warp 0), and a unit took ~12 us for ~97 KB a CTA (thirty-fifth session);
@@ -50,22 +48,20 @@
 // Precision: as the separate stages up to f32 summation order (the L2's K sum is cut per slice and
 // the routed experts' rows meet before their sum over slices; the activations are bf16 as there).
 // Requirements (host: gemm/tc.rs slice_fits): FP4 formats, W4A16, T <= 8, T * k <= SL_MAX_SLOTS,
-// local experts <= SL_MAX_LOCAL, H % 64 == 0, ceil(H / 64 / C) <= 16 and ceil(H / 128 / C) <= 8
-// (H <= 8192 at C = 8, 7168 at C = 7), I % 64 == 0, 4 <= C <= 8.
+// local experts <= SL_MAX_LOCAL, H % 64 == 0, H <= 8192, I % 64 == 0.
 
 #if defined(TC_WGMMA) && defined(TC_SLICE)   // sm_90a, FP4 formats (gemm/tc.rs has_slice)
 
-constexpr int SL_CLUSTER = 8;                          // most CTAs per cluster (the launch's: C, 4..8)
+constexpr int SL_CLUSTER = 8;                          // CTAs per cluster
 constexpr int SL_CONSUMERS = 8;                        // consumer warps = slabs of a 128-row group
 constexpr int SL_THREADS = 32 * (SL_CONSUMERS + 1);    // + the producer warp
 constexpr int SL_TOKENS = 8;                           // MMA columns: T <= 8
-constexpr int SL_MAX_L1_CHUNKS = 16;                   // ceil(H / 64 / C)
-constexpr int SL_MAX_L2_GROUPS = 8;                    // ceil(H / 128 / C)
+constexpr int SL_MAX_L1_CHUNKS = 16;                   // ceil(H / 64 / 8), H <= 8192
+constexpr int SL_MAX_L2_GROUPS = 8;                    // ceil(H / 128 / 8), H <= 8192
 constexpr int SL_MAX_SLOTS = 64;                       // T * k
 constexpr int SL_MAX_LOCAL = 512;                      // local experts (the bitmap's bits)
 constexpr int SL_MAX_STAGES = 16;
-constexpr int SL_INBOX_ROWS = 14;                      // most partials a CTA receives a unit: C x its slabs
-                                                       // (ceil(8 / C) x C <= 14 for 4 <= C <= 8)
+constexpr int SL_INBOX_BYTES = SL_CLUSTER * 32 * 16;   // a CTA's partials received per unit
 constexpr int SL_ACT_BYTES = 64 * SL_TOKENS * 2;       // the act buffer: [64 columns][8 tokens] bf16
 
 __device__ __forceinline__ unsigned sl_cluster_rank() {
@@ -193,20 +189,13 @@ __device__ __forceinline__ void sl_mma_chunk(float (&acc)[4], const TcLane& ln, 
     }
 }
 
-// The kernel on clusters of C CTAs (a template parameter: the divisions and loops over C are then
-// constants; read from %cluster_nctarank they cost registers the 72-register cap spilled).
-template <int C>
-__device__ __forceinline__ void sl_run(const SliceParams& p)
+extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __grid_constant__ SliceParams p)
 {
-    static_assert(C >= 4 && C <= SL_CLUSTER && (SL_CONSUMERS + C - 1) / C * C <= SL_INBOX_ROWS, "cluster size");
-    // Pipelined over units (below) on clusters of 8 only: the next unit's partial held through a
-    // unit's L2 spilled at C = 7 (whose one-round steps have no next unit to overlap anyway).
-    constexpr bool PIPE = C == SL_CONSUMERS;
     constexpr int BLK = TcFmt<MM_WF>::BLK;
     constexpr int W_STAGE = 8 * BLK;
     __shared__ __align__(8) unsigned long long full[SL_MAX_STAGES], empty[SL_MAX_STAGES];
     __shared__ __align__(8) unsigned long long xbar, inbox_bar, act_bar;
-    __shared__ __align__(16) float4 inbox[SL_INBOX_ROWS][32];   // row (w / C) C + sender rank
+    __shared__ __align__(16) float4 inbox[SL_CLUSTER][32];
     __shared__ __align__(16) unsigned char act[SL_ACT_BYTES];
     __shared__ SlExperts ex;
     extern __shared__ __align__(128) unsigned char smem[];   // ring [ST][W_STAGE], then x's rows
@@ -215,10 +204,8 @@ __device__ __forceinline__ void sl_run(const SliceParams& p)
     const unsigned r = sl_cluster_rank(), cl = sl_cluster_id(), ncl = sl_cluster_count();
     const int H = p.h, I = p.inter, T = p.tokens, ST = p.stages;
     const int nch1 = H / 64, nch2 = I / 64, groups1 = (2 * I + 127) / 128, groups2 = (H + 127) / 128;
-    const int k0 = (int)r * nch1 / C, k1 = ((int)r + 1) * nch1 / C;
-    const int g0 = (int)r * groups2 / C, g1 = ((int)r + 1) * groups2 / C;
-    // Slab w of a unit's L1 group is finalised by warp w of CTA w % C (inbox rows (w / C) C ..): a
-    // CTA r receives the partials of its (8 - r) / C slabs (rounded up) from each of the C CTAs.
+    const int k0 = (int)r * nch1 / SL_CLUSTER, k1 = ((int)r + 1) * nch1 / SL_CLUSTER;
+    const int g0 = (int)r * groups2 / SL_CLUSTER, g1 = ((int)r + 1) * groups2 / SL_CLUSTER;
     const size_t eb1 = (size_t)groups1 * 8 * nch1 * BLK, eb2 = (size_t)groups2 * 8 * nch2 * BLK;
     const int x_pitch = (k1 - k0) * 128 + 16;            // 16 more: 8 rows of an ldmatrix hit distinct banks
     const unsigned ring = smem_u32(smem), xs = ring + ST * W_STAGE;
@@ -271,10 +258,9 @@ __device__ __forceinline__ void sl_run(const SliceParams& p)
             const unsigned char* w1 = p.w1 + (size_t)e * eb1 + (size_t)s * nch1 * W_STAGE;
             for (int k = k0; k < k1; ++k) issue(w1 + (size_t)k * W_STAGE);
         };
-        if (PIPE && (int)cl < busy && (int)cl < units) issue_l1((int)cl);
+        if ((int)cl < busy && (int)cl < units) issue_l1((int)cl);
         for (int u = (int)cl; u < units && (int)cl < busy; u += busy) {
-            if (!PIPE) issue_l1(u);
-            else if (u + busy < units) issue_l1(u + busy);
+            if (u + busy < units) issue_l1(u + busy);
             const int e = ex.list[u / nch2], s = u % nch2;
             const unsigned char* w2 = p.w2 + (size_t)e * eb2 + (size_t)s * W_STAGE;
             for (int g = g0; g < g1; ++g) issue(w2 + (size_t)g * nch2 * W_STAGE);
@@ -314,25 +300,21 @@ __device__ __forceinline__ void sl_run(const SliceParams& p)
             release(j);
         }
     };
-    // The exchange barriers' next phase (thread 0, once the previous phases are complete: its
-    // warp waited for this CTA's last act phase, which needed its finalising warps past their
-    // inbox phase), then the partial to CTA warp % C (row (warp / C) C + r; the rank and lane read
+    // The exchange barriers' next phase (thread 0: once the previous phases are complete, which
+    // warp 0 has waited for), then the partial to CTA `warp` (inbox slot r; the rank and lane read
     // here, not held in a register through the loop: at the 72-register cap that spilled).
     auto send = [&](const float (&acc1)[4]) {
         if (threadIdx.x == 0) {
-            // (The rank read here, not held through the loop: at C = 7 that spilled.)
-            const int slabs = C == SL_CONSUMERS ? 1 : (SL_CONSUMERS - (int)sl_cluster_rank() + C - 1) / C;
-            mbar_arrive_expect_tx(smem_u32(&inbox_bar), (unsigned)(slabs * C * 32 * 16));
+            mbar_arrive_expect_tx(smem_u32(&inbox_bar), SL_INBOX_BYTES);
             mbar_arrive_expect_tx(smem_u32(&act_bar), SL_ACT_BYTES);
         }
-        const unsigned dst = (unsigned)(warp % C);
-        sl_st_async(sl_mapa(smem_u32(&inbox[warp / C * C + (int)sl_cluster_rank()][lane_id_here()]), dst),
-                    make_float4(acc1[0], acc1[1], acc1[2], acc1[3]), sl_mapa(smem_u32(&inbox_bar), dst));
+        sl_st_async(sl_mapa(smem_u32(&inbox[sl_cluster_rank()][lane_id_here()]), (unsigned)warp),
+                    make_float4(acc1[0], acc1[1], acc1[2], acc1[3]), sl_mapa(smem_u32(&inbox_bar), (unsigned)warp));
     };
     // Pipelined over the CTA's units: unit u's exchange runs while its warps compute unit u + 1's
     // L1 (the next unit's partial leaves once every warp is past unit u's L2: the inbox and act
     // buffers hold one unit each).
-    if (PIPE && (int)cl < busy && (int)cl < units) {
+    if ((int)cl < busy && (int)cl < units) {
         float acc1[4] = {0.f, 0.f, 0.f, 0.f};
         l1(acc1);
         send(acc1);
@@ -341,20 +323,17 @@ __device__ __forceinline__ void sl_run(const SliceParams& p)
         const int a_idx = u / nch2, e = ex.list[a_idx];
         const bool next = u + busy < units;
         float acc1n[4] = {0.f, 0.f, 0.f, 0.f};
-        if (!PIPE || next) l1(acc1n);
-        if (!PIPE) send(acc1n);
-        if (warp % C == (int)r) {
+        if (next) l1(acc1n);
+        if (warp == 0) {
             sl_wait_cluster(smem_u32(&inbox_bar), ui & 1);
-            const int row0 = warp / C * C;
-            float4 v = inbox[row0][lane];
+            float4 v = inbox[0][lane];
             #pragma unroll
             for (int q = 1; q < SL_CLUSTER; ++q) {
-                if (q >= C) break;
-                const float4 b = inbox[row0 + q][lane];
+                const float4 b = inbox[q][lane];
                 v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
             }
-            // Slab `warp` of group s: gate (v.x, v.y) and up (v.z, v.w) of column 64 s + 8 warp + gi
-            // for tokens 2 tq and 2 tq + 1.
+            // Slab r of group s: gate (v.x, v.y) and up (v.z, v.w) of column 64 s + 8 r + gi for
+            // tokens 2 tq and 2 tq + 1.
             const float ag = p.alpha1 ? p.alpha1[2 * e] : 1.f, au = p.alpha1 ? p.alpha1[2 * e + 1] : 1.f;
             const unsigned m = ex.mask[a_idx];
             unsigned h2 = 0u;                          // tokens 2 tq (low half), 2 tq + 1
@@ -364,13 +343,11 @@ __device__ __forceinline__ void sl_run(const SliceParams& p)
                 const float gt = (c ? v.y : v.x) * ag, up = (c ? v.w : v.z) * au;
                 if ((m >> t) & 1u) h2 |= (unsigned)f2bf(swiglu(gt, up, ex.w[a_idx][t], p.limit)) << (16 * c);
             }
-            // Column 8 warp + gi of every CTA's act buffer (every byte of it is written each unit).
-            const unsigned off = (unsigned)((8 * warp + gi) * SL_TOKENS * 2 + tq * 4);
+            // Column 8 r + gi of every CTA's act buffer (every byte of it is written each unit).
+            const unsigned off = (unsigned)((8 * r + gi) * SL_TOKENS * 2 + tq * 4);
             #pragma unroll
-            for (int q = 0; q < SL_CLUSTER; ++q) {
-                if (q >= C) break;
+            for (int q = 0; q < SL_CLUSTER; ++q)
                 sl_st_async(sl_mapa(act_base + off, (unsigned)q), h2, sl_mapa(smem_u32(&act_bar), (unsigned)q));
-            }
         }
         // 3. L2: slab `warp` of each of this CTA's groups x the 64 activations.
         sl_wait_cluster(smem_u32(&act_bar), ui & 1);
@@ -388,7 +365,7 @@ __device__ __forceinline__ void sl_run(const SliceParams& p)
         }
         // 4. Every warp past this unit's L2 before the next unit's partials leave.
         named_bar(1, 32 * SL_CONSUMERS);
-        if (PIPE && next) send(acc1n);
+        if (next) send(acc1n);
     }
     // Rows 128 g + 16 warp + gi (+ 8) of tokens 2 tq, 2 tq + 1: this cluster's partial sums.
     #pragma unroll
@@ -405,14 +382,6 @@ __device__ __forceinline__ void sl_run(const SliceParams& p)
         }
     }
 }
-
-// One entry point per cluster size (moe_slice_c<C>); the host appends a line per size of
-// gpu_layout::slice::SLICE_CLUSTER_CTAS.
-#define SL_KERNEL(C)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice_c##C(const __grid_constant__ SliceParams p) \
-    {                                                                                                     \
-        sl_run<C>(p);                                                                                     \
-    }
 
 // y[t][h] = the clusters' partials (+ the shared expert's row), f32 or bf16. Eight lanes per 4
 // columns: lane j of a group adds clusters j, j + 8, .. in order, then the group's fixed xor tree
