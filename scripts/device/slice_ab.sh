@@ -7,12 +7,13 @@
 # verify and the golden fixtures under MEGAMOE_SLICE=1, memcheck and racecheck (hazards kept).
 #   run(command="bash .device-carry/slice_ab.sh", carry=[".device-carry", ".peers"], timeout_s=480)
 # Knobs: ROUNDS (2), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
-# NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures), MEMCHECK=0, RACE=0. For a small
+# NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures), MEMCHECK=0, RACE=0, SLICE_ENV (more
+# environment for both slice builds, e.g. "MEGAMOE_SLICE_CTAS=auto"). For a small
 # budget: ROUNDS=1 BUILDS="slice base" FLASH=0 NCU_T=1 VERIFY=0 MEMCHECK=0 (~150 s of command).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
 bin_of() { if [ "$1" = old ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
-env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1; fi; }
+env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1 ${SLICE_ENV:-}; fi; }
 bench() {  # build-tag, extra env, args...
   local w=$1 extra=$2; shift 2
   env $(env_of $w) $extra MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) bench forward --backend cuda "$@" 2>&1 | bench_rows
@@ -39,7 +40,7 @@ if command -v ncu >/dev/null && [ "${NCU:-1}" = 1 ]; then
   m=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size
   for t in ${NCU_T:-1 8}; do for w in $builds; do [ $w = base ] && continue
     echo "== ncu $w rank T=$t"
-    MEGAMOE_SLICE=1 MEGAMOE_LOG=megamoe=warn timeout 60 ncu --clock-control none -k "regex:moe_slice" --launch-count 2 --metrics $m \
+    env $(env_of $w) MEGAMOE_LOG=megamoe=warn timeout 60 ncu --clock-control none -k "regex:moe_slice" --launch-count 2 --metrics $m \
       $(bin_of $w) bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens $t --iters 1 --runs 1 > $OUT/ncu_${w}_t$t.txt 2>&1
     awk '/^  moe_/{printf "\n%s %s", $1, $2} /gpu__time|dram__bytes|dram__thr|grid_size/{printf " %s=%s", $1, $NF}' $OUT/ncu_${w}_t$t.txt | sed 's/__/./g' | cut -c1-200; echo
   done; done
@@ -48,10 +49,10 @@ echo "== slice tests"
 timeout 180 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|test |panicked|SKIPPED|result" > $OUT/slice_tests.txt; grep -E "test |panicked|result" $OUT/slice_tests.txt
 if [ "${VERIFY:-1}" = 1 ]; then
   echo "== verify under MEGAMOE_SLICE=1"
-  MEGAMOE_SLICE=1 MEGAMOE_LOG=megamoe=warn timeout 100 $C/bin/megamoe verify --backend cuda 2>&1 | grep -E "verify:|FAIL" | head -5
+  env $(env_of slice) MEGAMOE_LOG=megamoe=warn timeout 100 $C/bin/megamoe verify --backend cuda 2>&1 | grep -E "verify:|FAIL" | head -5
   if [ -x $C/bin/cuda_fixtures ]; then
     echo "== golden fixtures under MEGAMOE_SLICE=1"
-    MEGAMOE_SLICE=1 timeout 150 $C/bin/cuda_fixtures --test-threads 1 2>&1 | grep -E "^test |test result|panicked" | tee $OUT/fixtures_slice.txt
+    env $(env_of slice) timeout 150 $C/bin/cuda_fixtures --test-threads 1 2>&1 | grep -E "^test |test result|panicked" | tee $OUT/fixtures_slice.txt
   fi
 fi
 echo "elapsed ${SECONDS}s"
