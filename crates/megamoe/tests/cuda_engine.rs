@@ -1819,6 +1819,56 @@ fn slice_routed_forward_matches_separate_stages() {
     }
 }
 
+/// The slice kernel by default where it pays (`knobs::SliceUse::Auto`, `slice_pays`): a rank owning
+/// 8 of 24 experts, top-2, its shared expert beside the routed experts — at T=1 (~0.65 active
+/// local experts, ~1.3 units on its 2 clusters) the default forward takes the slice kernel, at
+/// T=2 (~2.5 units) not, and never under `MEGAMOE_SLICE=0`; the T=1 forward (external routing: a
+/// local and a foreign expert) equal to the one without it up to f32 summation order, and a
+/// repeat from a poisoned workspace bitwise equal.
+#[test]
+fn slice_kernel_runs_by_default_where_it_pays() {
+    let Some(dev) = device() else { return };
+    if dev.arch() != "sm_90a" {
+        eprintln!("SKIPPED: the slice kernel is sm_90a only ({})", dev.arch());
+        return;
+    }
+    let cfg = megamoe::config::MoeConfig { num_experts_per_tok: 2, ..rank24_config() };
+    assert!(cfg.n_shared_experts > 0, "the layer has a shared expert");
+    let (t, h, k) = (1usize, cfg.hidden_size, cfg.num_experts_per_tok);
+    let s = dev.stream_ref();
+    for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
+        std::env::remove_var("MEGAMOE_SLICE");
+        let w = rank24_weights(&dev, &cfg, format, 0, 191);
+        std::env::set_var("MEGAMOE_SLICE", "0");
+        let off = rank24_weights(&dev, &cfg, format, 0, 191);
+        std::env::remove_var("MEGAMOE_SLICE");
+        assert!(w.runs_slice(1, Mode::W4A16), "{format:?}: the slice kernel pays at T=1");
+        assert!(!w.runs_slice(2, Mode::W4A16), "{format:?}: two rounds at T=2");
+        assert!(!off.runs_slice(1, Mode::W4A16), "{format:?}: MEGAMOE_SLICE=0");
+        let arena = dev.alloc(16 << 20, "arena").unwrap();
+        let x = synthetic::random_hidden(t, h, 192);
+        let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &[9, 20], &[0.6, 0.4], h, k);
+        let yt = DeviceTensor::new(arena.ptr() + yo as u64, t, h, DType::F32);
+        let forward = |lw: &LayerWeights| -> Vec<f32> {
+            let mut ws = Workspace::new(&dev, WorkspaceDims::of(lw, 8)).unwrap();
+            ws.prepare(Mode::W4A16, false).unwrap();
+            ws.poison(0xFF).unwrap();
+            lw.enqueue_forward(&ws, &ForwardIo::external(xt, yt, it, wt), Mode::W4A16, s).unwrap();
+            dev.synchronize().unwrap();
+            assert_eq!(ws.take_status().unwrap(), 0, "{format:?}: well-formed ids");
+            arena.read::<f32>(dev.stream(), yo, t * h).unwrap()
+        };
+        let want = forward(&off);
+        let got = forward(&w);
+        assert!(got.iter().all(|v| v.is_finite()), "{format:?}: non-finite output");
+        let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        let err = rel_l2(&got, &want64);
+        eprintln!("slice by default {format:?} T=1: rel L2 {err:.2e} against MEGAMOE_SLICE=0");
+        assert!(err < 1e-5, "{format:?}: rel L2 {err:.3e} against MEGAMOE_SLICE=0");
+        assert_eq!(bits(&forward(&w)), bits(&got), "{format:?}: the repeat differs");
+    }
+}
+
 /// A routed forward whose expert inputs are staged (W4A8 / W4A4, and W4A16 on the TMA-fed wgmma
 /// prefill kernels) and that adds no shared expert has its L2 write each token with exactly one
 /// planned slot straight into an f32 y, and the combine skips those tokens: against the separate
