@@ -1608,6 +1608,33 @@ fn rank24_weights(
     LayerWeights::upload(dev, &rank).unwrap()
 }
 
+/// The device, where it runs the slice kernel (sm_90a), or a printed skip.
+fn slice_device() -> Option<Arc<CudaDevice>> {
+    let dev = device()?;
+    if dev.arch() != "sm_90a" {
+        eprintln!("SKIPPED: the slice kernel is sm_90a only ({})", dev.arch());
+        return None;
+    }
+    Some(dev)
+}
+
+/// [`rank24_weights`] uploaded under `MEGAMOE_SLICE` = `slice` (None: unset, the default).
+fn rank24_weights_slice(
+    dev: &Arc<CudaDevice>,
+    cfg: &megamoe::config::MoeConfig,
+    format: WeightFormat,
+    seed: u64,
+    slice: Option<&str>,
+) -> LayerWeights {
+    match slice {
+        Some(v) => std::env::set_var("MEGAMOE_SLICE", v),
+        None => std::env::remove_var("MEGAMOE_SLICE"),
+    }
+    let w = rank24_weights(dev, cfg, format, 0, seed);
+    std::env::remove_var("MEGAMOE_SLICE");
+    w
+}
+
 /// Deterministic routing of `t` tokens over the 24 experts of [`rank24_weights`]: slot (tok, j) is
 /// -1 where `(tok + 2 j) % drop == 0` (a dispatch's empty slots), else a spread of ids, weights
 /// in 0.05..=0.65.
@@ -1748,19 +1775,13 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
 /// bit and drops its slot.
 #[test]
 fn slice_routed_forward_matches_separate_stages() {
-    let Some(dev) = device() else { return };
-    if dev.arch() != "sm_90a" {
-        eprintln!("SKIPPED: the slice kernel is sm_90a only ({})", dev.arch());
-        return;
-    }
+    let Some(dev) = slice_device() else { return };
     let cfg = rank24_config();
     let stream = dev.new_stream().unwrap();
     // SAFETY: the stream lives until the end of the test.
     let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
     for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
-        std::env::set_var("MEGAMOE_SLICE", "1");
-        let w = rank24_weights(&dev, &cfg, format, 0, 171);
-        std::env::remove_var("MEGAMOE_SLICE");
+        let w = rank24_weights_slice(&dev, &cfg, format, 171, Some("1"));
         let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
         let ws = Workspace::new(&dev, WorkspaceDims::of(&w, 8)).unwrap();
         let arena = dev.alloc(16 << 20, "arena").unwrap();
@@ -1827,21 +1848,14 @@ fn slice_routed_forward_matches_separate_stages() {
 /// repeat from a poisoned workspace bitwise equal.
 #[test]
 fn slice_kernel_runs_by_default_where_it_pays() {
-    let Some(dev) = device() else { return };
-    if dev.arch() != "sm_90a" {
-        eprintln!("SKIPPED: the slice kernel is sm_90a only ({})", dev.arch());
-        return;
-    }
+    let Some(dev) = slice_device() else { return };
     let cfg = megamoe::config::MoeConfig { num_experts_per_tok: 2, ..rank24_config() };
     assert!(cfg.n_shared_experts > 0, "the layer has a shared expert");
     let (t, h, k) = (1usize, cfg.hidden_size, cfg.num_experts_per_tok);
     let s = dev.stream_ref();
     for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
-        std::env::remove_var("MEGAMOE_SLICE");
-        let w = rank24_weights(&dev, &cfg, format, 0, 191);
-        std::env::set_var("MEGAMOE_SLICE", "0");
-        let off = rank24_weights(&dev, &cfg, format, 0, 191);
-        std::env::remove_var("MEGAMOE_SLICE");
+        let w = rank24_weights_slice(&dev, &cfg, format, 191, None);
+        let off = rank24_weights_slice(&dev, &cfg, format, 191, Some("0"));
         assert!(w.runs_slice(1, Mode::W4A16), "{format:?}: the slice kernel pays at T=1");
         assert!(!w.runs_slice(2, Mode::W4A16), "{format:?}: two rounds at T=2");
         assert!(!off.runs_slice(1, Mode::W4A16), "{format:?}: MEGAMOE_SLICE=0");
