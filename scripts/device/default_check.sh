@@ -4,6 +4,7 @@
 # layer) at T=1 and 8, alternated over ROUNDS (2); V4-Flash whole layer at T=1; then the CUDA tests
 # of the decode paths, the verify sweep and the golden fixtures on the default path.
 #   run(command="bash .device-carry/default_check.sh", carry=[".device-carry"], timeout_s=400)
+# RACE=1 adds racecheck of the slice routed test (this build, and .device-carry/old/cuda_engine if staged).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
 bench() {  # extra env, args...
@@ -31,3 +32,16 @@ MEGAMOE_LOG=megamoe=warn timeout 100 $C/bin/megamoe verify --backend cuda 2>&1 |
 echo "== golden fixtures (default path)"
 timeout 100 $C/bin/cuda_fixtures --test-threads 1 2>&1 | grep -E "^test |test result|panicked"
 echo "elapsed ${SECONDS}s"
+# RACE=1: racecheck of the slice kernel's routed test on this build, and on an earlier build's test
+# executable where one is staged as .device-carry/old/cuda_engine (an A/B of a hazard report).
+if [ "${RACE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  for b in $C/bin/cuda_engine $C/old/cuda_engine; do
+    [ -x $b ] || continue
+    echo "== racecheck slice_routed_forward_matches_separate_stages ($b)"
+    timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 4 $b --test-threads=1 slice_routed \
+      > $OUT/racecheck_$(basename $(dirname $b)).txt 2>&1
+    grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_$(basename $(dirname $b)).txt | head -4
+    grep -E "hazard detected|Read Thread|Write Thread" $OUT/racecheck_$(basename $(dirname $b)).txt | head -6
+  done
+  echo "elapsed ${SECONDS}s"
+fi

@@ -6,14 +6,23 @@
 # then a cluster-cap sweep (MEGAMOE_SLICE_CLUSTERS), ncu of both slice builds, the slice tests,
 # verify and the golden fixtures under MEGAMOE_SLICE=1, memcheck and racecheck (hazards kept).
 #   run(command="bash .device-carry/slice_ab.sh", carry=[".device-carry", ".peers"], timeout_s=480)
+# Builds: "slice" / "slice7" = this build under MEGAMOE_SLICE=1 (slice7: clusters of 7 CTAs, where the
+# build has MEGAMOE_SLICE_CTAS), "old" = the staged earlier binary, "base" = this build's default path.
 # Knobs: ROUNDS (2), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
-# NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures), MEMCHECK=0, RACE=0, SLICE_ENV (more
+# NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures, under each of VERIFY_BUILDS: "slice"),
+# SAN_CTAS ("": the sanitizers under the build's default cluster size; e.g. "8 7"), MEMCHECK=0, RACE=0, SLICE_ENV (more
 # environment for both slice builds, e.g. "MEGAMOE_SLICE_CTAS=auto"). For a small
 # budget: ROUNDS=1 BUILDS="slice base" FLASH=0 NCU_T=1 VERIFY=0 MEMCHECK=0 (~150 s of command).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
 bin_of() { if [ "$1" = old ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
-env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1 ${SLICE_ENV:-}; fi; }
+env_of() {
+  case $1 in
+    base) echo MEGAMOE_SLICE=0 ;;
+    slice7) echo MEGAMOE_SLICE=1 MEGAMOE_SLICE_CTAS=7 ${SLICE_ENV:-} ;;
+    *) echo MEGAMOE_SLICE=1 ${SLICE_ENV:-} ;;
+  esac
+}
 bench() {  # build-tag, extra env, args...
   local w=$1 extra=$2; shift 2
   env $(env_of $w) $extra MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) bench forward --backend cuda "$@" 2>&1 | bench_rows
@@ -48,21 +57,26 @@ fi
 echo "== slice tests"
 timeout 180 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|test |panicked|SKIPPED|result" > $OUT/slice_tests.txt; grep -E "test |panicked|result" $OUT/slice_tests.txt
 if [ "${VERIFY:-1}" = 1 ]; then
-  echo "== verify under MEGAMOE_SLICE=1"
-  env $(env_of slice) MEGAMOE_LOG=megamoe=warn timeout 100 $C/bin/megamoe verify --backend cuda 2>&1 | grep -E "verify:|FAIL" | head -5
-  if [ -x $C/bin/cuda_fixtures ]; then
-    echo "== golden fixtures under MEGAMOE_SLICE=1"
-    env $(env_of slice) timeout 150 $C/bin/cuda_fixtures --test-threads 1 2>&1 | grep -E "^test |test result|panicked" | tee $OUT/fixtures_slice.txt
-  fi
+  for w in ${VERIFY_BUILDS:-slice}; do
+    echo "== verify, $(env_of $w)"
+    env $(env_of $w) MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) verify --backend cuda 2>&1 | grep -E "verify:|FAIL" | head -5
+    if [ -x $C/bin/cuda_fixtures ] && [ $w != old ]; then
+      echo "== golden fixtures, $(env_of $w)"
+      env $(env_of $w) timeout 150 $C/bin/cuda_fixtures --test-threads 1 2>&1 | grep -E "^test |test result|panicked" | tee $OUT/fixtures_$w.txt
+    fi
+  done
 fi
 echo "elapsed ${SECONDS}s"
 if command -v compute-sanitizer >/dev/null && [ "${MEMCHECK:-1}" = 1 ]; then
-  echo "== memcheck slice tests"
-  timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
-  if [ "${RACE:-1}" = 1 ]; then
-    echo "== racecheck slice tests"
-    timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_slice.txt 2>&1
-    grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_slice.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_slice.txt | head -24
-  fi
+  for c in ${SAN_CTAS:-default}; do
+    ce=; [ $c != default ] && ce=MEGAMOE_SLICE_CTAS=$c
+    echo "== memcheck slice tests ($c CTAs a cluster)"
+    env $ce timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
+    if [ "${RACE:-1}" = 1 ]; then
+      echo "== racecheck slice tests ($c CTAs a cluster)"
+      env $ce timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_slice_$c.txt 2>&1
+      grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_slice_$c.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_slice_$c.txt | head -24
+    fi
+  done
 fi
 echo "elapsed ${SECONDS}s"

@@ -1843,7 +1843,8 @@ fn slice_routed_forward_matches_separate_stages() {
 /// The slice kernel by default where it pays (`knobs::SliceUse::Auto`, `slice_pays`): a rank owning
 /// 8 of 24 experts, top-2, its shared expert beside the routed experts — at T=1 (~0.65 active
 /// local experts, ~1.3 units on its 2 clusters) the default forward takes the slice kernel, at
-/// T=2 (~2.5 units) not, and never under `MEGAMOE_SLICE=0`; the T=1 forward (external routing: a
+/// T=2 (~2.5 units) not, and never under `MEGAMOE_SLICE=0`; the same rank without a shared
+/// expert takes it at T=1 too (it also beats the fused kernel there: thirty-sixth session); the T=1 forward (external routing: a
 /// local and a foreign expert) equal to the one without it up to f32 summation order, and a
 /// repeat from a poisoned workspace bitwise equal.
 #[test]
@@ -1859,6 +1860,9 @@ fn slice_kernel_runs_by_default_where_it_pays() {
         assert!(w.runs_slice(1, Mode::W4A16), "{format:?}: the slice kernel pays at T=1");
         assert!(!w.runs_slice(2, Mode::W4A16), "{format:?}: two rounds at T=2");
         assert!(!off.runs_slice(1, Mode::W4A16), "{format:?}: MEGAMOE_SLICE=0");
+        let alone_cfg = megamoe::config::MoeConfig { n_shared_experts: 0, ..cfg.clone() };
+        let alone = rank24_weights_slice(&dev, &alone_cfg, format, 191, None);
+        assert!(alone.runs_slice(1, Mode::W4A16), "{format:?}: without a shared expert at T=1");
         let arena = dev.alloc(16 << 20, "arena").unwrap();
         let x = synthetic::random_hidden(t, h, 192);
         let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &[9, 20], &[0.6, 0.4], h, k);

@@ -19,7 +19,7 @@ use super::device::CORE_THREADS;
 use super::gemm::w4a8::{Fp8Rows, W4a8Experts};
 use super::gemm::{GemmLaunch, PackedSide, SliceStep, TileDemand};
 use super::io::{check_input_ids, DType, DeviceTensor, ForwardIo, Routing, TOPK_IDS, TOPK_WEIGHTS, X, Y};
-use super::knobs::{self, SharedOverlap};
+use super::knobs::SharedOverlap;
 use super::launch::{self, LaunchCfg, StreamRef};
 use super::params::*;
 use super::weights::{router_smem, LayerWeights};
@@ -123,7 +123,7 @@ impl LayerWeights {
         // A decode step of at most 8 tokens runs its routed experts as the slice-parallel kernel
         // where the experts' kernels have one and it pays (`knobs::SliceUse`): no plan, and no
         // grid-wide barrier, so it also runs beside the shared expert (joined before the partials' sum).
-        if let Some(clusters) = self.slice_clusters(t, mode, trace, overlap) {
+        if let Some(clusters) = self.slice_clusters(t, mode, trace) {
             let y = (&io.y, shared);
             return self.slice_raw(ws, clusters, (ids, io.x.ptr, wts), t, y, overlap, s);
         }
@@ -178,7 +178,7 @@ impl LayerWeights {
         }
         self.device.bind()?;
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
-        if let Some(clusters) = self.slice_clusters(t, mode, false, false) {
+        if let Some(clusters) = self.slice_clusters(t, mode, false) {
             let inputs = (topk_ids.ptr, x.ptr, topk_weights.ptr);
             return self.slice_raw(ws, clusters, inputs, t, (y, shared), false, stream);
         }
@@ -513,10 +513,10 @@ impl LayerWeights {
         ex.kernels.fused_decode(&plan.launch, &self.routed_operands(ws, 0, ws.perm.ptr(), &ex.l1, 0))
     }
 
-    /// The clusters of a slice-parallel launch of a `t`-token step in `mode`, the shared expert
-    /// running beside it when `beside_shared`, when the experts' kernels have one for it and it
-    /// pays (W4A16, untraced; [`super::gemm::GemmKernels::slice_decode`]).
-    fn slice_clusters(&self, t: usize, mode: Mode, trace: bool, beside_shared: bool) -> Option<usize> {
+    /// The clusters of a slice-parallel launch of a `t`-token step in `mode`, when the experts'
+    /// kernels have one for it and it pays (W4A16, untraced;
+    /// [`super::gemm::GemmKernels::slice_decode`]).
+    fn slice_clusters(&self, t: usize, mode: Mode, trace: bool) -> Option<usize> {
         if trace || mode != Mode::W4A16 {
             return None;
         }
@@ -527,16 +527,13 @@ impl LayerWeights {
             global_experts: self.config.n_routed_experts,
             hidden: self.config.hidden_size,
             inter: self.experts.inter,
-            beside_shared,
         })
     }
 
     /// Whether a `mode` forward of `tokens` tokens runs its routed experts as the slice-parallel
-    /// kernel, with the shared expert beside them when the layer has one (the default overlap;
-    /// diagnostics, tests and bench notes).
+    /// kernel (diagnostics, tests and bench notes).
     pub fn runs_slice(&self, tokens: usize, mode: Mode) -> bool {
-        let beside = self.shared.is_some() && knobs::shared_overlap() != SharedOverlap::Off;
-        self.slice_clusters(tokens, mode, false, beside).is_some()
+        self.slice_clusters(tokens, mode, false).is_some()
     }
 
     /// Enqueues a `t`-token decode step's routed experts (`(topk_ids, x, topk_weights)`) as the

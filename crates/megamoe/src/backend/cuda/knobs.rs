@@ -59,7 +59,7 @@ pub enum SliceUse {
     /// `MEGAMOE_SLICE=0`: never (the kernel is not loaded).
     Never,
     /// Default: where it measured faster (`gpu_layout::slice::slice_pays`: a step whose expected
-    /// units fill one round of clusters, beside the shared expert).
+    /// units fill one round of clusters).
     Auto,
     /// `MEGAMOE_SLICE=1`: every step it fits (A/B runs, the kernel's tests).
     Always,

@@ -99,14 +99,13 @@ pub fn slice_busy_clusters(units: usize, clusters: usize) -> usize {
 
 /// Whether the slice kernel is expected to beat the default decode path on a step of `tokens`
 /// tokens routed top-`k` over `global_experts`, `local_experts` of them here, on `clusters`
-/// clusters (the launch's, [`slice_clusters`]), with the shared expert running `beside_shared` on
-/// the side stream: only then, and only while the expected units (the active local experts under
-/// uniform routing, times the `inter / 64` slices each) fill at most one round of the clusters.
-/// Measured on an H100 (docs/PERFORMANCE.md, thirty-fifth session): the V4-Pro EP8 rank with its
-/// shared expert beside at T=1 (~0.75 active experts, 36 units on 45 clusters) 0.0830 ms against
-/// 0.0880 for the separate stages; slower at T=8 (~5.7 experts, ~6 rounds: 0.148 against 0.136),
-/// on whole V4-Pro / V4-Flash layers at T=1 (~6 experts: 0.198 / 0.093 against 0.152 / 0.076), and
-/// alone, where the fused kernel runs instead (rank T=1: 0.0365 against 0.0351).
+/// clusters (the launch's, [`slice_clusters`]): while the expected units (the active local experts
+/// under uniform routing, times the `inter / 64` slices each) fill at most one round of the
+/// clusters. Measured on an H100 (docs/PERFORMANCE.md, thirty-sixth session, ring cursor and
+/// batched sum): the V4-Pro EP8 rank at T=1 (~0.75 active experts, 36 units on 45 clusters)
+/// 0.0332 ms against the fused kernel's 0.0352, and with its shared expert beside 0.0819 against
+/// the separate stages' 0.0881; slower at T=8 (~5.7 experts, ~6 rounds: 0.098 against 0.089), on
+/// whole V4-Pro / V4-Flash layers at T=1 (~6 experts: 0.186 / 0.091 against 0.152 / 0.076).
 pub fn slice_pays(
     tokens: usize,
     k: usize,
@@ -114,9 +113,8 @@ pub fn slice_pays(
     global_experts: usize,
     inter: usize,
     clusters: usize,
-    beside_shared: bool,
 ) -> bool {
-    if !beside_shared || global_experts == 0 {
+    if global_experts == 0 {
         return false;
     }
     let miss = 1.0 - 1.0 / global_experts as f64;
@@ -153,14 +151,13 @@ mod tests {
     #[test]
     fn the_slice_kernel_pays_only_for_one_round_beside_the_shared_expert() {
         // V4-Pro EP8 rank (48 of 384 experts, I 3072), 45 clusters resident on an H100.
-        assert!(slice_pays(1, 6, 48, 384, 3072, 45, true));
-        assert!(!slice_pays(1, 6, 48, 384, 3072, 45, false), "alone: the fused kernel");
-        assert!(!slice_pays(2, 6, 48, 384, 3072, 45, true), "~1.5 experts: two rounds");
-        assert!(!slice_pays(8, 6, 48, 384, 3072, 45, true));
+        assert!(slice_pays(1, 6, 48, 384, 3072, 45));
+        assert!(!slice_pays(2, 6, 48, 384, 3072, 45), "~1.5 experts: two rounds");
+        assert!(!slice_pays(8, 6, 48, 384, 3072, 45));
         // Whole layers at T=1: ~6 active experts.
-        assert!(!slice_pays(1, 6, 384, 384, 3072, 45, true), "V4-Pro");
-        assert!(!slice_pays(1, 6, 256, 256, 2048, 45, true), "V4-Flash");
-        assert!(!slice_pays(1, 6, 48, 0, 3072, 45, true));
+        assert!(!slice_pays(1, 6, 384, 384, 3072, 45), "V4-Pro");
+        assert!(!slice_pays(1, 6, 256, 256, 2048, 45), "V4-Flash");
+        assert!(!slice_pays(1, 6, 48, 0, 3072, 45));
     }
 
     #[test]

@@ -195,8 +195,6 @@ pub(crate) struct SliceStep {
     pub global_experts: usize,
     pub hidden: usize,
     pub inter: usize,
-    /// The shared expert runs beside the routed experts (the workspace's side stream).
-    pub beside_shared: bool,
 }
 
 /// The split scratch pointers of a fused decode launch ([`GemmKernels::fused_decode`]).

@@ -616,15 +616,7 @@ impl GemmKernels for TcKernels {
         }
         let clusters = slice_layout::slice_clusters(st.inter, sk.max_clusters);
         let pays = || {
-            slice_layout::slice_pays(
-                st.tokens,
-                st.k,
-                st.local_experts,
-                st.global_experts,
-                st.inter,
-                clusters,
-                st.beside_shared,
-            )
+            slice_layout::slice_pays(st.tokens, st.k, st.local_experts, st.global_experts, st.inter, clusters)
         };
         (sk.always || pays()).then_some(clusters)
     }

@@ -110,6 +110,19 @@ __device__ __forceinline__ void sl_wait_cluster(unsigned bar, unsigned parity) {
         "@!P1 bra WAIT_%=;\n}\n" :: "r"(bar), "r"(parity) : "memory");
 }
 
+// A position in the ring of `st` stages, in one register: the slot (low 16 bits) and the parity of
+// its current fill (bit 31), advanced a chunk at a time (j % st and j / st with the run-time stage
+// count were ~20 instructions of integer division per chunk and warp: SASS, thirty-fifth session).
+struct SlCursor {
+    unsigned c = 0u;
+    __device__ __forceinline__ unsigned slot() const { return c & 0xFFFFu; }
+    __device__ __forceinline__ unsigned parity() const { return c >> 31; }
+    __device__ __forceinline__ void next(int st) {
+        ++c;
+        if ((int)(c & 0xFFFFu) == st) c = (c & 0x80000000u) ^ 0x80000000u;
+    }
+};
+
 // The step's active local experts (ascending) and, per expert, its tokens' routing weights.
 struct SlExperts {
     unsigned bits[SL_MAX_LOCAL / 32];                  // local expert x has slots
@@ -245,12 +258,14 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
                 bulk_g2s(xs + t * x_pitch, (const unsigned char*)p.x + ((size_t)t * H + (size_t)k0 * 64) * 2, bytes, xb);
         }
         unsigned j = 0;
+        SlCursor cur;
         auto issue = [&](const unsigned char* src) {
-            const unsigned s = j % ST, fb = full0 + 8 * s;
-            if (j >= (unsigned)ST) mbar_wait(empty0 + 8 * s, (j / ST - 1) & 1);
+            const unsigned s = cur.slot(), fb = full0 + 8 * s;
+            if (j >= (unsigned)ST) mbar_wait(empty0 + 8 * s, cur.parity() ^ 1u);   // the previous fill consumed
             mbar_arrive_expect_tx(fb, W_STAGE);
             bulk_g2s_hint(ring + s * W_STAGE, src, W_STAGE, fb, pol);
             ++j;
+            cur.next(ST);
         };
         // The consumers' order: L1 of the first unit, then per unit the next unit's L1 and its L2.
         auto issue_l1 = [&](int u) {
@@ -279,25 +294,28 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     #pragma unroll
     for (int i = 0; i < SL_MAX_L2_GROUPS; ++i) acc2[i][0] = acc2[i][1] = acc2[i][2] = acc2[i][3] = 0.f;
     if (has_x) mbar_wait(smem_u32(&xbar), 0);
-    unsigned j = 0, ui = 0;
-    auto stage = [&](unsigned jj) -> const unsigned char* {
-        mbar_wait(full0 + 8 * (jj % ST), (jj / ST) & 1);
-        return smem + (jj % ST) * W_STAGE;
+    unsigned ui = 0;
+    SlCursor cur;                                      // the consumers' next chunk in the ring
+    auto stage = [&]() -> const unsigned char* {
+        mbar_wait(full0 + 8 * cur.slot(), cur.parity());
+        return smem + cur.slot() * W_STAGE;
     };
     // One arrival per warp and stage (a stage is one 4.6 KB chunk: 256 arrivals per chunk on one
     // mbarrier cost more shared-memory atomics than the chunk's MMAs take): every lane orders its
     // reads before the async proxy's next writes, __syncwarp orders the lanes before lane 0's release.
-    auto release = [&](unsigned jj) {
+    // Then the cursor moves to the next chunk.
+    auto release = [&]() {
         fence_proxy_async_smem();
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * (jj % ST));
+        if (lane == 0) mbar_arrive(empty0 + 8 * cur.slot());
+        cur.next(ST);
     };
     // The L1 partial of slab `warp` of unit u over this CTA's K chunks.
     auto l1 = [&](float (&acc1)[4]) {
-        for (int k = k0; k < k1; ++k, ++j) {
-            const unsigned char* st = stage(j);
+        for (int k = k0; k < k1; ++k) {
+            const unsigned char* st = stage();
             sl_mma_chunk<false>(acc1, tc_load_lane(st + wl_off, st + sc_off), x_lane, k - k0);
-            release(j);
+            release();
         }
     };
     // The exchange barriers' next phase (thread 0: once the previous phases are complete, which
@@ -355,11 +373,10 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         #pragma unroll
         for (int i = 0; i < SL_MAX_L2_GROUPS; ++i) {
             if (i >= g1 - g0) break;                   // uniform over the CTA
-            const unsigned char* st = stage(j);
+            const unsigned char* st = stage();
             float t4[4] = {0.f, 0.f, 0.f, 0.f};
             sl_mma_chunk<true>(t4, tc_load_lane(st + wl_off, st + sc_off), act_lane, 0);
-            release(j);
-            ++j;
+            release();
             #pragma unroll
             for (int v = 0; v < 4; ++v) acc2[i][v] += t4[v] * a2;
         }
@@ -388,6 +405,8 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
 // joins them (bitwise repeatable), so a one-token step's 1792 column groups read their ~45
 // partials with 8 loads in flight per column instead of one thread's serial chain. A programmatic
 // dependent of moe_slice: waits for it before the first read.
+constexpr int SS_BATCH = 8;                            // partials in flight per lane (64 clusters a batch)
+
 extern "C" __global__ void __launch_bounds__(256) moe_slice_sum(const __grid_constant__ SliceSumParams p)
 {
     griddep_wait();
@@ -400,9 +419,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_slice_sum(const __grid_con
         const int t = live ? it / cols : 0, h = live ? (it - t * cols) * 4 : 0;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         if (live) {
-            for (int c = sub; c < p.clusters; c += 8) {
-                const float4 v = __ldcg((const float4*)(p.partials + ((size_t)c * p.tokens + t) * p.h + h));
-                acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+            // SS_BATCH loads issued before the first add (a one-token step's ~45 partials are ~6 a
+            // lane: one after another they were ~6 L2 round trips, ncu 4.8 us for 1.3 MB), added in
+            // cluster order as before.
+            for (int c0 = sub; c0 < p.clusters; c0 += 8 * SS_BATCH) {
+                float4 v[SS_BATCH];
+                #pragma unroll
+                for (int i = 0; i < SS_BATCH; ++i) {
+                    const int c = c0 + 8 * i;
+                    if (c < p.clusters) v[i] = __ldcg((const float4*)(p.partials + ((size_t)c * p.tokens + t) * p.h + h));
+                }
+                #pragma unroll
+                for (int i = 0; i < SS_BATCH; ++i) {
+                    if (c0 + 8 * i < p.clusters) { acc.x += v[i].x; acc.y += v[i].y; acc.z += v[i].z; acc.w += v[i].w; }
+                }
             }
         }
         #pragma unroll
