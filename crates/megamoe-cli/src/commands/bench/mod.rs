@@ -683,6 +683,7 @@ mod cuda_bench {
     use crate::commands::gpu;
     use cudarc::driver::CudaStream;
     use megamoe::backend::cuda::params::{STATUS_BAD_EXPERT_ID, STATUS_BAD_TOKEN_ID};
+    use megamoe::backend::cuda::probe::ProbedKernel;
     use megamoe::backend::cuda::{
         CudaDevice, DType, DevBuf, DeviceTensor, ForwardIo, LayerWeights, Routing, Workspace, WorkspaceDims,
     };
@@ -991,14 +992,18 @@ mod cuda_bench {
                         },
                         |_| Ok((pairs, active)),
                     )?;
-                    // The diagnostic build (MEGAMOE_PHASE_PROBE=1): where the last replay's fused
-                    // launch spent its time, phase by phase (the rank rows: the rank+shared forward
-                    // runs the separate stages beside the shared expert).
-                    let fused = !shared && w.runs_fused(&ws, t, mode);
-                    if let Some(probe) = fused.then(|| w.phase_probe()).flatten() {
+                    // The diagnostic build (MEGAMOE_PHASE_PROBE=1): where the last replay's slice or
+                    // fused launch spent its time, phase by phase (the slice kernel also runs beside
+                    // the shared expert; the fused kernel only on the rank rows alone).
+                    let probed = if w.runs_slice(t, mode) {
+                        Some(ProbedKernel::Slice)
+                    } else {
+                        (!shared && w.runs_fused(&ws, t, mode)).then_some(ProbedKernel::Fused)
+                    };
+                    if let Some((kernel, probe)) = probed.and_then(|k| Some((k, w.phase_probe()?))) {
                         let probe = probe?;
                         if !probe.ctas.is_empty() {
-                            self.note(format!("{} T={t}: {}", kind.name(), probe.table()));
+                            self.note(format!("{} T={t}: {}", kind.name(), probe.table(kernel)));
                         }
                     }
                 }

@@ -147,6 +147,27 @@ kernel_abi! {
         PROBE_TIME_START = 13;
         /// Slot: `%globaltimer` (ns) at the CTA's end.
         PROBE_TIME_END = 14;
+        /// Slice kernel (`moe_slice`; it shares the slots 0, 10, 13, 14 above): the step's active
+        /// experts listed and the cluster synced.
+        PROBE_SL_EXPERTS = 1;
+        /// Slice kernel slot: the tokens' rows of the CTA's K range landed.
+        PROBE_SL_X = 2;
+        /// Slice kernel slot: the first L1 stage landed.
+        PROBE_SL_L1_FIRST = 3;
+        /// Slice kernel slot: the first unit's L1 partial sent (its last L1 chunk consumed).
+        PROBE_SL_SENT = 4;
+        /// Slice kernel slot: the first unit's partials all in (warp 0, which finalises).
+        PROBE_SL_INBOX = 5;
+        /// Slice kernel slot: the first unit's activations all in.
+        PROBE_SL_ACT = 6;
+        /// Slice kernel slot: every warp past the first unit's L2.
+        PROBE_SL_L2_DONE = 7;
+        /// Slice kernel slot: the last unit's activations all in.
+        PROBE_SL_LAST_ACT = 8;
+        /// Slice kernel slot: every warp past the last unit's L2.
+        PROBE_SL_LAST_L2 = 9;
+        /// Slice kernel slot: the producer's last copy issued.
+        PROBE_SL_ISSUED = 11;
         /// Fused decode kernel, `DfParams::sync` counter: CTAs whose L1 outputs are written.
         DF_SYNC_L1 = 0;
         /// Counter: CTAs whose L2 rows are written (before the combine).

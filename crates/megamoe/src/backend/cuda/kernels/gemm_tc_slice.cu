@@ -47,6 +47,9 @@
 // dependent, adds the clusters' partials in a fixed order (+ the shared expert's output) into y.
 // Precision: as the separate stages up to f32 summation order (the L2's K sum is cut per slice and
 // the routed experts' rows meet before their sum over slices; the activations are bf16 as there).
+// Phase clocks (the DS_PROBE build, MEGAMOE_PHASE_PROBE=1: backend/cuda/probe.rs): thread 0 (warp
+// 0 finalises, so it also sees the exchange) stamps the PROBE_SL_* slots of its CTA's first and last
+// unit, the producer its last copy issued.
 // Requirements (host: gemm/tc.rs slice_fits): FP4 formats, W4A16, T <= 8, T * k <= SL_MAX_SLOTS,
 // local experts <= SL_MAX_LOCAL, H % 64 == 0, H <= 8192, I % 64 == 0.
 
@@ -225,6 +228,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     const unsigned full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
 
     griddep_launch_dependents();                       // moe_slice_sum may start; it waits for us
+    if (threadIdx.x == 0) { DS_STAMP_RESET(); DS_STAMP_TIME(PROBE_TIME_START); DS_STAMP(PROBE_START); }
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) {
             mbar_init(full0 + 8 * s, 1);
@@ -237,6 +241,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     }
     if (warp == SL_CONSUMERS) sl_find_experts(p, ex);
     sl_cluster_sync();                                 // barriers and the expert list, cluster-wide
+    if (threadIdx.x == 0) DS_STAMP(PROBE_SL_EXPERTS);
     // Units over clusters in equal shares: with `rounds` units per cluster, only as many clusters
     // as those rounds need take work (48 units on 45 clusters: 24 clusters of two, not 3 of two and
     // 42 of one, whose last 24 CTAs would stream their second unit alone at a fraction of the
@@ -280,6 +285,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
             const unsigned char* w2 = p.w2 + (size_t)e * eb2 + (size_t)s * W_STAGE;
             for (int g = g0; g < g1; ++g) issue(w2 + (size_t)g * nch2 * W_STAGE);
         }
+        DS_STAMP(PROBE_SL_ISSUED);
         return;
     }
 
@@ -294,10 +300,14 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     #pragma unroll
     for (int i = 0; i < SL_MAX_L2_GROUPS; ++i) acc2[i][0] = acc2[i][1] = acc2[i][2] = acc2[i][3] = 0.f;
     if (has_x) mbar_wait(smem_u32(&xbar), 0);
+    if (threadIdx.x == 0 && has_x) DS_STAMP(PROBE_SL_X);
     unsigned ui = 0;
     SlCursor cur;                                      // the consumers' next chunk in the ring
     auto stage = [&]() -> const unsigned char* {
         mbar_wait(full0 + 8 * cur.slot(), cur.parity());
+#ifdef DS_PROBE
+        if (threadIdx.x == 0 && cur.c == 0u) DS_STAMP(PROBE_SL_L1_FIRST);
+#endif
         return smem + cur.slot() * W_STAGE;
     };
     // One arrival per warp and stage (a stage is one 4.6 KB chunk: 256 arrivals per chunk on one
@@ -336,6 +346,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         float acc1[4] = {0.f, 0.f, 0.f, 0.f};
         l1(acc1);
         send(acc1);
+        if (threadIdx.x == 0) DS_STAMP(PROBE_SL_SENT);
     }
     for (int u = (int)cl; u < units && (int)cl < busy; u += busy, ++ui) {
         const int a_idx = u / nch2, e = ex.list[a_idx];
@@ -344,6 +355,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         if (next) l1(acc1n);
         if (warp == 0) {
             sl_wait_cluster(smem_u32(&inbox_bar), ui & 1);
+            if (lane == 0 && ui == 0) DS_STAMP(PROBE_SL_INBOX);
             float4 v = inbox[0][lane];
             #pragma unroll
             for (int q = 1; q < SL_CLUSTER; ++q) {
@@ -369,6 +381,8 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         }
         // 3. L2: slab `warp` of each of this CTA's groups x the 64 activations.
         sl_wait_cluster(smem_u32(&act_bar), ui & 1);
+        if (threadIdx.x == 0 && ui == 0) DS_STAMP(PROBE_SL_ACT);
+        if (threadIdx.x == 0 && !next) DS_STAMP(PROBE_SL_LAST_ACT);
         const float a2 = p.alpha2 ? p.alpha2[e] : 1.f;
         #pragma unroll
         for (int i = 0; i < SL_MAX_L2_GROUPS; ++i) {
@@ -382,6 +396,8 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         }
         // 4. Every warp past this unit's L2 before the next unit's partials leave.
         named_bar(1, 32 * SL_CONSUMERS);
+        if (threadIdx.x == 0 && ui == 0) DS_STAMP(PROBE_SL_L2_DONE);
+        if (threadIdx.x == 0 && !next) DS_STAMP(PROBE_SL_LAST_L2);
         if (next) send(acc1n);
     }
     // Rows 128 g + 16 warp + gi (+ 8) of tokens 2 tq, 2 tq + 1: this cluster's partial sums.
@@ -398,6 +414,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
             if (h0 + 8 < H) __stcg(row + h0 + 8, acc2[i][2 + c]);
         }
     }
+    if (threadIdx.x == 0) { DS_STAMP(PROBE_END); DS_STAMP_TIME(PROBE_TIME_END); }
 }
 
 // y[t][h] = the clusters' partials (+ the shared expert's row), f32 or bf16. Eight lanes per 4
