@@ -37,11 +37,11 @@ echo "elapsed ${SECONDS}s"
 if [ "${RACE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   for b in $C/bin/cuda_engine $C/old/cuda_engine; do
     [ -x $b ] || continue
+    log=$OUT/racecheck_$(basename $(dirname $b)).txt   # racecheck_bin.txt / racecheck_old.txt
     echo "== racecheck slice_routed_forward_matches_separate_stages ($b)"
-    timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 4 $b --test-threads=1 slice_routed \
-      > $OUT/racecheck_$(basename $(dirname $b)).txt 2>&1
-    grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_$(basename $(dirname $b)).txt | head -4
-    grep -E "hazard detected|Read Thread|Write Thread" $OUT/racecheck_$(basename $(dirname $b)).txt | head -6
+    timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 4 $b --test-threads=1 slice_routed > $log 2>&1
+    grep -E "RACECHECK SUMMARY|test result|panicked" $log | head -4
+    grep -E "hazard detected|Read Thread|Write Thread" $log | head -6
   done
   echo "elapsed ${SECONDS}s"
 fi

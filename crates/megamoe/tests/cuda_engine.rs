@@ -1844,9 +1844,9 @@ fn slice_routed_forward_matches_separate_stages() {
 /// 8 of 24 experts, top-2, its shared expert beside the routed experts — at T=1 (~0.65 active
 /// local experts, ~1.3 units on its 2 clusters) the default forward takes the slice kernel, at
 /// T=2 (~2.5 units) not, and never under `MEGAMOE_SLICE=0`; the same rank without a shared
-/// expert takes it at T=1 too (it also beats the fused kernel there: thirty-sixth session); the T=1 forward (external routing: a
-/// local and a foreign expert) equal to the one without it up to f32 summation order, and a
-/// repeat from a poisoned workspace bitwise equal.
+/// expert takes it at T=1 too (it also beats the fused kernel there: thirty-sixth session); the
+/// T=1 forward (external routing: a local and a foreign expert) equal to the one without it up to
+/// f32 summation order, and a repeat from a poisoned workspace bitwise equal.
 #[test]
 fn slice_kernel_runs_by_default_where_it_pays() {
     let Some(dev) = slice_device() else { return };

@@ -1000,7 +1000,7 @@ mod cuda_bench {
                     } else {
                         (!shared && w.runs_fused(&ws, t, mode)).then_some(ProbedKernel::Fused)
                     };
-                    if let Some((kernel, probe)) = probed.and_then(|k| Some((k, w.phase_probe()?))) {
+                    if let Some((kernel, probe)) = probed.and_then(|k| w.phase_probe().map(|p| (k, p))) {
                         let probe = probe?;
                         if !probe.ctas.is_empty() {
                             self.note(format!("{} T={t}: {}", kind.name(), probe.table(kernel)));

@@ -149,7 +149,7 @@ mod tests {
     }
 
     #[test]
-    fn the_slice_kernel_pays_only_for_one_round_beside_the_shared_expert() {
+    fn the_slice_kernel_pays_only_where_a_step_fills_one_round() {
         // V4-Pro EP8 rank (48 of 384 experts, I 3072), 45 clusters resident on an H100.
         assert!(slice_pays(1, 6, 48, 384, 3072, 45));
         assert!(!slice_pays(2, 6, 48, 384, 3072, 45), "~1.5 experts: two rounds");

@@ -305,9 +305,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     SlCursor cur;                                      // the consumers' next chunk in the ring
     auto stage = [&]() -> const unsigned char* {
         mbar_wait(full0 + 8 * cur.slot(), cur.parity());
-#ifdef DS_PROBE
         if (threadIdx.x == 0 && cur.c == 0u) DS_STAMP(PROBE_SL_L1_FIRST);
-#endif
         return smem + cur.slot() * W_STAGE;
     };
     // One arrival per warp and stage (a stage is one 4.6 KB chunk: 256 arrivals per chunk on one
