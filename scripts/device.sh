@@ -48,6 +48,13 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
         MEGAMOE_WG_CHAIN=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
           "$b" kernels --arch sm_90a --filter gemm_tc_l1l2-nvfp4 >/dev/null || echo "warning: precompiling the L1 + L2 module failed" >&2
       fi
+      # PRECOMPILE_ENVS: "VAR=VALUE[,VAR=VALUE..] ..." — each a knob setting whose modules a run
+      # loads too (e.g. MEGAMOE_W4A8_PROMOTE=64 for the FP8 W4A8 L1 promoting every 64 k).
+      for e in ${PRECOMPILE_ENVS:-}; do
+        # shellcheck disable=SC2046
+        env $(tr ',' ' ' <<<"$e") MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
+          "$b" kernels --arch sm_90a >/dev/null || echo "warning: precompiling under $e failed" >&2
+      done
       if [ "${PRECOMPILE_PROBE:-1}" != 0 ]; then
         for m in gemm_tc-nvfp4 gemm_tc-bf16 gemm_tc_l1l2-nvfp4; do
           MEGAMOE_PHASE_PROBE=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
@@ -73,7 +80,7 @@ fi
 cp scripts/device/run.sh "$carry/run.sh"
 cp scripts/device/fp8_rate.py "$carry/fp8_rate.py"
 cp scripts/device/call_env.sh "$carry/call_env.sh"
-cp scripts/device/slice_ab.sh scripts/device/default_check.sh "$carry/"
+cp scripts/device/slice_ab.sh scripts/device/default_check.sh scripts/device/ab_gate.sh "$carry/"
 # (The golden fixtures travel with the working tree: run.sh reads crates/megamoe/tests/data.)
 # The peers (torch baselines, triton_kernels' MXFP4 MoE) travel beside the binaries when present.
 if [ -d ../shared/peers ]; then rm -rf .peers && cp -r ../shared/peers .peers; fi

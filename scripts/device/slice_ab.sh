@@ -11,7 +11,7 @@
 # Knobs: ROUNDS (2), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
 # NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures, under each of VERIFY_BUILDS: "slice"),
 # SAN_CTAS ("": the sanitizers under the build's default cluster size; e.g. "8 7"), MEMCHECK=0, RACE=0, SLICE_ENV (more
-# environment for both slice builds, e.g. "MEGAMOE_SLICE_CTAS=auto"). For a small
+# environment for both slice builds and the slice tests and sanitizers, e.g. "MEGAMOE_SLICE_CTAS_PER_SM=4"). For a small
 # budget: ROUNDS=1 BUILDS="slice base" FLASH=0 NCU_T=1 VERIFY=0 MEMCHECK=0 (~150 s of command).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
@@ -55,7 +55,7 @@ if command -v ncu >/dev/null && [ "${NCU:-1}" = 1 ]; then
   done; done
 fi
 echo "== slice tests"
-timeout 180 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|test |panicked|SKIPPED|result" > $OUT/slice_tests.txt; grep -E "test |panicked|result" $OUT/slice_tests.txt
+env ${SLICE_ENV:-} timeout 180 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|test |panicked|SKIPPED|result" > $OUT/slice_tests.txt; grep -E "test |panicked|result" $OUT/slice_tests.txt
 if [ "${VERIFY:-1}" = 1 ]; then
   for w in ${VERIFY_BUILDS:-slice}; do
     echo "== verify, $(env_of $w)"
@@ -69,7 +69,7 @@ fi
 echo "elapsed ${SECONDS}s"
 if command -v compute-sanitizer >/dev/null && [ "${MEMCHECK:-1}" = 1 ]; then
   for c in ${SAN_CTAS:-default}; do
-    ce=; [ $c != default ] && ce=MEGAMOE_SLICE_CTAS=$c
+    ce="${SLICE_ENV:-}"; [ $c != default ] && ce="$ce MEGAMOE_SLICE_CTAS=$c"
     echo "== memcheck slice tests ($c CTAs a cluster)"
     env $ce timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
     if [ "${RACE:-1}" = 1 ]; then

@@ -5,7 +5,7 @@
 //! engine's kernels, weights or workspace are made, never inside a forward. (Process-level
 //! settings — device, cache, NVRTC and NCCL paths, logging — stay with the code that uses them.)
 
-use crate::backend::gpu_layout::{tc, w4a8};
+use crate::backend::gpu_layout::{slice, tc, w4a8};
 
 fn value(var: &str) -> Option<String> {
     std::env::var(var).ok().map(|v| v.trim().to_string())
@@ -78,6 +78,20 @@ pub fn slice() -> SliceUse {
 /// occupancy limit: A/B runs of the unit shares, and tests that need more units than clusters.
 pub fn slice_clusters() -> Option<usize> {
     number::<usize>("MEGAMOE_SLICE_CLUSTERS").map(|n| n.max(1))
+}
+
+/// `MEGAMOE_SLICE_CTAS_PER_SM=4`: the slice kernel built for four CTAs per SM (more clusters
+/// resident, a shorter ring; `gpu_layout::slice::SLICE_CTAS_PER_SM`), else three.
+pub fn slice_ctas_per_sm() -> usize {
+    let options = slice::SLICE_CTAS_PER_SM;
+    match number::<usize>("MEGAMOE_SLICE_CTAS_PER_SM") {
+        Some(n) if options.contains(&n) => n,
+        Some(n) => {
+            tracing::warn!(n, ?options, "MEGAMOE_SLICE_CTAS_PER_SM: not a build of the slice kernel: ignored");
+            options[0]
+        }
+        None => options[0],
+    }
 }
 
 /// `MEGAMOE_FOLD=0`: the combine always sums every token's L2 rows (by default a forward whose
@@ -155,6 +169,19 @@ pub fn w4a8_fp8() -> bool {
 /// `MEGAMOE_W4A8_TILE`: the FP8 W4A8 kernels' token tile, else their tile model's.
 pub fn w4a8_tile() -> Option<usize> {
     tile_override("MEGAMOE_W4A8_TILE", &w4a8::TOKEN_TILES)
+}
+
+/// `MEGAMOE_W4A8_PROMOTE=<k>`: how often the FP8 W4A8 L1 promotes its unit accumulators (one of
+/// `gpu_layout::w4a8::L1_PROMOTE_K`; default every chunk, 128 k).
+pub fn w4a8_l1_promote_k() -> usize {
+    match number::<usize>("MEGAMOE_W4A8_PROMOTE") {
+        Some(k) if w4a8::L1_PROMOTE_K.contains(&k) => k,
+        Some(k) => {
+            tracing::warn!(k, options = ?w4a8::L1_PROMOTE_K, "MEGAMOE_W4A8_PROMOTE: not a promotion interval: ignored");
+            w4a8::L1_PROMOTE_K[0]
+        }
+        None => w4a8::L1_PROMOTE_K[0],
+    }
 }
 
 /// `MEGAMOE_ROUTER_TILED=<tokens>`: forwards of at least that many tokens compute the router's
