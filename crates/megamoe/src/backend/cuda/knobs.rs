@@ -171,19 +171,6 @@ pub fn w4a8_tile() -> Option<usize> {
     tile_override("MEGAMOE_W4A8_TILE", &w4a8::TOKEN_TILES)
 }
 
-/// `MEGAMOE_W4A8_PROMOTE=<k>`: how often the FP8 W4A8 L1 promotes its unit accumulators (one of
-/// `gpu_layout::w4a8::L1_PROMOTE_K`; default every chunk, 128 k).
-pub fn w4a8_l1_promote_k() -> usize {
-    match number::<usize>("MEGAMOE_W4A8_PROMOTE") {
-        Some(k) if w4a8::L1_PROMOTE_K.contains(&k) => k,
-        Some(k) => {
-            tracing::warn!(k, options = ?w4a8::L1_PROMOTE_K, "MEGAMOE_W4A8_PROMOTE: not a promotion interval: ignored");
-            w4a8::L1_PROMOTE_K[0]
-        }
-        None => w4a8::L1_PROMOTE_K[0],
-    }
-}
-
 /// `MEGAMOE_ROUTER_TILED=<tokens>`: forwards of at least that many tokens compute the router's
 /// logits with the tiled kernel (`never`: none); unset or not a number: from
 /// `gpu_layout::router::TILED_FROM_TOKENS`.

@@ -44,11 +44,6 @@ pub const CODE_BYTES: usize = 1024;
 /// The widest span (octaves) between the largest and smallest non-zero 32-block scale of one row
 /// that e4m3 holds exactly.
 pub const MAX_SPAN: i32 = 11;
-/// How often (in k) the FP8 kernels may promote the L1's unit accumulators into fp32: every chunk
-/// (the default) or every half chunk. The L2 always promotes every chunk: the L1's accumulation
-/// error is what the L2 input's `act_quant` turns into whole e4m3 steps
-/// (`scripts/w4a8_error_model.py`), the L2's own passes through at its size.
-pub const L1_PROMOTE_K: [usize; 2] = [CHUNK_K, CHUNK_K / 2];
 /// `x` of the row's largest block (`j = 6`).
 const X_TOP: i32 = 12;
 

@@ -42,9 +42,7 @@
 // 0), waits for them, and promotes: acc += unit_acc * (token's block scale) — the activation scale is per
 // token and per 128-block, so it cannot be folded into the operands; promotion at every block also
 // bounds the FP8 MMA's reduced-precision accumulation to 128 products — then releases the stage.
-// With promotion every 64 k (W8_L1_PROMOTE_K, the L1's option) a chunk's QGMMAs are two commit
-// groups of two k32 steps, each promoted with the chunk's scales: 64 products per FP8 partial sum,
-// twice the promotion FMAs. Fixed k order: bitwise reproducible.
+// Fixed k order: bitwise reproducible.
 
 constexpr int W8_BLK = W8_BLOCK_BYTES;   // 1088 (W8_CODE_BYTES 1024 + 64 exponent bytes); W8_SCALE_BYTES 512
 
@@ -130,22 +128,21 @@ struct W8Ring {
     }
 };
 
-// KN m64nNk32 QGMMAs of chunk c (its k32 steps K0 .. K0 + KN) over N tokens of the tile from token
-// n0 (0, or 64 for a 128-token tile's second half) into uacc (the first with scale-d 0), one commit
-// group: the whole chunk (K0 0, KN 4) where the kernel promotes every 128 k, a half where every 64.
-template <int N, bool TIED = false, int K0 = 0, int KN = 4>
+// Four m64nNk32 QGMMAs of chunk c over N tokens of the tile from token n0 (0, or 64 for a 128-token
+// tile's second half) into uacc (the first with scale-d 0), one commit group.
+template <int N, bool TIED = false>
 __device__ __forceinline__ void w8_issue(const W8Ring& r, float (&uacc)[N / 8][4], const unsigned (&a)[4][4], unsigned c,
                                          int n0 = 0)
 {
-    static_assert(K0 >= 0 && KN >= 1 && K0 + KN <= 4, "k32 steps of one chunk");
     // Token rows are 128 bytes: n0 (a multiple of 8) keeps the 1024-byte swizzle atoms aligned; +32
     // bytes (2 descriptor units) per k32 step inside the swizzled rows.
     const unsigned long long desc = wgmma_desc_add(wgmma_desc_k128(r.base), (c % r.stages) * r.stage_bytes + n0 * 128);
     wgmma_fence();
-    if constexpr (TIED) WgmmaE4m3<N>::first_tied(uacc, a[K0], desc + 2 * K0);
-    else WgmmaE4m3<N>::first(uacc, a[K0], desc + 2 * K0);
-    #pragma unroll
-    for (int k = K0 + 1; k < K0 + KN; ++k) WgmmaE4m3<N>::mma(uacc, a[k], desc + 2 * k);
+    if constexpr (TIED) WgmmaE4m3<N>::first_tied(uacc, a[0], desc);
+    else WgmmaE4m3<N>::first(uacc, a[0], desc);
+    WgmmaE4m3<N>::mma(uacc, a[1], desc + 2);
+    WgmmaE4m3<N>::mma(uacc, a[2], desc + 4);
+    WgmmaE4m3<N>::mma(uacc, a[3], desc + 6);
     wgmma_commit();
 }
 
@@ -165,28 +162,6 @@ __device__ __forceinline__ void w8_scales(const float* sc, float2 (&s)[NJ])
     }
 }
 
-// The scales of columns jn and jn + 1 (jn even): one 16-byte load, as w8_scales.
-__device__ __forceinline__ void w8_scales_pair(const float* sc, int jn, float2 (&s)[2])
-{
-    const float4 v = ((const float4*)sc + (threadIdx.x & 3))[4 * (jn / 2)];
-    s[0] = make_float2(v.x, v.y);
-    s[1] = make_float2(v.z, v.w);
-}
-
-// acc columns jn, jn + 1 += uacc's x their scales (w8_promote two columns at a time).
-template <int NJ, int NA>
-__device__ __forceinline__ void w8_promote_cols(float (&acc)[NA][4], const float (&uacc)[NJ][4], const float2 (&s)[2], int jn)
-{
-    #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-        float* d = acc[jn + q];
-        d[0] = fmaf(uacc[jn + q][0], s[q].x, d[0]);
-        d[1] = fmaf(uacc[jn + q][1], s[q].y, d[1]);
-        d[2] = fmaf(uacc[jn + q][2], s[q].x, d[2]);
-        d[3] = fmaf(uacc[jn + q][3], s[q].y, d[3]);
-    }
-}
-
 // acc[J0 ..] += uacc x those scales: a whole tile's unit accumulators (J0 0) or one 64-token half's.
 template <int J0, int NJ, int NA>
 __device__ __forceinline__ void w8_promote(float (&acc)[NA][4], const float (&uacc)[NJ][4], const float2 (&s)[NJ])
@@ -202,67 +177,13 @@ __device__ __forceinline__ void w8_promote(float (&acc)[NA][4], const float (&ua
     }
 }
 
-// One promotion period PART (of P per chunk, KN k32 steps each) of chunk kc = it + kc of the
-// 128-token kernel, both 64-token halves in turn: wait for the half's group, promote it, issue its
-// next group — the chunk's next KN steps from `cur`, or after the chunk's last period chunk kc + 1's
-// first from `nxt`, which the first period decoded from `raw` (then loading kc + 2's raw slice).
-// MORE: a chunk kc + 1 follows; without it the last period ends with nothing in flight. A half's
-// scales are loaded before its wait.
-template <int PART, bool MORE, int P, int KN, int NA>
-__device__ __forceinline__ void w8_period(const W8Ring& ring, float (&acc)[NA][4], float (&u0)[8][4], float (&u1)[8][4],
-                                          W8Raw& raw, unsigned (&cur)[4][4], unsigned (&nxt)[4][4], unsigned it,
-                                          int kc, int nch)
-{
-    constexpr bool END = PART == P - 1;                // the chunk's last period
-    const unsigned c = it + kc;
-    float2 sc[8];
-    w8_scales<0>(ring.scales(c), sc);
-    if constexpr (MORE && PART == 0) {
-        w8_decode(raw, nxt);
-        if (kc + 2 < nch) {
-            ring.wait_full(c + 2);
-            raw = ring.load(c + 2);
-        }
-    }
-    wgmma_wait<1>();                                   // half 0's group (half 1's runs)
-    wgmma_fence_acc(u0);
-    w8_promote<0>(acc, u0, sc);
-    if constexpr (!END) w8_issue<64, true, (PART + 1) * KN, KN>(ring, u0, cur, c, 0);
-    else if constexpr (MORE) w8_issue<64, true, 0, KN>(ring, u0, nxt, c + 1, 0);
-    w8_scales<8>(ring.scales(c), sc);
-    if constexpr (END && !MORE) wgmma_wait<0>();
-    else wgmma_wait<1>();                              // half 1's group (half 0's next runs)
-    wgmma_fence_acc(u1);
-    if constexpr (END) {
-        wgmma_fence_a(cur);
-        if constexpr (!MORE) wgmma_fence_a(nxt);
-    }
-    w8_promote<8>(acc, u1, sc);
-    if constexpr (END) ring.release(c);
-    if constexpr (!END) w8_issue<64, true, (PART + 1) * KN, KN>(ring, u1, cur, c, 64);
-    else if constexpr (MORE) w8_issue<64, true, 0, KN>(ring, u1, nxt, c + 1, 64);
-}
-
-// Chunk kc's P promotion periods (w8_period).
-template <bool MORE, int P, int KN, int NA>
-__device__ __forceinline__ void w8_chunk(const W8Ring& ring, float (&acc)[NA][4], float (&u0)[8][4], float (&u1)[8][4],
-                                         W8Raw& raw, unsigned (&cur)[4][4], unsigned (&nxt)[4][4], unsigned it, int kc,
-                                         int nch)
-{
-    w8_period<0, MORE, P, KN>(ring, acc, u0, u1, raw, cur, nxt, it, kc, nch);
-    if constexpr (P == 2) w8_period<1, MORE, P, KN>(ring, acc, u0, u1, raw, cur, nxt, it, kc, nch);
-}
-
-// Runs every tile of the launch, promoting the unit accumulators every PK k; `store(acc, grp, m0,
-// mc, gslab)` is the epilogue of one consumer's m64 block: tokens m0 .. m0 + mc of the tile.
-template <int NT, int NC, int ST, bool L1, int PK, typename Store>
+// Runs every tile of the launch; `store(acc, grp, m0, mc, gslab)` is the epilogue of one consumer's
+// m64 block: tokens m0 .. m0 + mc of the tile.
+template <int NT, int NC, int ST, bool L1, typename Store>
 __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& amap, const TmaDesc& smap, Store store)
 {
     using S = W8Shape<NT, NC>;
     constexpr int NJ = S::NJ;
-    static_assert(PK == 128 || PK == 64, "promotion every chunk (128 k) or every half chunk");
-    constexpr int P = 128 / PK;                        // promotion periods per chunk
-    constexpr int KN = 4 / P;                          // k32 steps per period
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -340,19 +261,56 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             // 128 tokens as two 64-token halves, each with its own unit accumulators and commit
             // group, so a half's promotion runs while the other half's QGMMAs do (one unit
             // accumulator of 128 tokens waited for all four QGMMAs before promoting, and two of them
-            // did not fit the registers). A chunk runs as P promotion periods (w8_period). Two A
-            // register sets swap roles chunk by chunk. The last chunk is peeled (MORE false: no
-            // issue of a next chunk, ends with nothing in flight): a step whose issue depended on a
-            // runtime test let ptxas not prove which group a wait retires, and it serialised every
-            // QGMMA.
+            // did not fit the registers). A chunk kc enters with both halves issued from `cur`;
+            // `step` decodes chunk kc + 1 into `nxt` (and loads kc + 2's raw slice), then per half:
+            // wait for it, promote, issue that half of chunk kc + 1. Two A register sets swap roles
+            // chunk by chunk. The last chunk is peeled (`last`: no issue, ends with nothing in flight): a step whose
+            // issue depended on a runtime test let ptxas not prove which group a wait retires, and
+            // it serialised every QGMMA.
             static_assert(NT == 128, "the split promotion is the 128-token tile's");
             float u0[8][4], u1[8][4];
             unsigned b[4][4];
-            // `raw` holds chunk kc + 1 when chunk kc's first period starts (loaded a step ahead: its
-            // shared-memory latency hides behind the waits).
+            // `raw` holds chunk kc + 1 when step kc starts (loaded a step ahead: its shared-memory
+            // latency hides behind the waits); a half's scales are loaded before its wait.
+            auto step = [&](unsigned (&cur)[4][4], unsigned (&nxt)[4][4], int kc) {
+                const unsigned c = it + kc;
+                float2 sc[8];
+                w8_scales<0>(ring.scales(c), sc);
+                w8_decode(raw, nxt);
+                if (kc + 2 < nch) {
+                    ring.wait_full(c + 2);
+                    raw = ring.load(c + 2);
+                }
+                wgmma_wait<1>();                       // half 0 of chunk kc
+                wgmma_fence_acc(u0);
+                w8_promote<0>(acc, u0, sc);
+                w8_issue<64, true>(ring, u0, nxt, c + 1, 0);
+                w8_scales<8>(ring.scales(c), sc);
+                wgmma_wait<1>();                       // half 1 of chunk kc (half 0 of kc + 1 runs)
+                wgmma_fence_acc(u1);
+                wgmma_fence_a(cur);
+                w8_promote<8>(acc, u1, sc);
+                ring.release(c);
+                w8_issue<64, true>(ring, u1, nxt, c + 1, 64);
+            };
+            auto last = [&](int kc) {
+                const unsigned c = it + kc;
+                float2 sc[8];
+                w8_scales<0>(ring.scales(c), sc);
+                wgmma_wait<1>();
+                wgmma_fence_acc(u0);
+                w8_promote<0>(acc, u0, sc);
+                w8_scales<8>(ring.scales(c), sc);
+                wgmma_wait<0>();
+                wgmma_fence_acc(u1);
+                wgmma_fence_a(a);
+                wgmma_fence_a(b);
+                w8_promote<8>(acc, u1, sc);
+                ring.release(c);
+            };
             w8_decode(raw, a);
-            w8_issue<64, true, 0, KN>(ring, u0, a, it, 0);
-            w8_issue<64, true, 0, KN>(ring, u1, a, it, 64);
+            w8_issue<64, true>(ring, u0, a, it, 0);
+            w8_issue<64, true>(ring, u1, a, it, 64);
             if (nch > 1) {
                 ring.wait_full(it + 1);
                 raw = ring.load(it + 1);
@@ -361,43 +319,27 @@ __device__ __forceinline__ void w8_gemm(const GemmOperands& g, const TmaDesc& am
             // them are not serialised.
             for (int kc = 0;; kc += 2) {
                 if (kc + 1 == nch) {
-                    w8_chunk<false, P, KN>(ring, acc, u0, u1, raw, a, b, it, kc, nch);
+                    last(kc);
                     break;
                 }
-                w8_chunk<true, P, KN>(ring, acc, u0, u1, raw, a, b, it, kc, nch);
+                step(a, b, kc);
                 if (kc + 2 == nch) {
-                    w8_chunk<false, P, KN>(ring, acc, u0, u1, raw, b, a, it, kc + 1, nch);
+                    last(kc + 1);
                     break;
                 }
-                w8_chunk<true, P, KN>(ring, acc, u0, u1, raw, b, a, it, kc + 1, nch);
+                step(b, a, kc + 1);
             }
         } else {
-            // Chunk kc: decoded, its first period's QGMMAs issued, the next chunk's raw slice loaded
-            // while they run, then per period the wait, the promotion (and the next period's issue),
-            // and the stage's release.
+            // Chunk kc: decoded, its QGMMAs issued, the next chunk's raw slice loaded while they
+            // run, then the wait, the promotion and the stage's release.
             float uacc[NJ][4];
             for (int kc = 0; kc < nch; ++kc) {
                 const unsigned c = it + kc;
                 w8_decode(raw, a);
-                w8_issue<NT, false, 0, KN>(ring, uacc, a, c);
+                w8_issue<NT>(ring, uacc, a, c);
                 if (kc + 1 < nch) {
                     ring.wait_full(c + 1);
                     raw = ring.load(c + 1);
-                }
-                if constexpr (P == 2) {
-                    wgmma_wait<0>();
-                    wgmma_fence_acc(uacc);
-                    // Two columns' scales at a time: a whole tile's (2 NJ registers) spilled the
-                    // 64-token kernel's 112.
-                    #pragma unroll
-                    for (int jn = 0; jn < NJ; jn += 2) {
-                        float2 s2[2];
-                        w8_scales_pair(ring.scales(c), jn, s2);
-                        w8_promote_cols(acc, uacc, s2, jn);
-                    }
-                    // Tied where the width has it: the second period's sum in the first's registers
-                    // (as outputs only it got new ones, and the 64-token kernel spilled).
-                    w8_issue<NT, NT == 64, KN, KN>(ring, uacc, a, c);
                 }
                 wgmma_wait<0>();
                 wgmma_fence_acc(uacc);
@@ -450,22 +392,17 @@ __device__ __forceinline__ void w8_store_l2(const GemmL2Params& p, const float (
 }
 
 // Entry points of token tile NT over NC consumers with ST stages (appended by the host, gemm/w4a8.rs).
-// Min 1 CTA per SM: setmaxnreg needs the entry register count known. The L1 promotes every
-// W8_L1_PROMOTE_K k (gpu_layout::w4a8::L1_PROMOTE_K: its accumulation error is what the L2 input's
-// act_quant turns into whole e4m3 steps), the L2 every chunk.
-#ifndef W8_L1_PROMOTE_K
-#define W8_L1_PROMOTE_K 128
-#endif
+// Min 1 CTA per SM: setmaxnreg needs the entry register count known.
 #define W8_KERNELS(NT, NC, ST)                                                                            \
     extern "C" __global__ void __launch_bounds__(W8Shape<NT, NC>::THREADS, 1) moe_w8_l1_n##NT(const __grid_constant__ W8L1Params p) \
     {                                                                                                     \
-        w8_gemm<NT, NC, ST, true, W8_L1_PROMOTE_K>(p.l1.g, p.amap, p.smap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        w8_gemm<NT, NC, ST, true>(p.l1.g, p.amap, p.smap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             w8_store_l1(p.l1, acc, grp, m0, mc, gs);                                                      \
         });                                                                                               \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(W8Shape<NT, NC>::THREADS, 1) moe_w8_l2_n##NT(const __grid_constant__ W8L2Params p) \
     {                                                                                                     \
-        w8_gemm<NT, NC, ST, false, 128>(p.l2.g, p.amap, p.smap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
+        w8_gemm<NT, NC, ST, false>(p.l2.g, p.amap, p.smap, [&](const float (&acc)[NT / 8][4], int grp, int m0, int mc, int gs) { \
             w8_store_l2(p.l2, acc, grp, m0, mc, gs);                                                      \
         });                                                                                               \
     }
