@@ -21,7 +21,8 @@ with tarfile.open(tgz) as tar:
             continue
         which = name.split("_")[1]
         for r in json.load(tar.extractfile(m))["rows"]:
-            if r["shape"] == shape and r["T"] == t and which in ms:
+            # The routed experts' rows only (a spec's rank + shared rows share its shape and T).
+            if r["shape"] == shape and r["T"] == t and r.get("kind") == "rank" and which in ms:
                 ms[which].append(r["median_ms"])
 if not ms["new"] or not ms["old"]:
     print("no-rows"); sys.exit()

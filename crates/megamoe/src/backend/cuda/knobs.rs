@@ -5,7 +5,7 @@
 //! engine's kernels, weights or workspace are made, never inside a forward. (Process-level
 //! settings — device, cache, NVRTC and NCCL paths, logging — stay with the code that uses them.)
 
-use crate::backend::gpu_layout::{slice, tc, w4a8};
+use crate::backend::gpu_layout::{tc, w4a8};
 
 fn value(var: &str) -> Option<String> {
     std::env::var(var).ok().map(|v| v.trim().to_string())
@@ -78,20 +78,6 @@ pub fn slice() -> SliceUse {
 /// occupancy limit: A/B runs of the unit shares, and tests that need more units than clusters.
 pub fn slice_clusters() -> Option<usize> {
     number::<usize>("MEGAMOE_SLICE_CLUSTERS").map(|n| n.max(1))
-}
-
-/// `MEGAMOE_SLICE_CTAS_PER_SM=4`: the slice kernel built for four CTAs per SM (more clusters
-/// resident, a shorter ring; `gpu_layout::slice::SLICE_CTAS_PER_SM`), else three.
-pub fn slice_ctas_per_sm() -> usize {
-    let options = slice::SLICE_CTAS_PER_SM;
-    match number::<usize>("MEGAMOE_SLICE_CTAS_PER_SM") {
-        Some(n) if options.contains(&n) => n,
-        Some(n) => {
-            tracing::warn!(n, ?options, "MEGAMOE_SLICE_CTAS_PER_SM: not a build of the slice kernel: ignored");
-            options[0]
-        }
-        None => options[0],
-    }
 }
 
 /// `MEGAMOE_FOLD=0`: the combine always sums every token's L2 rows (by default a forward whose

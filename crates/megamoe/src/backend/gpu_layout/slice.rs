@@ -27,17 +27,12 @@ const MAX_GROUPS_PER_CTA: usize = 8;
 const MAX_STAGES: usize = 16;
 const MIN_STAGES: usize = 4;
 
-/// CTAs per SM the kernel may be built for (`SL_CTAS_PER_SM`, its `__launch_bounds__(288, n)`):
-/// three by default (72 registers, a ring of 11+ stages per CTA: three rings in flight per SM), or
-/// four (56 registers, 7 stages): more clusters resident at once, so a one-expert V4-Pro step's 48
-/// units may run in one round instead of two (45 clusters of 8 fit an H100 at three).
-pub const SLICE_CTAS_PER_SM: [usize; 2] = [3, 4];
+/// CTAs per SM (`__launch_bounds__(288, 3)`): 27 warps, three rings in flight per SM.
+pub const SLICE_CTAS_PER_SM: usize = 3;
 
-/// Dynamic shared memory one CTA may take so that `per_sm` fit an SM's 228 KB (1 KB reserved per
+/// Dynamic shared memory one CTA may take so that three fit an SM's 228 KB (1 KB reserved per
 /// CTA, and the kernel's static ~8 KB: barriers, inbox, act buffer, expert list).
-pub fn slice_smem_budget(per_sm: usize) -> usize {
-    (228 * 1024 / per_sm.max(1)).saturating_sub(1024 + 8 * 1024)
-}
+pub const SLICE_SMEM_BUDGET: usize = 228 * 1024 / SLICE_CTAS_PER_SM - 1024 - 8 * 1024;
 
 /// Whether a decode step of `tokens` tokens, `k` slots each, on `local_experts` experts of
 /// hidden size `h` and intermediate size `inter` in `format` fits the kernel.
@@ -72,16 +67,15 @@ pub fn slice_x_bytes(h: usize) -> usize {
     SLICE_MAX_TOKENS * ((h / CHUNK_K).div_ceil(SLICE_CLUSTER) * 128 + 16)
 }
 
-/// Ring stages of the kernel built for `per_sm` CTAs per SM: as many as its budget holds beside the
-/// token rows.
-pub fn slice_stages(format: WeightFormat, h: usize, per_sm: usize) -> usize {
-    (slice_smem_budget(per_sm).saturating_sub(slice_x_bytes(h)) / slice_stage_bytes(format))
+/// Ring stages: as many as the budget holds beside the token rows.
+pub fn slice_stages(format: WeightFormat, h: usize) -> usize {
+    (SLICE_SMEM_BUDGET.saturating_sub(slice_x_bytes(h)) / slice_stage_bytes(format))
         .clamp(MIN_STAGES, MAX_STAGES)
 }
 
 /// Dynamic shared memory of a launch: the ring, then the token rows.
-pub fn slice_smem_bytes(format: WeightFormat, h: usize, per_sm: usize) -> usize {
-    slice_stages(format, h, per_sm) * slice_stage_bytes(format) + slice_x_bytes(h)
+pub fn slice_smem_bytes(format: WeightFormat, h: usize) -> usize {
+    slice_stages(format, h) * slice_stage_bytes(format) + slice_x_bytes(h)
 }
 
 /// Clusters of a launch: one per slice (a one-expert step gives each cluster one unit), at most
@@ -144,13 +138,10 @@ mod tests {
         for f in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
             for (h, i) in [(7168, 3072), (4096, 2048)] {
                 assert!(slice_fits(f, 1, 6, 48, h, i) && slice_fits(f, 8, 6, 384, h, i), "{f:?} {h}");
-                for per_sm in SLICE_CTAS_PER_SM {
-                    let smem = slice_smem_bytes(f, h, per_sm);
-                    assert!(per_sm * (smem + 1024 + 8 * 1024) <= 228 * 1024, "{f:?} {h} {per_sm}: {smem}");
-                }
-                // At three an SM, a V4-Pro CTA's 14 L1 chunks mostly in flight at once; at four, 7.
-                assert!(slice_stages(f, h, 3) >= 11, "{f:?} {h}: {}", slice_stages(f, h, 3));
-                assert!(slice_stages(f, h, 4) >= 7, "{f:?} {h}: {}", slice_stages(f, h, 4));
+                let smem = slice_smem_bytes(f, h);
+                assert!(SLICE_CTAS_PER_SM * (smem + 1024 + 8 * 1024) <= 228 * 1024, "{f:?} {h}: {smem}");
+                // A V4-Pro CTA's 14 L1 chunks mostly in flight at once, every copy 16-byte sized.
+                assert!(slice_stages(f, h) >= 11, "{f:?} {h}: {}", slice_stages(f, h));
                 assert_eq!(slice_stage_bytes(f) % 16, 0);
                 assert_eq!(slice_x_bytes(h) % (16 * SLICE_MAX_TOKENS), 0);
             }

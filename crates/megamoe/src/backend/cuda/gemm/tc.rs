@@ -90,8 +90,6 @@ struct SliceKernels {
     max_clusters: usize,
     /// `MEGAMOE_SLICE=1`: every step that fits, not only those where it pays.
     always: bool,
-    /// CTAs per SM the kernel is built for (its ring depth and shared memory follow).
-    per_sm: usize,
 }
 
 const SLICE_NAME: &str = "moe_slice";
@@ -150,7 +148,6 @@ pub fn module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
         defines.push("TC_WGMMA=1".into());
         if has_slice(arch, f) {
             defines.push("TC_SLICE=1".into());
-            defines.push(format!("SL_CTAS_PER_SM={}", knobs::slice_ctas_per_sm()));
         }
         if knobs::phase_probe() {
             defines.push("DS_PROBE=1".into());
@@ -281,7 +278,6 @@ struct TcKnobs {
     fused: bool,
     slice: SliceUse,
     slice_clusters: Option<usize>,
-    slice_per_sm: usize,
     slab_waves: bool,
 }
 
@@ -305,7 +301,6 @@ impl TcKnobs {
             fused: knobs::fused(),
             slice: if has_slice(dev.arch(), f) { knobs::slice() } else { SliceUse::Never },
             slice_clusters: knobs::slice_clusters(),
-            slice_per_sm: knobs::slice_ctas_per_sm(),
             slab_waves: knobs::slab_waves(),
         }
     }
@@ -355,15 +350,14 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             }
         }
         if knobs.slice != SliceUse::Never {
-            let per_sm = knobs.slice_per_sm;
-            let smem = slice_layout::slice_smem_budget(per_sm);
+            let smem = slice_layout::SLICE_SMEM_BUDGET;
             let main = Kernel::load(&m, SLICE_NAME, DS_THREADS, smem)?;
             let sum = Kernel::load(&m, SLICE_SUM_NAME, SLICE_SUM_THREADS, 0)?;
             let resident = main.max_active_clusters(slice_layout::SLICE_CLUSTER as u32, smem)?;
             let max_clusters = knobs.slice_clusters.map_or(resident, |cap| cap.min(resident));
             if max_clusters > 0 {
                 let always = knobs.slice == SliceUse::Always;
-                k.slice = Some(SliceKernels { main, sum, max_clusters, always, per_sm });
+                k.slice = Some(SliceKernels { main, sum, max_clusters, always });
             }
         }
         if knobs.wgmma {
@@ -628,13 +622,12 @@ impl GemmKernels for TcKernels {
     }
     fn launch_slice(&self, s: StreamRef, clusters: usize, p: &SliceParams) -> Result<()> {
         let sk = self.slice.as_ref().ok_or_else(|| err("internal: no slice decode kernel loaded"))?;
-        let (h, per_sm) = (p.h as usize, sk.per_sm);
-        let p = &SliceParams { stages: slice_layout::slice_stages(self.format, h, per_sm) as i32, ..*p };
+        let p = &SliceParams { stages: slice_layout::slice_stages(self.format, p.h as usize) as i32, ..*p };
         let cfg = LaunchCfg {
             cluster: Some((slice_layout::SLICE_CLUSTER as u32, 1, 1)),
             ..LaunchCfg::grid(
                 ((clusters * slice_layout::SLICE_CLUSTER) as u32, 1, 1),
-                slice_layout::slice_smem_bytes(self.format, h, per_sm),
+                slice_layout::slice_smem_bytes(self.format, p.h as usize),
             )
         };
         // SAFETY: the operands cover T tokens and the packed weights; `partials` holds

@@ -55,9 +55,6 @@
 
 #if defined(TC_WGMMA) && defined(TC_SLICE)   // sm_90a, FP4 formats (gemm/tc.rs has_slice)
 
-#ifndef SL_CTAS_PER_SM
-#define SL_CTAS_PER_SM 3                               // gpu_layout::slice::SLICE_CTAS_PER_SM (the host's define)
-#endif
 constexpr int SL_CLUSTER = 8;                          // CTAs per cluster
 constexpr int SL_CONSUMERS = 8;                        // consumer warps = slabs of a 128-row group
 constexpr int SL_THREADS = 32 * (SL_CONSUMERS + 1);    // + the producer warp
@@ -208,7 +205,7 @@ __device__ __forceinline__ void sl_mma_chunk(float (&acc)[4], const TcLane& ln, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SL_THREADS, SL_CTAS_PER_SM) moe_slice(const __grid_constant__ SliceParams p)
+extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __grid_constant__ SliceParams p)
 {
     constexpr int BLK = TcFmt<MM_WF>::BLK;
     constexpr int W_STAGE = 8 * BLK;
