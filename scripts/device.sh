@@ -43,13 +43,9 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
     for b in "$carry/bin/megamoe" ${AB_OLD_BIN:+"$carry/old/megamoe"}; do
       MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
         "$b" kernels --arch sm_90a >/dev/null || echo "warning: precompiling the kernels of $b failed" >&2
-      # PRECOMPILE_CHAIN=1: also the opt-in chained L1 + L2 module (MEGAMOE_WG_CHAIN=1).
-      if [ "${PRECOMPILE_CHAIN:-0}" = 1 ]; then
-        MEGAMOE_WG_CHAIN=1 MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
-          "$b" kernels --arch sm_90a --filter gemm_tc_l1l2-nvfp4 >/dev/null || echo "warning: precompiling the L1 + L2 module failed" >&2
-      fi
       # PRECOMPILE_ENVS: "VAR=VALUE[,VAR=VALUE..] ..." — each a knob setting whose modules a run
-      # loads too (e.g. MEGAMOE_W4A8_PROMOTE=64 for the FP8 W4A8 L1 promoting every 64 k).
+      # loads too (e.g. MEGAMOE_WG_CHAIN=1: the chained L1 + L2 module everywhere; modules the
+      # setting leaves alone are cache hits).
       for e in ${PRECOMPILE_ENVS:-}; do
         # shellcheck disable=SC2046
         env $(tr ',' ' ' <<<"$e") MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \

@@ -6,23 +6,17 @@
 # then a cluster-cap sweep (MEGAMOE_SLICE_CLUSTERS), ncu of both slice builds, the slice tests,
 # verify and the golden fixtures under MEGAMOE_SLICE=1, memcheck and racecheck (hazards kept).
 #   run(command="bash .device-carry/slice_ab.sh", carry=[".device-carry", ".peers"], timeout_s=480)
-# Builds: "slice" / "slice7" = this build under MEGAMOE_SLICE=1 (slice7: clusters of 7 CTAs, where the
-# build has MEGAMOE_SLICE_CTAS), "old" = the staged earlier binary, "base" = this build's default path.
+# Builds: "slice" = this build under MEGAMOE_SLICE=1, "old" = the staged earlier binary (also under
+# MEGAMOE_SLICE=1), "base" = this build's default path.
 # Knobs: ROUNDS (2), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
 # NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures, under each of VERIFY_BUILDS: "slice"),
-# SAN_CTAS ("": the sanitizers under the build's default cluster size; e.g. "8 7"), MEMCHECK=0, RACE=0, SLICE_ENV (more
+# MEMCHECK=0, RACE=0, SLICE_ENV (more
 # environment for both slice builds and the slice tests and sanitizers, e.g. "MEGAMOE_SLICE_CTAS_PER_SM=4"). For a small
 # budget: ROUNDS=1 BUILDS="slice base" FLASH=0 NCU_T=1 VERIFY=0 MEMCHECK=0 (~150 s of command).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
 bin_of() { if [ "$1" = old ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
-env_of() {
-  case $1 in
-    base) echo MEGAMOE_SLICE=0 ;;
-    slice7) echo MEGAMOE_SLICE=1 MEGAMOE_SLICE_CTAS=7 ${SLICE_ENV:-} ;;
-    *) echo MEGAMOE_SLICE=1 ${SLICE_ENV:-} ;;
-  esac
-}
+env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1 ${SLICE_ENV:-}; fi; }
 bench() {  # build-tag, extra env, args...
   local w=$1 extra=$2; shift 2
   env $(env_of $w) $extra MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) bench forward --backend cuda "$@" 2>&1 | bench_rows
@@ -68,15 +62,12 @@ if [ "${VERIFY:-1}" = 1 ]; then
 fi
 echo "elapsed ${SECONDS}s"
 if command -v compute-sanitizer >/dev/null && [ "${MEMCHECK:-1}" = 1 ]; then
-  for c in ${SAN_CTAS:-default}; do
-    ce="${SLICE_ENV:-}"; [ $c != default ] && ce="$ce MEGAMOE_SLICE_CTAS=$c"
-    echo "== memcheck slice tests ($c CTAs a cluster)"
-    env $ce timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
-    if [ "${RACE:-1}" = 1 ]; then
-      echo "== racecheck slice tests ($c CTAs a cluster)"
-      env $ce timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_slice_$c.txt 2>&1
-      grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_slice_$c.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_slice_$c.txt | head -24
-    fi
-  done
+  echo "== memcheck slice tests"
+  env ${SLICE_ENV:-} timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
+  if [ "${RACE:-1}" = 1 ]; then
+    echo "== racecheck slice tests"
+    env ${SLICE_ENV:-} timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_slice.txt 2>&1
+    grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_slice.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_slice.txt | head -24
+  fi
 fi
 echo "elapsed ${SECONDS}s"
