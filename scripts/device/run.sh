@@ -43,7 +43,7 @@ step() { # name, command...
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 chmod +x "$here"/bin/*
-bin="$here/bin/megamoe"
+bin="${RUN_BIN:-$here/bin/megamoe}"   # RUN_BIN: another staged binary (e.g. .device-carry/old/megamoe)
 # TEST_FILTER: only the cuda_engine tests matching it (e.g. a first run of a new kernel), TEST_TIMEOUT.
 [ "${SKIP_TESTS:-0}" != 1 ] && [ -x "$here/bin/cuda_engine" ] && step tests timeout "${TEST_TIMEOUT:-480}" \
   "$here/bin/cuda_engine" --test-threads 1 --nocapture ${TEST_FILTER:-}

@@ -7,16 +7,23 @@
 # verify and the golden fixtures under MEGAMOE_SLICE=1, memcheck and racecheck (hazards kept).
 #   run(command="bash .device-carry/slice_ab.sh", carry=[".device-carry", ".peers"], timeout_s=480)
 # Builds: "slice" = this build under MEGAMOE_SLICE=1, "old" = the staged earlier binary (also under
-# MEGAMOE_SLICE=1), "base" = this build's default path.
+# MEGAMOE_SLICE=1), "slice4" = this build under MEGAMOE_SLICE=1 MEGAMOE_SLICE_CTAS_PER_SM=4, "base" =
+# this build's default path.
 # Knobs: ROUNDS (2), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
-# NCU_T ("1 8"), VERIFY=0 (the verify sweep and the fixtures, under each of VERIFY_BUILDS: "slice"),
+# NCU_T ("1 8"), TEST_BUILDS ("slice": the slice tests, memcheck and racecheck under each), VERIFY=0 (the verify sweep and the fixtures, under each of VERIFY_BUILDS: "slice"),
 # MEMCHECK=0, RACE=0, SLICE_ENV (more
 # environment for both slice builds and the slice tests and sanitizers, e.g. "MEGAMOE_SLICE_CTAS_PER_SM=4"). For a small
 # budget: ROUNDS=1 BUILDS="slice base" FLASH=0 NCU_T=1 VERIFY=0 MEMCHECK=0 (~150 s of command).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
 bin_of() { if [ "$1" = old ]; then echo $C/old/megamoe; else echo $C/bin/megamoe; fi; }
-env_of() { if [ "$1" = base ]; then echo MEGAMOE_SLICE=0; else echo MEGAMOE_SLICE=1 ${SLICE_ENV:-}; fi; }
+env_of() {
+  case $1 in
+    base) echo MEGAMOE_SLICE=0 ;;
+    slice4) echo MEGAMOE_SLICE=1 MEGAMOE_SLICE_CTAS_PER_SM=4 ${SLICE_ENV:-} ;;
+    *) echo MEGAMOE_SLICE=1 ${SLICE_ENV:-} ;;
+  esac
+}
 bench() {  # build-tag, extra env, args...
   local w=$1 extra=$2; shift 2
   env $(env_of $w) $extra MEGAMOE_LOG=megamoe=warn timeout 100 $(bin_of $w) bench forward --backend cuda "$@" 2>&1 | bench_rows
@@ -48,8 +55,11 @@ if command -v ncu >/dev/null && [ "${NCU:-1}" = 1 ]; then
     awk '/^  moe_/{printf "\n%s %s", $1, $2} /gpu__time|dram__bytes|dram__thr|grid_size/{printf " %s=%s", $1, $NF}' $OUT/ncu_${w}_t$t.txt | sed 's/__/./g' | cut -c1-200; echo
   done; done
 fi
-echo "== slice tests"
-env ${SLICE_ENV:-} timeout 180 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|test |panicked|SKIPPED|result" > $OUT/slice_tests.txt; grep -E "test |panicked|result" $OUT/slice_tests.txt
+# The slice tests under each of TEST_BUILDS (this build's environments; default "slice").
+for w in ${TEST_BUILDS:-slice}; do
+  echo "== slice tests, $(env_of $w)"
+  env $(env_of $w) timeout 180 $C/bin/cuda_engine --test-threads=1 slice_ 2>&1 | grep -E "rel L2|test |panicked|SKIPPED|result" > $OUT/slice_tests_$w.txt; grep -E "test |panicked|result" $OUT/slice_tests_$w.txt
+done
 if [ "${VERIFY:-1}" = 1 ]; then
   for w in ${VERIFY_BUILDS:-slice}; do
     echo "== verify, $(env_of $w)"
@@ -62,12 +72,14 @@ if [ "${VERIFY:-1}" = 1 ]; then
 fi
 echo "elapsed ${SECONDS}s"
 if command -v compute-sanitizer >/dev/null && [ "${MEMCHECK:-1}" = 1 ]; then
-  echo "== memcheck slice tests"
-  env ${SLICE_ENV:-} timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
+  for w in ${TEST_BUILDS:-slice}; do
+  echo "== memcheck slice tests, $(env_of $w)"
+  env $(env_of $w) timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
   if [ "${RACE:-1}" = 1 ]; then
-    echo "== racecheck slice tests"
-    env ${SLICE_ENV:-} timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_slice.txt 2>&1
-    grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_slice.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_slice.txt | head -24
+    echo "== racecheck slice tests, $(env_of $w)"
+    env $(env_of $w) timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_$w.txt 2>&1
+    grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_$w.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_$w.txt | head -24
   fi
+  done
 fi
 echo "elapsed ${SECONDS}s"
