@@ -201,10 +201,13 @@ impl<P> std::fmt::Debug for Kernel<P> {
 
 impl<P: Copy> Kernel<P> {
     /// Loads entry point `name` of `module`, to be launched with `threads` threads per CTA and up
-    /// to `max_smem` bytes of dynamic shared memory (opted in here when above 48 KB).
+    /// to `max_smem` bytes of dynamic shared memory (opted in here whenever it is nonzero: the 48 KB
+    /// default bounds static + dynamic together, so a kernel with static shared memory needs the
+    /// opt-in even at or below 48 KB of dynamic — without it the slice kernel's four-CTA build, 48 KB
+    /// + 7.75 KB static, could not launch and its cluster-occupancy query answered 0).
     pub fn load(module: &Arc<CudaModule>, name: &str, threads: u32, max_smem: usize) -> Result<Self> {
         let func = module.load_function(name).map_err(derr(&format!("kernel {name}")))?;
-        if max_smem > DEFAULT_SMEM_LIMIT {
+        if max_smem > 0 {
             // SAFETY: a valid function handle and a documented attribute.
             unsafe {
                 cudarc::driver::result::function::set_function_attribute(

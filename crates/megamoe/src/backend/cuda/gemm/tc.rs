@@ -355,7 +355,11 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             let sum = Kernel::load(&m, SLICE_SUM_NAME, SLICE_SUM_THREADS, 0)?;
             let resident = main.max_active_clusters(slice_layout::SLICE_CLUSTER as u32, smem)?;
             let max_clusters = knobs.slice_clusters.map_or(resident, |cap| cap.min(resident));
-            if max_clusters > 0 {
+            tracing::info!(smem, resident, max_clusters, "slice decode kernel: clusters of 8 resident");
+            if max_clusters == 0 {
+                // Not silently: a GPU (or a build) on which no cluster fits turns the kernel off.
+                tracing::warn!(smem, "slice decode kernel: no cluster of 8 CTAs resident: not used");
+            } else {
                 let always = knobs.slice == SliceUse::Always;
                 k.slice = Some(SliceKernels { main, sum, max_clusters, always });
             }
