@@ -420,6 +420,7 @@ impl LayerWeights {
             split: Some(ws.split_routed.ptr()),
             next_wq: self.experts.l2.wq.ptr(),
             sched: ws.chain_counts.ptr(),
+            matrices: el,
         };
         Plan { tokens: t, topk_ids, launch }
     }
@@ -899,6 +900,7 @@ impl LayerWeights {
             split: Some(ws.split_shared.ptr()),
             next_wq: sh.l2.wq.ptr(),
             sched: 0,
+            matrices: 1,
         };
         let dense = |a: u64, side: &super::gemm::PackedSide| GemmOperands {
             a,

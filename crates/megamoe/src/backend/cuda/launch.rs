@@ -106,10 +106,6 @@ pub(crate) fn tma_2d(
     boxes: (usize, usize),
     swizzle128: bool,
 ) -> Result<super::params::TmaDesc> {
-    use sys::{
-        CUtensorMapDataType as Dt, CUtensorMapFloatOOBfill as Oob, CUtensorMapInterleave as Il,
-        CUtensorMapL2promotion as L2, CUtensorMapSwizzle as Sw,
-    };
     let eb = elem.bytes();
     let (bc, br) = boxes;
     let ok = ptr.is_multiple_of(16)
@@ -127,27 +123,88 @@ pub(crate) fn tma_2d(
              16-byte aligned address and pitch, boxes of 1..=256 with 16-byte rows (128 bytes when swizzled)"
         )));
     }
+    let dims = [cols as u64, rows as u64];
+    let strides = [(pitch * eb) as u64];
+    let what = || format!("[{rows}, {cols}] {elem:?}, box {bc} x {br}");
+    encode_tiled(elem, ptr, &dims, &strides, &[bc as u32, br as u32], swizzle128, what)
+}
+
+/// The TMA tensor map of packed weight matrices read a chunk of `box_groups` consecutive 128-row
+/// groups at a time (the wgmma producer's one copy per chunk): raw bytes at `ptr` as
+/// `[matrices][groups][chunks][group_bytes]` (`gpu_layout::tc`: a group's blocks of one 64-k chunk
+/// are `group_bytes` contiguous bytes, chunks after each other, groups after all their chunks),
+/// mapped as 5 dimensions {256, group_bytes / 256, chunks, groups, matrices} with boxes of {256,
+/// group_bytes / 256, 1, box_groups, 1}: one box lands as `box_groups` whole group chunks after
+/// each other; groups past the matrix's last read as zeros (and count in the box's bytes).
+pub(crate) fn tma_weight_groups(
+    ptr: u64,
+    group_bytes: usize,
+    chunks: usize,
+    groups: usize,
+    matrices: usize,
+    box_groups: usize,
+) -> Result<super::params::TmaDesc> {
+    const ROW: usize = 256;
+    let ok = ptr.is_multiple_of(16)
+        && group_bytes.is_multiple_of(ROW)
+        && (1..=256).contains(&(group_bytes / ROW))
+        && chunks > 0
+        && groups > 0
+        && matrices > 0
+        && (1..=256).contains(&box_groups);
+    if !ok {
+        return Err(err(format!(
+            "weight-group tensor map at 0x{ptr:x} ({matrices} matrices x {groups} groups x {chunks} chunks of \
+             {group_bytes} bytes, {box_groups} groups a box): needs a 16-byte aligned address, groups of a \
+             multiple of {ROW} bytes (at most 256 rows of {ROW}) and 1..=256 groups a box"
+        )));
+    }
+    let dims = [ROW as u64, (group_bytes / ROW) as u64, chunks as u64, groups as u64, matrices as u64];
+    let gb = group_bytes as u64;
+    let strides = [ROW as u64, gb, chunks as u64 * gb, (groups * chunks) as u64 * gb];
+    let boxes = [ROW as u32, (group_bytes / ROW) as u32, 1, box_groups as u32, 1];
+    let what = || format!("{matrices} x {groups} x {chunks} x {group_bytes} B, {box_groups} groups a box");
+    encode_tiled(TmaElem::U8, ptr, &dims, &strides, &boxes, false, what)
+}
+
+/// `cuTensorMapEncodeTiled` of a rank-`dims.len()` map (strides of dimensions 1.. in bytes), no
+/// interleave, 256-byte L2 promotion, zeros out of range; `swizzle128` the 128-byte swizzle.
+fn encode_tiled(
+    elem: TmaElem,
+    ptr: u64,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+    swizzle128: bool,
+    what: impl Fn() -> String,
+) -> Result<super::params::TmaDesc> {
+    use sys::{
+        CUtensorMapDataType as Dt, CUtensorMapFloatOOBfill as Oob, CUtensorMapInterleave as Il,
+        CUtensorMapL2promotion as L2, CUtensorMapSwizzle as Sw,
+    };
+    assert!(
+        (1..=5).contains(&dims.len()) && strides.len() + 1 == dims.len() && boxes.len() == dims.len(),
+        "internal: a tensor map's ranks"
+    );
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    let dims: [u64; 2] = [cols as u64, rows as u64];
-    let strides: [u64; 1] = [(pitch * eb) as u64];
-    let box_dims: [u32; 2] = [bc as u32, br as u32];
-    let step: [u32; 2] = [1, 1];
+    let step = [1u32; 5];
     let dt = match elem {
         TmaElem::Bf16 => Dt::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         TmaElem::U8 => Dt::CU_TENSOR_MAP_DATA_TYPE_UINT8,
         TmaElem::F32 => Dt::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
     };
     let sw = if swizzle128 { Sw::CU_TENSOR_MAP_SWIZZLE_128B } else { Sw::CU_TENSOR_MAP_SWIZZLE_NONE };
-    // SAFETY: the arrays have the lengths rank 2 needs; encoding only writes `map`.
+    // SAFETY: dims, boxes and step hold `rank` values, strides `rank - 1` (asserted above); encoding
+    // only writes `map`.
     unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
             dt,
-            2,
+            dims.len() as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
-            box_dims.as_ptr(),
+            boxes.as_ptr(),
             step.as_ptr(),
             Il::CU_TENSOR_MAP_INTERLEAVE_NONE,
             sw,
@@ -156,7 +213,7 @@ pub(crate) fn tma_2d(
         )
     }
     .result()
-    .map_err(|e| err(format!("cuTensorMapEncodeTiled ([{rows}, {cols}] {elem:?}, box {bc} x {br}): {e}")))?;
+    .map_err(|e| err(format!("cuTensorMapEncodeTiled ({}): {e}", what())))?;
     Ok(super::params::TmaDesc(map.opaque))
 }
 
@@ -323,5 +380,29 @@ impl<P: Copy> Kernel<P> {
         })
         .result()
         .map_err(|e| err(format!("launching {} (grid {:?}, {} B smem): {e}", self.name, cfg.grid, cfg.smem)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shapes a weight-group map cannot take are refused before the driver is asked (so this runs
+    /// without a GPU), naming what was expected.
+    #[test]
+    fn weight_group_maps_refuse_shapes_tma_cannot_take() {
+        let bad = [
+            (0x1008, 4608, 112, 48, 48, 3),      // address not 16-byte aligned
+            (0x1000, 4600, 112, 48, 48, 3),      // a group's chunk not whole 256-byte rows
+            (0x1000, 256 * 257, 112, 48, 48, 3), // more than 256 rows of 256 bytes
+            (0x1000, 4608, 112, 48, 48, 0),      // no group a box
+            (0x1000, 4608, 112, 48, 48, 257),    // more than a box dimension holds
+            (0x1000, 4608, 0, 48, 48, 3),        // no chunks
+            (0x1000, 4608, 112, 48, 0, 3),       // no matrices
+        ];
+        for (ptr, gb, ch, g, m, b) in bad {
+            let e = tma_weight_groups(ptr, gb, ch, g, m, b).unwrap_err().to_string();
+            assert!(e.contains("weight-group tensor map") && e.contains("16-byte aligned"), "{e}");
+        }
     }
 }

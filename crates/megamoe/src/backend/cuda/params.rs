@@ -669,6 +669,9 @@ kernel_abi! {
         l1: GemmL1Params => "GemmL1Params",
         /// Tensor map of A.
         amap: TmaDesc => "TmaDesc",
+        /// Tensor map of the packed weights (`launch::tma_weight_groups`: a chunk of the CTA's
+        /// groups per box).
+        wmap: TmaDesc => "TmaDesc",
         /// The chained L1 (`moe_wg_l1c_*`; the others ignore it): `[2 + tiles]` u32 (`gemm_tc.cu`
         /// `WgGridSched`), word 2 + tile counting the tile's stored units for its chained L2.
         tile_done: DevPtr => "unsigned*",
@@ -680,6 +683,8 @@ kernel_abi! {
         l2: GemmL2Params => "GemmL2Params",
         /// Tensor map of A (`[rows, I]` bf16).
         amap: TmaDesc => "TmaDesc",
+        /// Tensor map of the packed weights (as `WgL1Params::wmap`).
+        wmap: TmaDesc => "TmaDesc",
         /// The chained L2 (`moe_wg_l2c_*`, a programmatic dependent of its L1; the others ignore
         /// it): the L1's counters — a unit's copies wait until word 2 + tile reaches `wait_units`;
         /// word 0 counts the finished CTAs, the last resets every word.

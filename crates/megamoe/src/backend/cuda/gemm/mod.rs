@@ -121,6 +121,9 @@ pub(crate) struct GemmLaunch {
     ///
     /// [`Workspace::chain_counts`]: super::workspace::Workspace::chain_counts
     pub sched: u64,
+    /// Weight matrices of the packed sides (the routed experts of this layer's shard, or 1 for a
+    /// dense GEMM): the bound of the weights' tensor maps.
+    pub matrices: usize,
 }
 
 impl GemmLaunch {

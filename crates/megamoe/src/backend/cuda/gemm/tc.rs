@@ -11,7 +11,7 @@ use super::{
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::knobs::{self, SliceUse, WgChain};
-use crate::backend::cuda::launch::{tma_2d_bf16, Kernel, LaunchCfg, StreamRef};
+use crate::backend::cuda::launch::{tma_2d_bf16, tma_weight_groups, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::probe::PhaseProbe;
 use crate::backend::cuda::runtime::{self, ModuleSpec};
@@ -426,6 +426,21 @@ impl TcKernels {
     }
 
     /// The configuration and the launch of a wgmma GEMM over `rows` packed rows per expert.
+    /// The tensor map of a wgmma launch's packed weights `wq` (`rows` rows per matrix, K = `k`):
+    /// one box = one 64-k chunk of the `c.groups` groups a CTA owns.
+    fn wg_wmap(
+        &self,
+        l: &GemmLaunch,
+        wq: u64,
+        rows: usize,
+        k: usize,
+        c: &layout::WgConfig,
+    ) -> Result<TmaDesc> {
+        let group_bytes = layout::GROUP_SLABS * layout::block_bytes(self.format);
+        let groups = layout::padded_rows(rows) / layout::GROUP_ROWS;
+        tma_weight_groups(wq, group_bytes, k / layout::CHUNK_K, groups, l.matrices, c.groups)
+    }
+
     fn wg_cfg(&self, l: &GemmLaunch, rows: usize) -> (layout::WgConfig, LaunchCfg) {
         let groups = layout::padded_rows(rows) / layout::GROUP_ROWS;
         let tiles = l.expected_tiles.max(1);
@@ -502,14 +517,17 @@ impl GemmKernels for TcKernels {
         }
         let amap1 = tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)?;
         let amap2 = tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)?;
+        let wmap1 = self.wg_wmap(l, l1.g.wq, 2 * inter, h, &c)?;
+        let wmap2 = self.wg_wmap(l, l2.g.wq, h, inter, &key2)?;
         let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
         // Units per tile of the L1: its grid's group sets (x); tiles run along y.
         let wait_units = cfg1.grid.0 as i32;
         // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters,
         // which the L2's last CTA leaves zeroed.
         unsafe {
-            k1.launch(s, &cfg1, &WgL1Params { l1: *l1, amap: amap1, tile_done: l.sched })?;
-            k2.launch(s, &cfg2, &WgL2Params { l2: *l2, amap: amap2, tile_done: l.sched, wait_units })?;
+            k1.launch(s, &cfg1, &WgL1Params { l1: *l1, amap: amap1, wmap: wmap1, tile_done: l.sched })?;
+            let p2 = WgL2Params { l2: *l2, amap: amap2, wmap: wmap2, tile_done: l.sched, wait_units };
+            k2.launch(s, &cfg2, &p2)?;
         }
         Ok(true)
     }
@@ -521,8 +539,11 @@ impl GemmKernels for TcKernels {
             }
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.h as usize, l.block_m)?;
             let (key, cfg) = self.wg_cfg(l, rows);
-            // SAFETY: as below; the tensor map covers A's `a_rows` rows.
-            return unsafe { self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap, tile_done: 0 }) };
+            let wmap = self.wg_wmap(l, p.g.wq, rows, p.g.h as usize, &key)?;
+            // SAFETY: as below; the tensor maps cover A's `a_rows` rows and the packed weights.
+            return unsafe {
+                self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap, wmap, tile_done: 0 })
+            };
         }
         if let (None, Some([(partials, counters), _])) = (trace, self.stream(l, &p.g)) {
             // SAFETY: as below; the scratch holds `stream_scratch_bytes` for this grid, zeroed.
@@ -560,9 +581,14 @@ impl GemmKernels for TcKernels {
         if self.wgmma(l) {
             let amap = tma_2d_bf16(p.g.a, l.a_rows, p.g.inter as usize, l.block_m)?;
             let (key, cfg) = self.wg_cfg(l, p.g.h as usize);
-            // SAFETY: the tensor map covers A's `a_rows` rows; the operands the packed weights.
+            let wmap = self.wg_wmap(l, p.g.wq, p.g.h as usize, p.g.inter as usize, &key)?;
+            // SAFETY: the tensor maps cover A's `a_rows` rows and the packed weights.
             return unsafe {
-                self.wg_l2[&key].launch(s, &cfg, &WgL2Params { l2: *p, amap, tile_done: 0, wait_units: 0 })
+                self.wg_l2[&key].launch(
+                    s,
+                    &cfg,
+                    &WgL2Params { l2: *p, amap, wmap, tile_done: 0, wait_units: 0 },
+                )
             };
         }
         if let Some([_, (partials, counters)]) = self.stream(l, &p.g) {

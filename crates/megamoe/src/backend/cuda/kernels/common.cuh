@@ -218,6 +218,11 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const void* tmap, int 
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");
 }
+// One box of a 5-D tensor map at coordinates (c0 innermost .. c4), completing on `bar`.
+__device__ __forceinline__ void tma_load_5d(unsigned dst, const void* tmap, int c0, int c1, int c2, int c3, int c4, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
+                 :: "r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+}
 // The lane index read where it is used: a volatile asm is not moved across the wgmma asm around
 // it, so values derived from it are not computed before a K loop and held through it.
 __device__ __forceinline__ int lane_id_here() {

@@ -487,7 +487,8 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // rows per expert in 80-row tiles left a fifth of the tensor pipe's work on padding columns); the
 // token tile in shared memory is NT rows whatever the width.
 // Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA (1024-aligned)][GPC x 8
-// weight blocks, one 1-D bulk copy per group], full / empty mbarriers per stage (empty: every
+// weight blocks, one box of the weights' 5-D tensor map (launch::tma_weight_groups) for all GPC
+// groups], full / empty mbarriers per stage (empty: every
 // consumer thread arrives once its wgmma reads of the stage are done). The token rows come from a
 // 2-D tensor map over A (the staged expert inputs or activations; rows past the tile's end belong to
 // the next expert and are ignored by the epilogue).
@@ -666,11 +667,13 @@ template <int NT, bool CHAIN>
 struct WgGridSched {
     const GemmOperands& g;
     const TmaDesc& amap;
+    const TmaDesc& wmap;
     int layer;
     unsigned* tile_done;                 // CHAIN: the per-tile counts (WgL1Params / WgL2Params)
     unsigned wait_units;                 // CHAIN, L2: the L1's units per tile
     __device__ __forceinline__ const GemmOperands& ops(int) const { return g; }
     __device__ __forceinline__ const TmaDesc& map(int) const { return amap; }
+    __device__ __forceinline__ const TmaDesc& weights_map(int) const { return wmap; }
     // The producer's n-th unit (false: none left); a chained L2 unit first waits for its tile.
     __device__ __forceinline__ bool take(unsigned n, WgUnit& u) const {
         u = WgUnit{layer, (int)(blockIdx.y + n * gridDim.y), (int)blockIdx.x};
@@ -740,24 +743,19 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
             const GemmOperands& g = sched.ops(u.layer);
             int grp, m0, mend;
             gemm_tile<NT>(g, u.tile, grp, m0, mend);
-            const int groups = groups_of(u.layer), nch = chunks_of(u.layer), G0 = u.set * GPC;
-            // A CTA past the last whole set of groups loads (and later stores) only the groups that exist.
-            const int ng = min(GPC, groups - G0);
-            // Chunk c of group gi at csrc + gi * group_bytes: one running pointer per chunk (the
-            // producer has 32 registers; per-group 64-bit offsets held across the loop spilled).
-            const size_t group_bytes = (size_t)nch * S::W_GROUP;
-            const unsigned char* csrc = g.wq + ((size_t)grp * groups + G0) * group_bytes;
-            for (int c = 0; c < nch; ++c, ++it, csrc += S::W_GROUP) {
+            const int nch = chunks_of(u.layer), G0 = u.set * GPC;
+            // Chunk c of the CTA's GPC groups in one box of the weights' 5-D map (host:
+            // launch::tma_weight_groups); a set past the last group reads zeros there, which still
+            // count in the box's bytes (its consumers skip those blocks).
+            for (int c = 0; c < nch; ++c, ++it) {
                 const unsigned s = it % ST, r = it / ST;
                 if (r > 0) mbar_wait(empty0 + 8 * s, (r - 1) & 1);
                 if (c == 0) stage_unit[s] = u.code();
                 const unsigned fb = full0 + 8 * s;
                 const unsigned dst = base + s * S::STAGE;
-                mbar_arrive_expect_tx(fb, S::T_BYTES + ng * S::W_GROUP);
+                mbar_arrive_expect_tx(fb, S::T_BYTES + GPC * S::W_GROUP);
                 tma_load_2d(dst, &sched.map(u.layer), c * 64, m0, fb);
-                const unsigned char* src = csrc;
-                for (int gi = 0; gi < ng; ++gi, src += group_bytes)
-                    bulk_g2s(dst + S::T_BYTES + gi * S::W_GROUP, src, S::W_GROUP, fb);
+                tma_load_5d(dst + S::T_BYTES, &sched.weights_map(u.layer), 0, 0, c, G0, grp, fb);
             }
         }
         // The end, published like a unit: a stage with no copies.
@@ -856,7 +854,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     moe_wg_l1##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                        \
     {                                                                                                     \
         if (CHAIN && threadIdx.x == 0) griddep_launch_dependents();   /* its L2 may launch */             \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, 0, p.tile_done, 0u},                 \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, p.wmap, 0, p.tile_done, 0u},                 \
                                   [&](int, int grp, int m0, int mc) { return wg_pre<TcL1Pre<NT / 8>>(p.l1, grp, m0, mc); }, \
                                   [&](int, const float (&acc)[NT / 8][4], const TcL1Pre<NT / 8>& pre, int, int m0, int mc, \
                                       int gs) { tc_store_l1<NT>(p.l1, acc, pre, m0, mc, gs); });          \
@@ -864,7 +862,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l2##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                        \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, 1, p.tile_done, (unsigned)p.wait_units}, \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, p.wmap, 1, p.tile_done, (unsigned)p.wait_units}, \
                                   [&](int, int grp, int m0, int mc) { return wg_pre<TcL2Pre<NT / 8>>(p.l2, grp, m0, mc); }, \
                                   [&](int, const float (&acc)[NT / 8][4], const TcL2Pre<NT / 8>& pre, int, int m0, int mc, \
                                       int gs) { tc_store_l2<NT>(p.l2, acc, pre, m0, mc, gs); });          \

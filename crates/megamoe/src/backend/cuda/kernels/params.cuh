@@ -333,17 +333,19 @@ static_assert(sizeof(SliceSumParams) == 40, "SliceSumParams mirrors params.rs");
 struct WgL1Params {
     GemmL1Params l1;
     TmaDesc amap;
+    TmaDesc wmap;
     unsigned* tile_done;
 };
-static_assert(sizeof(WgL1Params) == 320, "WgL1Params mirrors params.rs");
+static_assert(sizeof(WgL1Params) == 448, "WgL1Params mirrors params.rs");
 
 struct WgL2Params {
     GemmL2Params l2;
     TmaDesc amap;
+    TmaDesc wmap;
     unsigned* tile_done;
     int wait_units;
 };
-static_assert(sizeof(WgL2Params) == 320, "WgL2Params mirrors params.rs");
+static_assert(sizeof(WgL2Params) == 448, "WgL2Params mirrors params.rs");
 
 struct W8L1Params {
     GemmL1Params l1;
