@@ -12,6 +12,7 @@
 # (the decode EP-rank rows again under that environment, e.g. MEGAMOE_STREAM=0), WG_AB="2 3 4" (the
 # prefill tests and rows under each MEGAMOE_WG_CONSUMERS), QUANT_DECODE=1 (W4A8 / W4A4 decode rows,
 # fused against the separate stages), SWEEP (bench rows under several environments, see below), AB_OLD=path (an earlier binary: the AB_SPECS rows of both builds, alternated),
+# RAMP_PROBE=1 (scripts/device/ramp_probe.cu: one-shot DRAM reads of a decode step's bytes from a cold L2),
 # NCU_PIPES=1 (per-pipe ncu counters of the wgmma rate probe and of the W4A16 / W4A8 prefill GEMMs: pipes.txt).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -261,6 +262,13 @@ if [ "${NCU_DETAIL:-0}" != 0 ] && command -v ncu >/dev/null; then
     ncu -i "$OUT/detail_$tag.ncu-rep" --page source --csv --print-source sass > "$LOGS/source_$tag.csv" 2>&1
     rm -f "$OUT/detail_$tag.ncu-rep"
   done
+fi
+if [ "${RAMP_PROBE:-0}" != 0 ] && command -v nvcc >/dev/null; then
+  # How long a one-shot read of a decode step's bytes takes from a cold L2 (scripts/device/ramp_probe.cu):
+  # the practical floor of a one-token step against the bytes / copy-bandwidth one.
+  if nvcc -arch=sm_90a -O2 -o /tmp/ramp_probe scripts/device/ramp_probe.cu >/dev/null 2>&1; then
+    step ramp_probe timeout 300 /tmp/ramp_probe
+  fi
 fi
 if [ "${NCU_PIPES:-0}" != 0 ] && command -v ncu >/dev/null; then
   # Which pipe bounds the wgmma consumer loops: per-pipe issue and busy counters (ALU, FMA, FMA-heavy,
