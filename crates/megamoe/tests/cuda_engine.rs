@@ -162,33 +162,21 @@ fn swiglu(g: f64, u: f64, w: f64, limit: f64) -> f32 {
 
 /// float64 host model of the forward, given the routing.
 fn host_forward(layer: &MoeLayer, x: &[bf16], ids: &[i32], w: &[f32], mode: Mode) -> Vec<f64> {
+    use rayon::prelude::*;
     let c = &layer.config;
     let (h, i, k) = (c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok);
     let t = x.len() / h;
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     let (in1, in2) = in_scales(layer);
-    let mut y = vec![0f64; t * h];
-    let mut cache: std::collections::HashMap<usize, [Vec<f64>; 3]> = Default::default();
-    for tok in 0..t {
-        for j in 0..k {
-            let e = ids[tok * k + j] as usize;
-            let ws =
-                cache.entry(e).or_insert_with(|| [deq(&layer.w1, e), deq(&layer.w3, e), deq(&layer.w2, e)]);
-            let xq = quant_row(&xf[tok * h..(tok + 1) * h], mode, in1[e]);
-            let a: Vec<f32> = (0..i)
-                .map(|n| {
-                    let g: f64 = (0..h).map(|q| xq[q] * ws[0][n * h + q]).sum();
-                    let u: f64 = (0..h).map(|q| xq[q] * ws[1][n * h + q]).sum();
-                    swiglu(g, u, w[tok * k + j] as f64, c.swiglu_limit as f64)
-                })
-                .collect();
-            let aq = quant_row(&a, mode, in2[e]);
-            for o in 0..h {
-                y[tok * h + o] += (0..i).map(|q| aq[q] * ws[2][o * i + q]).sum::<f64>();
-            }
-        }
-    }
-    if let Some(s) = &layer.shared {
+    // The routed experts' weights, dequantized once each (in parallel), then the tokens in parallel:
+    // every token's row is the same sums in the same order as one thread's walk (bitwise equal),
+    // so the GPU tests spend their device time on the GPU, not on this single-threaded model.
+    let mut used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+    used.sort_unstable();
+    used.dedup();
+    let cache: std::collections::HashMap<usize, [Vec<f64>; 3]> =
+        used.par_iter().map(|&e| (e, [deq(&layer.w1, e), deq(&layer.w3, e), deq(&layer.w2, e)])).collect();
+    let shared = layer.shared.as_ref().map(|s| {
         let d = |p: &megamoe::checkpoint::DenseProj| -> Vec<f64> {
             match &p.data {
                 megamoe::checkpoint::DenseData::Bf16(v) => v.iter().map(|b| b.to_f64()).collect(),
@@ -200,9 +188,28 @@ fn host_forward(layer: &MoeLayer, x: &[bf16], ids: &[i32], w: &[f32], mode: Mode
                 }
             }
         };
-        let (w1, w3, w2) = (d(&s.w1), d(&s.w3), d(&s.w2));
-        let is = s.w1.rows;
-        for tok in 0..t {
+        (d(&s.w1), d(&s.w3), d(&s.w2), s.w1.rows)
+    });
+    let mut y = vec![0f64; t * h];
+    y.par_chunks_mut(h).enumerate().for_each(|(tok, yr)| {
+        for j in 0..k {
+            let e = ids[tok * k + j] as usize;
+            let ws = &cache[&e];
+            let xq = quant_row(&xf[tok * h..(tok + 1) * h], mode, in1[e]);
+            let a: Vec<f32> = (0..i)
+                .map(|n| {
+                    let g: f64 = (0..h).map(|q| xq[q] * ws[0][n * h + q]).sum();
+                    let u: f64 = (0..h).map(|q| xq[q] * ws[1][n * h + q]).sum();
+                    swiglu(g, u, w[tok * k + j] as f64, c.swiglu_limit as f64)
+                })
+                .collect();
+            let aq = quant_row(&a, mode, in2[e]);
+            for (o, yo) in yr.iter_mut().enumerate() {
+                *yo += (0..i).map(|q| aq[q] * ws[2][o * i + q]).sum::<f64>();
+            }
+        }
+        if let Some((w1, w3, w2, is)) = &shared {
+            let is = *is;
             let xr = &xf[tok * h..(tok + 1) * h];
             let a: Vec<f64> = (0..is)
                 .map(|n| {
@@ -211,11 +218,11 @@ fn host_forward(layer: &MoeLayer, x: &[bf16], ids: &[i32], w: &[f32], mode: Mode
                     swiglu(g, u, 1.0, c.swiglu_limit as f64) as f64
                 })
                 .collect();
-            for o in 0..h {
-                y[tok * h + o] += (0..is).map(|q| a[q] * w2[o * is + q]).sum::<f64>();
+            for (o, yo) in yr.iter_mut().enumerate() {
+                *yo += (0..is).map(|q| a[q] * w2[o * is + q]).sum::<f64>();
             }
         }
-    }
+    });
     y
 }
 
@@ -224,44 +231,54 @@ fn host_router(layer: &MoeLayer, x: &[bf16], input_ids: Option<&[i64]>) -> (Vec<
     let c = &layer.config;
     let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
     let t = x.len() / h;
+    // Tokens in parallel (each token's own float64 arithmetic, in order), then concatenated.
+    use rayon::prelude::*;
+    let per_token: Vec<(Vec<i32>, Vec<f64>, f64)> = (0..t)
+        .into_par_iter()
+        .map(|tok| {
+            let logits: Vec<f64> = (0..e)
+                .map(|ex| {
+                    (0..h).map(|q| x[tok * h + q].to_f64() * layer.router.weight[ex * h + q] as f64).sum()
+                })
+                .collect();
+            // The layer's score function (megamoe::router::apply_score_func, in float64).
+            let sc: Vec<f64> = match c.scoring_func {
+                ScoringFunc::SqrtSoftplus => {
+                    logits.iter().map(|&l| (if l > 20.0 { l } else { l.exp().ln_1p() }).sqrt()).collect()
+                }
+                ScoringFunc::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+                ScoringFunc::Softmax => {
+                    let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = logits.iter().map(|&l| (l - m).exp()).sum();
+                    logits.iter().map(|&l| (l - m).exp() / z).collect()
+                }
+            };
+            let (chosen, margin): (Vec<usize>, f64) = if let Some(t2e) = &layer.router.tid2eid {
+                let id = input_ids.unwrap()[tok] as usize;
+                (t2e[id * k..(id + 1) * k].iter().map(|&v| v as usize).collect(), f64::INFINITY)
+            } else {
+                let bias = layer.router.bias.as_ref();
+                let mut key: Vec<(f64, usize)> =
+                    (0..e).map(|ex| (sc[ex] + bias.map_or(0.0, |b| b[ex] as f64), ex)).collect();
+                // NaN scores choose like -inf (the engines' rule), so the sort has a total order.
+                key.iter_mut().filter(|p| p.0.is_nan()).for_each(|p| p.0 = f64::NEG_INFINITY);
+                key.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
+                let margin = if k < e { key[k - 1].0 - key[k].0 } else { f64::INFINITY };
+                (key[..k].iter().map(|p| p.1).collect(), margin)
+            };
+            // Renormalised over the chosen unless softmax or !norm_topk_prob (router::weights_of).
+            let renorm = c.scoring_func != ScoringFunc::Softmax && c.norm_topk_prob;
+            let sum: f64 = if renorm { chosen.iter().map(|&ex| sc[ex]).sum() } else { 1.0 };
+            let ids = chosen.iter().map(|&ex| ex as i32).collect();
+            let ws = chosen.iter().map(|&ex| sc[ex] / sum * c.routed_scaling_factor as f64).collect();
+            (ids, ws, margin)
+        })
+        .collect();
     let (mut ids, mut ws, mut margins) = (vec![], vec![], vec![]);
-    for tok in 0..t {
-        let logits: Vec<f64> = (0..e)
-            .map(|ex| (0..h).map(|q| x[tok * h + q].to_f64() * layer.router.weight[ex * h + q] as f64).sum())
-            .collect();
-        // The layer's score function (megamoe::router::apply_score_func, in float64).
-        let sc: Vec<f64> = match c.scoring_func {
-            ScoringFunc::SqrtSoftplus => {
-                logits.iter().map(|&l| (if l > 20.0 { l } else { l.exp().ln_1p() }).sqrt()).collect()
-            }
-            ScoringFunc::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
-            ScoringFunc::Softmax => {
-                let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let z: f64 = logits.iter().map(|&l| (l - m).exp()).sum();
-                logits.iter().map(|&l| (l - m).exp() / z).collect()
-            }
-        };
-        let chosen: Vec<usize> = if let Some(t2e) = &layer.router.tid2eid {
-            let id = input_ids.unwrap()[tok] as usize;
-            margins.push(f64::INFINITY);
-            t2e[id * k..(id + 1) * k].iter().map(|&v| v as usize).collect()
-        } else {
-            let bias = layer.router.bias.as_ref();
-            let mut key: Vec<(f64, usize)> =
-                (0..e).map(|ex| (sc[ex] + bias.map_or(0.0, |b| b[ex] as f64), ex)).collect();
-            // NaN scores choose like -inf (the engines' rule), so the sort has a total order.
-            key.iter_mut().filter(|p| p.0.is_nan()).for_each(|p| p.0 = f64::NEG_INFINITY);
-            key.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
-            margins.push(if k < e { key[k - 1].0 - key[k].0 } else { f64::INFINITY });
-            key[..k].iter().map(|p| p.1).collect()
-        };
-        // Renormalised over the chosen unless softmax or !norm_topk_prob (router::weights_of).
-        let renorm = c.scoring_func != ScoringFunc::Softmax && c.norm_topk_prob;
-        let sum: f64 = if renorm { chosen.iter().map(|&ex| sc[ex]).sum() } else { 1.0 };
-        for &ex in &chosen {
-            ids.push(ex as i32);
-            ws.push(sc[ex] / sum * c.routed_scaling_factor as f64);
-        }
+    for (i, w, m) in per_token {
+        ids.extend(i);
+        ws.extend(w);
+        margins.push(m);
     }
     (ids, ws, margins)
 }
