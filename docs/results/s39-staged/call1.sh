@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Staged for the thirty-ninth session's first device call (copy to .device-carry/ after
+# `KCACHE_SEED=<the last carry's cache> PRECOMPILE_PROBE=0 bash scripts/device.sh`, then
+#   run(command="bash .device-carry/call1.sh", carry=[".device-carry", ".peers"], timeout_s=560)).
+# One archive, $OUT/all.tgz, refreshed every 15 s (the device tool returns 8 files). In order of value:
+# 1. the ramp probe (scripts/device/ramp_probe.cu, ~2 s): one-shot reads of a decode step's bytes from
+#    a cold L2 — the practical floor of issue 9's T=1 row;
+# 2. the tests e88672a's 5-D weight map has not had on a GPU (routed-forward, repeat), with the prefill
+#    and slice tests, verify and fixtures (the host model is parallel since fcb775e);
+# 3. the bench with both peers and the same-routing rows (the standing for issues 9 and 10).
+set -uo pipefail
+O="$OUT"; A=/tmp/s39/all; mkdir -p "$A"
+pack() { tar -czf "$O/all.tmp.tgz" -C /tmp/s39 all 2>/dev/null && mv "$O/all.tmp.tgz" "$O/all.tgz"; }
+( while sleep 15; do pack; done ) &
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee $A/gpu.txt
+if command -v nvcc >/dev/null && nvcc -arch=sm_90a -O2 -o /tmp/ramp_probe scripts/device/ramp_probe.cu > $A/ramp_build.txt 2>&1; then
+  timeout 120 /tmp/ramp_probe > $A/ramp_probe.txt 2>&1; head -80 $A/ramp_probe.txt
+else
+  echo "ramp probe: no build"; tail -5 $A/ramp_build.txt
+fi
+pack
+OUT=$A/checks TEST_FILTER="routed_forward repeat_runs prefill slice_" TEST_TIMEOUT=300 SKIP_DEMO=1 SANITIZE=0 \
+  INITCHECK=0 TIMINGS=0 NCU=0 EP_TEST_FILTER=zzz_none bash .device-carry/run.sh > $A/checks.txt 2>&1
+grep -E "SUMMARY|rc=|test result|panicked|verify:|FAIL" $A/checks.txt | cut -c1-200 | head -30; pack
+echo "== checks done ${SECONDS}s"
+OUT=$A/bench SKIP_TESTS=1 SKIP_VERIFY=1 SKIP_DEMO=1 SANITIZE=0 TIMINGS=0 NCU=0 BENCH=1 PEERS=1 \
+  bash .device-carry/run.sh > $A/bench.txt 2>&1
+grep -vE "^\s*$" $A/bench.txt | tail -40 | cut -c1-200; pack
+echo "== all done ${SECONDS}s"; pack; kill %1 2>/dev/null; pack
