@@ -7,8 +7,9 @@
 # verify and the golden fixtures under MEGAMOE_SLICE=1, memcheck and racecheck (hazards kept).
 #   run(command="bash .device-carry/slice_ab.sh", carry=[".device-carry", ".peers"], timeout_s=480)
 # Builds: "slice" = this build under MEGAMOE_SLICE=1, "old" = the staged earlier binary (also under
-# MEGAMOE_SLICE=1), "slice4" = this build under MEGAMOE_SLICE=1 MEGAMOE_SLICE_CTAS_PER_SM=4, "base" =
-# this build's default path.
+# MEGAMOE_SLICE=1), "slice4" = this build under MEGAMOE_SLICE=1 MEGAMOE_SLICE_CTAS_PER_SM=4 (a knob only
+# builds with docs/results/slice-early-copies-four-ctas-2026-12-07-s38.patch read; elsewhere the same as
+# "slice"), "base" = this build's default path.
 # Knobs: ROUNDS (2), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
 # NCU_T ("1 8"), TEST_BUILDS ("slice": the slice tests, memcheck and racecheck under each), VERIFY=0 (the verify sweep and the fixtures, under each of VERIFY_BUILDS: "slice"),
 # MEMCHECK=0, RACE=0, SLICE_ENV (more
