@@ -14,7 +14,8 @@
 // Per row: the median of 7 event-timed launches, S / time, the floor S / copy bandwidth (copy: bytes
 // read + written over a 1 GiB device copy, as `megamoe bench` measures it), their ratio, and from
 // %globaltimer the median over CTAs of the first stage's landing and of the CTA's end after the
-// earliest CTA start (the empty-kernel row gives the events' and launch's own share).
+// earliest CTA start (the empty-kernel row gives the events' and launch's own share). Then the
+// curve: for 37.2 MB, the cumulative share of the bytes landed by each microsecond.
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdio>
@@ -40,6 +41,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 struct Params {
     const char* base;
     unsigned long long* stamps;          // per CTA: start, first stage landed, end
+    unsigned long long* land;            // or null: every stage's landing time [CTA][chunk] (the curve)
     long long chunks;                    // stages of STAGE bytes per CTA
     int stages;                          // ring depth
 };
@@ -73,6 +75,7 @@ __global__ void __launch_bounds__(THREADS) ramp(const __grid_constant__ Params p
             const int s = (int)(i % st);
             wait_parity(smem_u32(&full[s]), (unsigned)((i / st) & 1));
             if (i == 0) stamp[1] = global_ns();
+            if (p.land) p.land[blockIdx.x * p.chunks + i] = global_ns();
             mbar_arrive(smem_u32(&empty[s]));
         }
         stamp[2] = global_ns();
@@ -118,6 +121,9 @@ int main()
     CHECK(cudaMalloc(&cpy, copy_bytes));
     CHECK(cudaMalloc(&stamps, 3 * 1024 * sizeof(unsigned long long)));
     CHECK(cudaMalloc(&sink, 4));
+    unsigned long long* land;                    // the curve pass: one stamp per stage of 37 MB
+    const long long max_land = 40000;
+    CHECK(cudaMalloc(&land, max_land * sizeof(unsigned long long)));
     CHECK(cudaMemset(buf, 1, max_bytes));
     CHECK(cudaFuncSetAttribute(ramp, cudaFuncAttributeMaxDynamicSharedMemorySize, MAX_STAGES * STAGE));
     cudaEvent_t e0, e1;
@@ -193,6 +199,41 @@ int main()
                            median(first), median(end), err == cudaSuccess ? "" : cudaGetErrorString(err));
                 }
             }
+        }
+    }
+    // The ramp itself: for one V4-Pro expert's bytes, the share landed by each microsecond after the
+    // first CTA's start (every stage's landing stamped), per CTA count, at 12 stages, both flushes.
+    printf("\n# the curve: 37.2 MB, 12 stages; cumulative %% of the bytes landed at 1, 2, .. us after the first CTA start\n");
+    for (int ctas : ctas_list) {
+        for (int clean = 0; clean < 2; ++clean) {
+            Params p{};
+            p.base = buf;
+            p.stamps = stamps;
+            p.land = land;
+            p.stages = 12;
+            p.chunks = std::max(1LL, (long long)(37.2e6 / ctas / STAGE));
+            if (p.chunks * ctas > max_land) continue;
+            for (int r = 0; r < 3; ++r) {                   // the third run's stamps are read
+                if (clean) read_flush<<<4 * sms, 256>>>((const uint4*)flush, (long long)(flush_bytes / 16), sink);
+                else cudaMemsetAsync(flush, r, flush_bytes);
+                ramp<<<ctas, THREADS, 12 * STAGE>>>(p);
+            }
+            cudaDeviceSynchronize();
+            std::vector<unsigned long long> st(3 * ctas), ld(p.chunks * ctas);
+            cudaMemcpy(st.data(), stamps, st.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+            cudaMemcpy(ld.data(), land, ld.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+            unsigned long long t0 = ~0ull;
+            for (int c = 0; c < ctas; ++c) t0 = std::min(t0, st[3 * c]);
+            std::vector<double> us;
+            for (auto v : ld) us.push_back((v - t0) * 1e-3);
+            std::sort(us.begin(), us.end());
+            printf("%4d CTAs %-6s:", ctas, clean ? "read" : "memset");
+            size_t at = 0;
+            for (int u = 1; u <= 40 && at < us.size(); ++u) {
+                while (at < us.size() && us[at] <= u) ++at;
+                printf(" %d", (int)(100.0 * at / us.size()));
+            }
+            printf("  (last %.2f us)\n", us.back());
         }
     }
     return 0;
