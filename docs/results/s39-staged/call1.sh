@@ -5,9 +5,10 @@
 # One archive, $OUT/all.tgz, refreshed every 15 s (the device tool returns 8 files). In order of value:
 # 1. the ramp probe (scripts/device/ramp_probe.cu, ~2 s): one-shot reads of a decode step's bytes from
 #    a cold L2 — the practical floor of issue 9's T=1 row;
-# 2. the tests e88672a's 5-D weight map has not had on a GPU (routed-forward, repeat), with the prefill
+# 2. the slice kernel's tests, memcheck and racecheck with its ring refilled (two clusters);
+# 3. the tests e88672a's 5-D weight map has not had on a GPU (routed-forward, repeat), with the prefill
 #    and slice tests, verify and fixtures (the host model is parallel since fcb775e);
-# 3. the bench with both peers and the same-routing rows (the standing for issues 9 and 10).
+# 4. the bench with both peers and the same-routing rows (the standing for issues 9 and 10).
 set -uo pipefail
 O="$OUT"; A=/tmp/s39/all; mkdir -p "$A"
 pack() { tar -czf "$O/all.tmp.tgz" -C /tmp/s39 all 2>/dev/null && mv "$O/all.tmp.tgz" "$O/all.tgz"; }
@@ -18,6 +19,21 @@ if command -v nvcc >/dev/null && nvcc -arch=sm_90a -O2 -o /tmp/ramp_probe script
 else
   echo "ramp probe: no build"; tail -5 $A/ramp_build.txt
 fi
+pack
+# The slice kernel with its ring refilled: the tests' layer uses two stages of a CTA's ring at the
+# default cluster count, so no racecheck so far saw a stage reused; two clusters give each CTA 8+
+# units. Correctness under the cap, then memcheck and racecheck (hazards listed).
+source .device-carry/call_env.sh >/dev/null 2>&1
+for n in 2 1; do
+  echo "== slice tests, MEGAMOE_SLICE_CLUSTERS=$n"
+  MEGAMOE_SLICE=1 MEGAMOE_SLICE_CLUSTERS=$n timeout 120 .device-carry/bin/cuda_engine --test-threads=1 slice_ 2>&1 \
+    | grep -E "test |panicked|result" | tee $A/slice_cap$n.txt
+done
+MEGAMOE_SLICE=1 MEGAMOE_SLICE_CLUSTERS=2 timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 \
+  .device-carry/bin/cuda_engine --test-threads=1 slice_routed > $A/racecheck_slice_cap2.txt 2>&1
+grep -E "RACECHECK SUMMARY|test result|panicked" $A/racecheck_slice_cap2.txt | head -4
+MEGAMOE_SLICE=1 MEGAMOE_SLICE_CLUSTERS=2 timeout 100 compute-sanitizer --tool memcheck --print-limit 5 \
+  .device-carry/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked" | head -3
 pack
 OUT=$A/checks TEST_FILTER="routed_forward repeat_runs prefill slice_" TEST_TIMEOUT=300 SKIP_DEMO=1 SANITIZE=0 \
   INITCHECK=0 TIMINGS=0 NCU=0 EP_TEST_FILTER=zzz_none bash .device-carry/run.sh > $A/checks.txt 2>&1
