@@ -160,6 +160,21 @@ int main()
     printf("# empty kernel between the events: %.2f us\n", median(em) * 1e3);
     printf("%-9s %5s %3s %-6s %9s %7s %9s %6s %11s %9s\n", "MB", "CTAs", "ST", "flush", "us", "TB/s", "floor_us",
            "ratio", "1st_land_us", "end_us");
+    // Before each run: the bench's memset flush (dirty lines left in the L2) or a clean read of as much.
+    auto flush_l2 = [&](bool clean, int r) {
+        if (clean) read_flush<<<4 * sms, 256>>>((const uint4*)flush, (long long)(flush_bytes / 16), sink);
+        else cudaMemsetAsync(flush, r, flush_bytes);
+    };
+    // A run of `ctas` CTAs over ~`sz` bytes with `st` stages (stamping every stage when `curve`).
+    auto params = [&](double sz, int ctas, int st, bool curve) {
+        Params p{};
+        p.base = buf;
+        p.stamps = stamps;
+        p.land = curve ? land : nullptr;
+        p.stages = st;
+        p.chunks = std::max(1LL, (long long)(sz / ctas / STAGE));
+        return p;
+    };
     const double sizes[] = {37.2e6, 186e6, 1.2e9};
     const int ctas_list[] = {132, 264, 396, 528};
     const int stage_list[] = {4, 8, 12};
@@ -168,16 +183,11 @@ int main()
         for (int ctas : ctas_list) {
             for (int st : stage_list) {
                 for (int clean = 0; clean < 2; ++clean) {
-                    Params p{};
-                    p.base = buf;
-                    p.stamps = stamps;
-                    p.stages = st;
-                    p.chunks = std::max(1LL, (long long)(sz / ctas / STAGE));
+                    const Params p = params(sz, ctas, st, false);
                     const double bytes = (double)p.chunks * STAGE * ctas;
                     std::vector<double> t, first, end;
                     for (int r = 0; r < 8; ++r) {
-                        if (clean) read_flush<<<4 * sms, 256>>>((const uint4*)flush, (long long)(flush_bytes / 16), sink);
-                        else cudaMemsetAsync(flush, r, flush_bytes);
+                        flush_l2(clean, r);
                         const double ms = timed([&] { ramp<<<ctas, THREADS, st * STAGE>>>(p); });
                         if (!r) continue;
                         t.push_back(ms * 1e3);
@@ -206,16 +216,10 @@ int main()
     printf("\n# the curve: 37.2 MB, 12 stages; cumulative %% of the bytes landed at 1, 2, .. us after the first CTA start\n");
     for (int ctas : ctas_list) {
         for (int clean = 0; clean < 2; ++clean) {
-            Params p{};
-            p.base = buf;
-            p.stamps = stamps;
-            p.land = land;
-            p.stages = 12;
-            p.chunks = std::max(1LL, (long long)(37.2e6 / ctas / STAGE));
+            const Params p = params(37.2e6, ctas, 12, true);
             if (p.chunks * ctas > max_land) continue;
             for (int r = 0; r < 3; ++r) {                   // the third run's stamps are read
-                if (clean) read_flush<<<4 * sms, 256>>>((const uint4*)flush, (long long)(flush_bytes / 16), sink);
-                else cudaMemsetAsync(flush, r, flush_bytes);
+                flush_l2(clean, r);
                 ramp<<<ctas, THREADS, 12 * STAGE>>>(p);
             }
             cudaDeviceSynchronize();
