@@ -3,7 +3,7 @@
 //! are the tensor-core family's packing ([`super::tc`]): slice `s` of an expert is the L1's 128-row
 //! group `s` and the L2's 64-k chunk `s`.
 
-use super::tc::{block_bytes, CHUNK_K, GROUP_ROWS, GROUP_SLABS};
+use super::tc::{group_chunk_bytes, CHUNK_K, GROUP_ROWS};
 use crate::formats::WeightFormat;
 
 /// CTAs per cluster (`SL_CLUSTER`): each streams an eighth of a slice's L1 K and of its L2 rows.
@@ -58,7 +58,7 @@ pub fn slice_fits(
 
 /// Bytes of one ring stage: one 64-k chunk of a 128-row group's 8 slabs.
 pub fn slice_stage_bytes(format: WeightFormat) -> usize {
-    GROUP_SLABS * block_bytes(format)
+    group_chunk_bytes(format)
 }
 
 /// Bytes of the tokens' rows of one CTA's L1 K range (8 rows of `chunks * 128 + 16` bytes: the pad

@@ -92,6 +92,17 @@ pub fn padded_rows(rows: usize) -> usize {
     rows.div_ceil(GROUP_ROWS) * GROUP_ROWS
 }
 
+/// Groups of a packed matrix of `rows` rows (the last one padded).
+pub fn row_groups(rows: usize) -> usize {
+    padded_rows(rows) / GROUP_ROWS
+}
+
+/// Bytes of one group's blocks of one 64-k chunk: the packed layout's contiguous unit (a copy of the
+/// decode kernels' rings, a box row of the wgmma kernels' weight tensor maps).
+pub fn group_chunk_bytes(format: WeightFormat) -> usize {
+    GROUP_SLABS * block_bytes(format)
+}
+
 /// Bytes of one expert's packed `[rows, cols]` matrix.
 pub fn matrix_bytes(format: WeightFormat, rows: usize, cols: usize) -> usize {
     padded_rows(rows) / SLAB_ROWS * (cols / CHUNK_K) * block_bytes(format)
@@ -214,8 +225,8 @@ fn pack_expert(
     row_of: RowMap<'_>,
 ) {
     let blk = block_bytes(format);
-    let (groups, chunks) = (padded_rows(rows) / GROUP_ROWS, cols / CHUNK_K);
-    debug_assert_eq!(dst.len(), groups * chunks * GROUP_SLABS * blk);
+    let (groups, chunks) = (row_groups(rows), cols / CHUNK_K);
+    debug_assert_eq!(dst.len(), groups * chunks * group_chunk_bytes(format));
     for gi in 0..groups {
         for s in 0..GROUP_SLABS {
             let slab_row0 = (gi * GROUP_SLABS + s) * SLAB_ROWS;
@@ -740,7 +751,7 @@ pub fn wg_wide_config(nt: usize, groups: usize, consumers: usize) -> Option<WgCo
 /// Bytes of one stage of the wgmma kernels: the token tile (`nt` rows x 64 bf16) and the 8 weight
 /// blocks of each of the CTA's `groups`, rounded to the 1024-byte alignment of the 128B swizzle.
 pub fn wg_stage_bytes(format: WeightFormat, nt: usize, groups: usize) -> usize {
-    (nt * 128 + groups * GROUP_SLABS * block_bytes(format)).div_ceil(1024) * 1024
+    (nt * 128 + groups * group_chunk_bytes(format)).div_ceil(1024) * 1024
 }
 
 /// Pipeline depth of the wgmma kernels (one CTA per SM: up to ~200 KB).

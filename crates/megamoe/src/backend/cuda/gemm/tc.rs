@@ -425,7 +425,6 @@ impl TcKernels {
         }
     }
 
-    /// The configuration and the launch of a wgmma GEMM over `rows` packed rows per expert.
     /// The tensor map of a wgmma launch's packed weights `wq` (`rows` rows per matrix, K = `k`):
     /// one box = one 64-k chunk of the `c.groups` groups a CTA owns.
     fn wg_wmap(
@@ -436,13 +435,13 @@ impl TcKernels {
         k: usize,
         c: &layout::WgConfig,
     ) -> Result<TmaDesc> {
-        let group_bytes = layout::GROUP_SLABS * layout::block_bytes(self.format);
-        let groups = layout::padded_rows(rows) / layout::GROUP_ROWS;
+        let (group_bytes, groups) = (layout::group_chunk_bytes(self.format), layout::row_groups(rows));
         tma_weight_groups(wq, group_bytes, k / layout::CHUNK_K, groups, l.matrices, c.groups)
     }
 
+    /// The configuration and the launch of a wgmma GEMM over `rows` packed rows per expert.
     fn wg_cfg(&self, l: &GemmLaunch, rows: usize) -> (layout::WgConfig, LaunchCfg) {
-        let groups = layout::padded_rows(rows) / layout::GROUP_ROWS;
+        let groups = layout::row_groups(rows);
         let tiles = l.expected_tiles.max(1);
         let nt = l.block_m;
         let two = || layout::choose_wg_config(nt, groups, tiles, self.sm_count, 2);
