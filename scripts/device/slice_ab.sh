@@ -7,13 +7,12 @@
 # verify and the golden fixtures under MEGAMOE_SLICE=1, memcheck and racecheck (hazards kept).
 #   run(command="bash .device-carry/slice_ab.sh", carry=[".device-carry", ".peers"], timeout_s=480)
 # Builds: "slice" = this build under MEGAMOE_SLICE=1, "old" = the staged earlier binary (also under
-# MEGAMOE_SLICE=1), "slice4" = this build under MEGAMOE_SLICE=1 MEGAMOE_SLICE_CTAS_PER_SM=4 (a knob only
-# builds with docs/results/slice-early-copies-four-ctas-2026-12-07-s38.patch read; elsewhere the same as
-# "slice"), "base" = this build's default path.
-# Knobs: ROUNDS (2), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
+# MEGAMOE_SLICE=1), "base" = this build's default path.
+# Knobs: ROUNDS (2; 0: no bench rows, only the checks), BUILDS ("slice old base"), WHOLE=0 (rank rows only), FLASH=0, SWEEP=1, NCU=0,
 # NCU_T ("1 8"), TEST_BUILDS ("slice": the slice tests, memcheck and racecheck under each), VERIFY=0 (the verify sweep and the fixtures, under each of VERIFY_BUILDS: "slice"),
 # MEMCHECK=0, RACE=0, SLICE_ENV (more
-# environment for both slice builds and the slice tests and sanitizers, e.g. "MEGAMOE_SLICE_CTAS_PER_SM=4"). For a small
+# environment for both slice builds and the slice tests and sanitizers, e.g. "MEGAMOE_SLICE_CLUSTERS=2":
+# a CTA's ring refilled in the tests' small layer). For a small
 # budget: ROUNDS=1 BUILDS="slice base" FLASH=0 NCU_T=1 VERIFY=0 MEMCHECK=0 (~150 s of command).
 # shellcheck disable=SC1091
 source .device-carry/call_env.sh   # OUT, C, the kernel cache, the fixtures (scripts/device/call_env.sh)
@@ -21,7 +20,6 @@ bin_of() { if [ "$1" = old ]; then echo $C/old/megamoe; else echo $C/bin/megamoe
 env_of() {
   case $1 in
     base) echo MEGAMOE_SLICE=0 ;;
-    slice4) echo MEGAMOE_SLICE=1 MEGAMOE_SLICE_CTAS_PER_SM=4 ${SLICE_ENV:-} ;;
     *) echo MEGAMOE_SLICE=1 ${SLICE_ENV:-} ;;
   esac
 }
@@ -74,13 +72,13 @@ fi
 echo "elapsed ${SECONDS}s"
 if command -v compute-sanitizer >/dev/null && [ "${MEMCHECK:-1}" = 1 ]; then
   for w in ${TEST_BUILDS:-slice}; do
-  echo "== memcheck slice tests, $(env_of $w)"
-  env $(env_of $w) timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
-  if [ "${RACE:-1}" = 1 ]; then
-    echo "== racecheck slice tests, $(env_of $w)"
-    env $(env_of $w) timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_$w.txt 2>&1
-    grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_$w.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_$w.txt | head -24
-  fi
+    echo "== memcheck slice tests, $(env_of $w)"
+    env $(env_of $w) timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked|Invalid" | head -8
+    if [ "${RACE:-1}" = 1 ]; then
+      echo "== racecheck slice tests, $(env_of $w)"
+      env $(env_of $w) timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 $C/bin/cuda_engine --test-threads=1 slice_routed > $OUT/racecheck_$w.txt 2>&1
+      grep -E "RACECHECK SUMMARY|test result|panicked" $OUT/racecheck_$w.txt | head; grep -E "hazard|Write|Read|at 0x|in " $OUT/racecheck_$w.txt | head -24
+    fi
   done
 fi
 echo "elapsed ${SECONDS}s"

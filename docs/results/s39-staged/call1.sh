@@ -22,18 +22,10 @@ fi
 pack
 # The slice kernel with its ring refilled: the tests' layer uses two stages of a CTA's ring at the
 # default cluster count, so no racecheck so far saw a stage reused; two clusters give each CTA 8+
-# units. Correctness under the cap, then memcheck and racecheck (hazards listed).
-source .device-carry/call_env.sh >/dev/null 2>&1
-for n in 2 1; do
-  echo "== slice tests, MEGAMOE_SLICE_CLUSTERS=$n"
-  MEGAMOE_SLICE=1 MEGAMOE_SLICE_CLUSTERS=$n timeout 120 .device-carry/bin/cuda_engine --test-threads=1 slice_ 2>&1 \
-    | grep -E "test |panicked|result" | tee $A/slice_cap$n.txt
-done
-MEGAMOE_SLICE=1 MEGAMOE_SLICE_CLUSTERS=2 timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 12 \
-  .device-carry/bin/cuda_engine --test-threads=1 slice_routed > $A/racecheck_slice_cap2.txt 2>&1
-grep -E "RACECHECK SUMMARY|test result|panicked" $A/racecheck_slice_cap2.txt | head -4
-MEGAMOE_SLICE=1 MEGAMOE_SLICE_CLUSTERS=2 timeout 100 compute-sanitizer --tool memcheck --print-limit 5 \
-  .device-carry/bin/cuda_engine --test-threads=1 slice_routed 2>&1 | grep -E "ERROR SUMMARY|test result|panicked" | head -3
+# units. Its tests, memcheck and racecheck under the cap (slice_ab.sh with no bench rounds).
+OUT=$A/slice_cap2 ROUNDS=0 NCU=0 VERIFY=0 TEST_BUILDS=slice SLICE_ENV="MEGAMOE_SLICE_CLUSTERS=2" \
+  bash .device-carry/slice_ab.sh > $A/slice_cap2.txt 2>&1
+grep -E "==|test result|panicked|SUMMARY" $A/slice_cap2.txt | head -12
 pack
 OUT=$A/checks TEST_FILTER="routed_forward repeat_runs prefill slice_" TEST_TIMEOUT=300 SKIP_DEMO=1 SANITIZE=0 \
   INITCHECK=0 TIMINGS=0 NCU=0 EP_TEST_FILTER=zzz_none bash .device-carry/run.sh > $A/checks.txt 2>&1
