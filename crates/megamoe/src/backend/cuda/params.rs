@@ -204,6 +204,20 @@ kernel_abi! {
         STREAM_MIN_CHUNKS = crate::backend::gpu_layout::tc::STREAM_MIN_CHUNKS as i32;
         /// Streaming decode CTAs per SM (`gpu_layout::tc::STREAM_CTAS_PER_SM`, `__launch_bounds__`).
         STREAM_CTAS_PER_SM = crate::backend::gpu_layout::tc::STREAM_CTAS_PER_SM as i32;
+        /// The slice decode kernel's bounds (`gpu_layout::slice`): CTAs per cluster,
+        SLICE_CLUSTER = crate::backend::gpu_layout::slice::SLICE_CLUSTER as i32;
+        /// tokens of a step (the MMA's columns),
+        SLICE_MAX_TOKENS = crate::backend::gpu_layout::slice::SLICE_MAX_TOKENS as i32;
+        /// routing slots of a step,
+        SLICE_MAX_SLOTS = crate::backend::gpu_layout::slice::SLICE_MAX_SLOTS as i32;
+        /// local experts (the active-expert bitmap),
+        SLICE_MAX_LOCAL = crate::backend::gpu_layout::slice::SLICE_MAX_LOCAL as i32;
+        /// L2 row groups of one CTA,
+        SLICE_MAX_L2_GROUPS = crate::backend::gpu_layout::slice::SLICE_MAX_L2_GROUPS as i32;
+        /// ring stages,
+        SLICE_MAX_STAGES = crate::backend::gpu_layout::slice::SLICE_MAX_STAGES as i32;
+        /// and CTAs per SM (`__launch_bounds__`; the shared-memory budget follows).
+        SLICE_CTAS_PER_SM = crate::backend::gpu_layout::slice::SLICE_CTAS_PER_SM as i32;
         /// Bytes of one W4A8 (slab, chunk) weight block (`gpu_layout::w4a8::BLOCK_BYTES`).
         W8_BLOCK_BYTES = crate::backend::gpu_layout::w4a8::BLOCK_BYTES as i32;
         /// Its code bytes (the exponent bytes follow).

@@ -6,28 +6,31 @@
 use super::tc::{group_chunk_bytes, CHUNK_K, GROUP_ROWS};
 use crate::formats::WeightFormat;
 
-/// CTAs per cluster (`SL_CLUSTER`): each streams an eighth of a slice's L1 K and of its L2 rows.
+// The kernel's bounds below reach it through the kernel ABI (`params.rs` constants, the same
+// names in `kernels/params.cuh`): defined here only.
+
+/// CTAs per cluster: each streams an eighth of a slice's L1 K and of its L2 rows.
 pub const SLICE_CLUSTER: usize = 8;
 
-/// Most tokens of a step (`SL_TOKENS`: the tokens are the MMA's 8 columns).
+/// Most tokens of a step (the tokens are the MMA's 8 columns).
 pub const SLICE_MAX_TOKENS: usize = 8;
 
-/// Most routing slots `T * k` of a step (`SL_MAX_SLOTS`: the active-expert list).
+/// Most routing slots `T * k` of a step (the active-expert list).
 pub const SLICE_MAX_SLOTS: usize = 64;
 
-/// Most local experts (`SL_MAX_LOCAL`: the active-expert bitmap).
+/// Most local experts (the active-expert bitmap).
 pub const SLICE_MAX_LOCAL: usize = 512;
 
-/// Most L1 K chunks of one CTA (`SL_MAX_L1_CHUNKS`) and L2 row groups (`SL_MAX_L2_GROUPS`):
-/// H <= 8192.
+/// Most L1 K chunks of one CTA (its token rows in shared memory): H <= 8192.
 const MAX_CHUNKS_PER_CTA: usize = 16;
-const MAX_GROUPS_PER_CTA: usize = 8;
+/// Most L2 row groups of one CTA (its per-token sums in registers): H <= 8192.
+pub const SLICE_MAX_L2_GROUPS: usize = 8;
 
-/// Most ring stages (`SL_MAX_STAGES`) and the fewest worth running.
-const MAX_STAGES: usize = 16;
+/// Most ring stages (the barrier arrays) and the fewest worth running.
+pub const SLICE_MAX_STAGES: usize = 16;
 const MIN_STAGES: usize = 4;
 
-/// CTAs per SM (`__launch_bounds__(288, 3)`): 27 warps, three rings in flight per SM.
+/// CTAs per SM (the kernel's `__launch_bounds__`): 27 warps, three rings in flight per SM.
 pub const SLICE_CTAS_PER_SM: usize = 3;
 
 /// Dynamic shared memory one CTA may take so that three fit an SM's 228 KB (1 KB reserved per
@@ -51,7 +54,7 @@ pub fn slice_fits(
         && h.is_multiple_of(CHUNK_K)
         && h > 0
         && (h / CHUNK_K).div_ceil(SLICE_CLUSTER) <= MAX_CHUNKS_PER_CTA
-        && h.div_ceil(GROUP_ROWS).div_ceil(SLICE_CLUSTER) <= MAX_GROUPS_PER_CTA
+        && h.div_ceil(GROUP_ROWS).div_ceil(SLICE_CLUSTER) <= SLICE_MAX_L2_GROUPS
         && inter.is_multiple_of(CHUNK_K)
         && inter > 0
 }
@@ -70,7 +73,7 @@ pub fn slice_x_bytes(h: usize) -> usize {
 /// Ring stages: as many as the budget holds beside the token rows.
 pub fn slice_stages(format: WeightFormat, h: usize) -> usize {
     (SLICE_SMEM_BUDGET.saturating_sub(slice_x_bytes(h)) / slice_stage_bytes(format))
-        .clamp(MIN_STAGES, MAX_STAGES)
+        .clamp(MIN_STAGES, SLICE_MAX_STAGES)
 }
 
 /// Dynamic shared memory of a launch: the ring, then the token rows.

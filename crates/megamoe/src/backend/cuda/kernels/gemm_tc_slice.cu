@@ -50,22 +50,18 @@
 // Phase clocks (the DS_PROBE build, MEGAMOE_PHASE_PROBE=1: backend/cuda/probe.rs): thread 0 (warp
 // 0 finalises, so it also sees the exchange) stamps the PROBE_SL_* slots of its CTA's first and last
 // unit, the producer its last copy issued.
-// Requirements (host: gemm/tc.rs slice_fits): FP4 formats, W4A16, T <= 8, T * k <= SL_MAX_SLOTS,
-// local experts <= SL_MAX_LOCAL, H % 64 == 0, H <= 8192, I % 64 == 0.
+// Requirements (host: gemm/tc.rs slice_fits): FP4 formats, W4A16, T <= 8, T * k <= SLICE_MAX_SLOTS,
+// local experts <= SLICE_MAX_LOCAL, H % 64 == 0, H <= 8192, I % 64 == 0.
 
 #if defined(TC_WGMMA) && defined(TC_SLICE)   // sm_90a, FP4 formats (gemm/tc.rs has_slice)
 
-constexpr int SL_CLUSTER = 8;                          // CTAs per cluster
+// Bounds from the host (params.cuh, gpu_layout::slice): SLICE_CLUSTER CTAs per cluster,
+// SLICE_MAX_TOKENS MMA columns (T <= 8), SLICE_MAX_L2_GROUPS = ceil(H / 128 / 8) for H <= 8192,
+// SLICE_MAX_SLOTS (T * k), SLICE_MAX_LOCAL (the bitmap's bits), SLICE_MAX_STAGES, SLICE_CTAS_PER_SM.
 constexpr int SL_CONSUMERS = 8;                        // consumer warps = slabs of a 128-row group
 constexpr int SL_THREADS = 32 * (SL_CONSUMERS + 1);    // + the producer warp
-constexpr int SL_TOKENS = 8;                           // MMA columns: T <= 8
-constexpr int SL_MAX_L1_CHUNKS = 16;                   // ceil(H / 64 / 8), H <= 8192
-constexpr int SL_MAX_L2_GROUPS = 8;                    // ceil(H / 128 / 8), H <= 8192
-constexpr int SL_MAX_SLOTS = 64;                       // T * k
-constexpr int SL_MAX_LOCAL = 512;                      // local experts (the bitmap's bits)
-constexpr int SL_MAX_STAGES = 16;
-constexpr int SL_INBOX_BYTES = SL_CLUSTER * 32 * 16;   // a CTA's partials received per unit
-constexpr int SL_ACT_BYTES = 64 * SL_TOKENS * 2;       // the act buffer: [64 columns][8 tokens] bf16
+constexpr int SL_INBOX_BYTES = SLICE_CLUSTER * 32 * 16;  // a CTA's partials received per unit
+constexpr int SL_ACT_BYTES = 64 * SLICE_MAX_TOKENS * 2;  // the act buffer: [64 columns][8 tokens] bf16
 
 __device__ __forceinline__ unsigned sl_cluster_rank() {
     unsigned r;
@@ -128,10 +124,10 @@ struct SlCursor {
 
 // The step's active local experts (ascending) and, per expert, its tokens' routing weights.
 struct SlExperts {
-    unsigned bits[SL_MAX_LOCAL / 32];                  // local expert x has slots
-    unsigned short list[SL_MAX_SLOTS];                 // active expert a -> local id
-    unsigned mask[SL_MAX_SLOTS];                       // active expert a -> its tokens (bit t)
-    float w[SL_MAX_SLOTS][SL_TOKENS];                  // routing weight of token t (duplicates summed)
+    unsigned bits[SLICE_MAX_LOCAL / 32];                  // local expert x has slots
+    unsigned short list[SLICE_MAX_SLOTS];                 // active expert a -> local id
+    unsigned mask[SLICE_MAX_SLOTS];                       // active expert a -> its tokens (bit t)
+    float w[SLICE_MAX_SLOTS][SLICE_MAX_TOKENS];                  // routing weight of token t (duplicates summed)
     int count;
 };
 
@@ -139,7 +135,7 @@ struct SlExperts {
 __device__ __forceinline__ void sl_find_experts(const SliceParams& p, SlExperts& ex)
 {
     const int lane = threadIdx.x & 31, slots = p.tokens * p.k;
-    if (lane < SL_MAX_LOCAL / 32) ex.bits[lane] = 0u;
+    if (lane < SLICE_MAX_LOCAL / 32) ex.bits[lane] = 0u;
     __syncwarp();
     bool bad = false;
     for (int s = lane; s < slots; s += 32) {
@@ -151,7 +147,7 @@ __device__ __forceinline__ void sl_find_experts(const SliceParams& p, SlExperts&
     if (__any_sync(0xffffffffu, bad) && blockIdx.x == 0 && lane == 0) atomicOr(p.status, (unsigned)STATUS_BAD_EXPERT_ID);
     __syncwarp();
     // Lane l < 16 lists the experts of bitmap word l after those of the lower words.
-    const unsigned word = lane < SL_MAX_LOCAL / 32 ? ex.bits[lane] : 0u;
+    const unsigned word = lane < SLICE_MAX_LOCAL / 32 ? ex.bits[lane] : 0u;
     unsigned inc = __popc(word);
     #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -164,7 +160,7 @@ __device__ __forceinline__ void sl_find_experts(const SliceParams& p, SlExperts&
     __syncwarp();
     // Token t's weights (lane t: its k slots in order, so duplicates add in a fixed order).
     const int n = __shfl_sync(0xffffffffu, (int)inc, 31);
-    for (int i = lane; i < n * SL_TOKENS; i += 32) ex.w[i / SL_TOKENS][i % SL_TOKENS] = 0.f;
+    for (int i = lane; i < n * SLICE_MAX_TOKENS; i += 32) ex.w[i / SLICE_MAX_TOKENS][i % SLICE_MAX_TOKENS] = 0.f;
     for (int i = lane; i < n; i += 32) ex.mask[i] = 0u;
     __syncwarp();
     if (lane < p.tokens) {
@@ -205,13 +201,13 @@ __device__ __forceinline__ void sl_mma_chunk(float (&acc)[4], const TcLane& ln, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __grid_constant__ SliceParams p)
+extern "C" __global__ void __launch_bounds__(SL_THREADS, SLICE_CTAS_PER_SM) moe_slice(const __grid_constant__ SliceParams p)
 {
     constexpr int BLK = TcFmt<MM_WF>::BLK;
     constexpr int W_STAGE = 8 * BLK;
-    __shared__ __align__(8) unsigned long long full[SL_MAX_STAGES], empty[SL_MAX_STAGES];
+    __shared__ __align__(8) unsigned long long full[SLICE_MAX_STAGES], empty[SLICE_MAX_STAGES];
     __shared__ __align__(8) unsigned long long xbar, inbox_bar, act_bar;
-    __shared__ __align__(16) float4 inbox[SL_CLUSTER][32];
+    __shared__ __align__(16) float4 inbox[SLICE_CLUSTER][32];
     __shared__ __align__(16) unsigned char act[SL_ACT_BYTES];
     __shared__ SlExperts ex;
     extern __shared__ __align__(128) unsigned char smem[];   // ring [ST][W_STAGE], then x's rows
@@ -220,8 +216,8 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     const unsigned r = sl_cluster_rank(), cl = sl_cluster_id(), ncl = sl_cluster_count();
     const int H = p.h, I = p.inter, T = p.tokens, ST = p.stages;
     const int nch1 = H / 64, nch2 = I / 64, groups1 = (2 * I + 127) / 128, groups2 = (H + 127) / 128;
-    const int k0 = (int)r * nch1 / SL_CLUSTER, k1 = ((int)r + 1) * nch1 / SL_CLUSTER;
-    const int g0 = (int)r * groups2 / SL_CLUSTER, g1 = ((int)r + 1) * groups2 / SL_CLUSTER;
+    const int k0 = (int)r * nch1 / SLICE_CLUSTER, k1 = ((int)r + 1) * nch1 / SLICE_CLUSTER;
+    const int g0 = (int)r * groups2 / SLICE_CLUSTER, g1 = ((int)r + 1) * groups2 / SLICE_CLUSTER;
     const size_t eb1 = (size_t)groups1 * 8 * nch1 * BLK, eb2 = (size_t)groups2 * 8 * nch2 * BLK;
     const int x_pitch = (k1 - k0) * 128 + 16;            // 16 more: 8 rows of an ldmatrix hit distinct banks
     const unsigned ring = smem_u32(smem), xs = ring + ST * W_STAGE;
@@ -296,9 +292,9 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     const int sc_off = warp * BLK + 512 + gi * (MM_WF == WF_NVFP4 ? 8 : 4);
     const unsigned x_lane = xs + (li < T ? li : 0) * x_pitch + mi * 16;
     const unsigned act_base = smem_u32(act), act_lane = act_base + lane * 16;
-    float acc2[SL_MAX_L2_GROUPS][4];
+    float acc2[SLICE_MAX_L2_GROUPS][4];
     #pragma unroll
-    for (int i = 0; i < SL_MAX_L2_GROUPS; ++i) acc2[i][0] = acc2[i][1] = acc2[i][2] = acc2[i][3] = 0.f;
+    for (int i = 0; i < SLICE_MAX_L2_GROUPS; ++i) acc2[i][0] = acc2[i][1] = acc2[i][2] = acc2[i][3] = 0.f;
     if (has_x) mbar_wait(smem_u32(&xbar), 0);
     if (threadIdx.x == 0 && has_x) DS_STAMP(PROBE_SL_X);
     unsigned ui = 0;
@@ -356,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
             if (lane == 0 && ui == 0) DS_STAMP(PROBE_SL_INBOX);
             float4 v = inbox[0][lane];
             #pragma unroll
-            for (int q = 1; q < SL_CLUSTER; ++q) {
+            for (int q = 1; q < SLICE_CLUSTER; ++q) {
                 const float4 b = inbox[q][lane];
                 v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
             }
@@ -372,9 +368,9 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
                 if ((m >> t) & 1u) h2 |= (unsigned)f2bf(swiglu(gt, up, ex.w[a_idx][t], p.limit)) << (16 * c);
             }
             // Column 8 r + gi of every CTA's act buffer (every byte of it is written each unit).
-            const unsigned off = (unsigned)((8 * r + gi) * SL_TOKENS * 2 + tq * 4);
+            const unsigned off = (unsigned)((8 * r + gi) * SLICE_MAX_TOKENS * 2 + tq * 4);
             #pragma unroll
-            for (int q = 0; q < SL_CLUSTER; ++q)
+            for (int q = 0; q < SLICE_CLUSTER; ++q)
                 sl_st_async(sl_mapa(act_base + off, (unsigned)q), h2, sl_mapa(smem_u32(&act_bar), (unsigned)q));
         }
         // 3. L2: slab `warp` of each of this CTA's groups x the 64 activations.
@@ -383,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
         if (threadIdx.x == 0 && !next) DS_STAMP(PROBE_SL_LAST_ACT);
         const float a2 = p.alpha2 ? p.alpha2[e] : 1.f;
         #pragma unroll
-        for (int i = 0; i < SL_MAX_L2_GROUPS; ++i) {
+        for (int i = 0; i < SLICE_MAX_L2_GROUPS; ++i) {
             if (i >= g1 - g0) break;                   // uniform over the CTA
             const unsigned char* st = stage();
             float t4[4] = {0.f, 0.f, 0.f, 0.f};
@@ -400,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, 3) moe_slice(const __gr
     }
     // Rows 128 g + 16 warp + gi (+ 8) of tokens 2 tq, 2 tq + 1: this cluster's partial sums.
     #pragma unroll
-    for (int i = 0; i < SL_MAX_L2_GROUPS; ++i) {
+    for (int i = 0; i < SLICE_MAX_L2_GROUPS; ++i) {
         if (i >= g1 - g0) break;
         const int h0 = (g0 + i) * 128 + warp * 16 + gi;
         #pragma unroll
