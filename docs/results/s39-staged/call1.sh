@@ -14,11 +14,12 @@ O="$OUT"; A=/tmp/s39/all; mkdir -p "$A"
 pack() { tar -czf "$O/all.tmp.tgz" -C /tmp/s39 all 2>/dev/null && mv "$O/all.tmp.tgz" "$O/all.tgz"; }
 ( while sleep 15; do pack; done ) &
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee $A/gpu.txt
-if command -v nvcc >/dev/null && nvcc -arch=sm_90a -O2 -o /tmp/ramp_probe scripts/device/ramp_probe.cu > $A/ramp_build.txt 2>&1; then
-  timeout 120 /tmp/ramp_probe > $A/ramp_probe.txt 2>&1; head -80 $A/ramp_probe.txt
-else
-  echo "ramp probe: no build"; tail -5 $A/ramp_build.txt
+# Built there when the machine has nvcc; else the binary built here (CUDA 13.0 nvcc wheels) and carried.
+RP=/tmp/ramp_probe
+if ! { command -v nvcc >/dev/null && nvcc -arch=sm_90a -O2 -o $RP scripts/device/ramp_probe.cu > $A/ramp_build.txt 2>&1; }; then
+  RP=.device-carry/ramp_probe; echo "ramp probe: carried build" | tee -a $A/ramp_build.txt
 fi
+timeout 120 $RP > $A/ramp_probe.txt 2>&1; echo "ramp rc=$?" >> $A/ramp_probe.txt; head -80 $A/ramp_probe.txt
 pack
 # The slice kernel with its ring refilled: the tests' layer uses two stages of a CTA's ring at the
 # default cluster count, so no racecheck so far saw a stage reused; two clusters give each CTA 8+
@@ -34,4 +35,8 @@ echo "== checks done ${SECONDS}s"
 OUT=$A/bench SKIP_TESTS=1 SKIP_VERIFY=1 SKIP_DEMO=1 SANITIZE=0 TIMINGS=0 NCU=0 BENCH=1 PEERS=1 \
   bash .device-carry/run.sh > $A/bench.txt 2>&1
 grep -vE "^\s*$" $A/bench.txt | tail -40 | cut -c1-200; pack
+# The prefill rows with a bf16 y (what the peers write; the bench's default y is f32).
+env MEGAMOE_CACHE=/tmp/megamoe-kernels MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_LOG=megamoe=warn timeout 120 .device-carry/bin/megamoe bench forward --backend cuda --shape v4-pro \
+  --simulate-ep 8 --tokens 512,4096,16384 --y-dtype bf16 --json $A/bench_ybf16.json > $A/bench_ybf16.txt 2>&1
+grep -E "rank|y bf16" $A/bench_ybf16.txt | cut -c1-200; pack
 echo "== all done ${SECONDS}s"; pack; kill %1 2>/dev/null; pack

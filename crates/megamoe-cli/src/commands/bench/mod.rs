@@ -100,6 +100,11 @@ pub struct ForwardBench {
     /// time the same work; a T the file lacks is an error.
     #[arg(long, value_name = "FILE")]
     pub routing: Option<std::path::PathBuf>,
+    /// CUDA: the output's dtype. f32 keeps the routed experts' sum unrounded; bf16 is what a
+    /// server's hidden states are and what the peers in `../shared/peers/` write (half the bytes of
+    /// y, which a prefill step's combine writes: 117 MB in f32 at V4-Pro's T=4096).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub y_dtype: YDtype,
     /// CUDA: write the rows and the ceilings as JSON here (`scripts/plot_roofline.py` plots them).
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -129,6 +134,32 @@ impl GemmFamily {
         match self {
             GemmFamily::Tc => "tc",
             GemmFamily::Simt => "simt",
+        }
+    }
+}
+
+/// Output dtype of `bench forward` on CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum YDtype {
+    /// f32.
+    F32,
+    /// bf16.
+    Bf16,
+}
+
+impl YDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            YDtype::F32 => 4,
+            YDtype::Bf16 => 2,
+        }
+    }
+    /// The name in the bench's output.
+    pub fn name(self) -> &'static str {
+        match self {
+            YDtype::F32 => "f32",
+            YDtype::Bf16 => "bf16",
         }
     }
 }
@@ -453,31 +484,38 @@ mod ep {
     #[derive(Clone, Copy, Debug, PartialEq)]
     pub(crate) struct Cost {
         /// Bytes that must move: the weights of the experts that received tokens (3 matrices each),
-        /// x read (bf16), y written (f32), and the shared expert's / router's weights when the row
-        /// runs them.
+        /// x read (bf16), y written (f32 or bf16), and the shared expert's / router's weights when
+        /// the row runs them.
         pub bytes: f64,
         /// Useful FLOPs: `2 * pairs * 3 * H * I`, plus `2 * T * 3 * H * I_s` with the shared expert
         /// and `2 * T * H * E` with the router.
         pub flops: f64,
     }
 
-    /// The [`Cost`] of a row of `tokens` tokens of which `pairs` slots land on `active` experts in
-    /// `format`; `shared_inter` is the shared expert's I_s when the row runs it, `router` whether it
-    /// runs the layer's own router (f32 gate `[E, H]`).
+    /// A row's tokens: `tokens` of which `pairs` slots land on `active` of the timed layer's experts.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) struct Load {
+        pub tokens: usize,
+        pub pairs: usize,
+        pub active: usize,
+    }
+
+    /// The [`Cost`] of a row of `load` on experts in `format` writing y in `y`; `shared_inter` is the
+    /// shared expert's I_s when the row runs it, `router` whether it runs the layer's own router
+    /// (f32 gate `[E, H]`).
     pub(crate) fn row_cost(
         cfg: &MoeConfig,
         format: WeightFormat,
-        tokens: usize,
-        pairs: usize,
-        active: usize,
+        y: YDtype,
+        load: Load,
         shared_inter: Option<usize>,
         router: bool,
     ) -> Cost {
         let (h, i, e) = (cfg.hidden_size as f64, cfg.moe_intermediate_size, cfg.n_routed_experts as f64);
-        let t = tokens as f64;
-        let mut bytes =
-            active as f64 * 3.0 * format.matrix_bytes(i, cfg.hidden_size) as f64 + t * h * (2.0 + 4.0);
-        let mut flops = 2.0 * pairs as f64 * 3.0 * h * i as f64;
+        let t = load.tokens as f64;
+        let mut bytes = load.active as f64 * 3.0 * format.matrix_bytes(i, cfg.hidden_size) as f64
+            + t * h * (2 + y.bytes()) as f64;
+        let mut flops = 2.0 * load.pairs as f64 * 3.0 * h * i as f64;
         if let Some(is) = shared_inter {
             bytes += 3.0 * WeightFormat::Bf16.matrix_bytes(is, cfg.hidden_size) as f64;
             flops += 2.0 * t * 3.0 * h * is as f64;
@@ -532,6 +570,8 @@ mod ep {
         pub min_ms: f64,
         pub cost: Cost,
         pub floor_ms: f64,
+        /// y's dtype (`f32` or `bf16`).
+        pub y_dtype: &'static str,
         /// Whether y was finite.
         pub finite: bool,
     }
@@ -627,6 +667,7 @@ mod ep {
                 "ratio": self.ratio(),
                 "tbs": self.tbs(),
                 "tflops": self.tflops(),
+                "y_dtype": self.y_dtype,
                 "y_finite": self.finite,
             })
         }
@@ -703,24 +744,36 @@ mod cuda_bench {
         wts: DevBuf,
         h: usize,
         k: usize,
+        y_dtype: YDtype,
     }
 
     impl Io {
-        fn new(dev: &Arc<CudaDevice>, max_t: usize, h: usize, k: usize) -> anyhow::Result<Io> {
+        fn new(
+            dev: &Arc<CudaDevice>,
+            max_t: usize,
+            h: usize,
+            k: usize,
+            y_dtype: YDtype,
+        ) -> anyhow::Result<Io> {
             Ok(Io {
                 x: dev.alloc(max_t * h * 2, "x")?,
-                y: dev.alloc(max_t * h * 4, "y")?,
+                y: dev.alloc(max_t * h * y_dtype.bytes(), "y")?,
                 ids: dev.alloc(max_t * k * 4, "topk_ids")?,
                 wts: dev.alloc(max_t * k * 4, "topk_weights")?,
                 h,
                 k,
+                y_dtype,
             })
         }
         fn x(&self, t: usize) -> DeviceTensor {
             DeviceTensor::new(self.x.ptr(), t, self.h, DType::Bf16)
         }
         fn y(&self, t: usize) -> DeviceTensor {
-            DeviceTensor::new(self.y.ptr(), t, self.h, DType::F32)
+            let dtype = match self.y_dtype {
+                YDtype::F32 => DType::F32,
+                YDtype::Bf16 => DType::Bf16,
+            };
+            DeviceTensor::new(self.y.ptr(), t, self.h, dtype)
         }
         fn ids(&self, t: usize) -> DeviceTensor {
             DeviceTensor::new(self.ids.ptr(), t, self.k, DType::I32)
@@ -792,7 +845,7 @@ mod cuda_bench {
         let max_t = tokens.iter().copied().max().expect("non-empty");
         let flush =
             (a.flush_mb > 0).then(|| device.alloc(a.flush_mb << 20, "L2 flush buffer")).transpose()?;
-        let io = Io::new(&device, max_t, h, k)?;
+        let io = Io::new(&device, max_t, h, k, a.y_dtype)?;
         let n_rows = tokens.len() * if a.whole_layer { 3 } else { 2 };
         let mut b = Bench {
             a,
@@ -818,7 +871,7 @@ mod cuda_bench {
         );
         println!(
             "layer {} (H {h}, I {}, {e} experts, top-{k}), {}, {}; rank {}/{world} owns experts {:?}; \
-             {}; {} CUDA-graph replays per row, {} MiB flushed before each",
+             {}; y {}; {} CUDA-graph replays per row, {} MiB flushed before each",
             a.shape.name(),
             cfg.moe_intermediate_size,
             b.format,
@@ -826,6 +879,7 @@ mod cuda_bench {
             a.rank,
             shard.experts,
             b.routing.describe(),
+            a.y_dtype.name(),
             a.iters,
             a.flush_mb
         );
@@ -867,10 +921,17 @@ mod cuda_bench {
 
         /// Checks a row's output once: y finite, no malformed-id status. Returns whether y was finite.
         fn check(&self, ws: &Workspace, t: usize, what: &str) -> anyhow::Result<bool> {
-            let y = self.io.y.read::<f32>(&self.stream, 0, t * self.cfg.hidden_size)?;
-            let bad = y.iter().filter(|v| !v.is_finite()).count();
+            let n = t * self.cfg.hidden_size;
+            let bad = match self.io.y_dtype {
+                YDtype::F32 => {
+                    self.io.y.read::<f32>(&self.stream, 0, n)?.iter().filter(|v| !v.is_finite()).count()
+                }
+                YDtype::Bf16 => {
+                    self.io.y.read::<bf16>(&self.stream, 0, n)?.iter().filter(|v| !v.is_finite()).count()
+                }
+            };
             if bad > 0 {
-                self.note(format!("warning: {what}: {bad} of {} outputs are not finite", y.len()));
+                self.note(format!("warning: {what}: {bad} of {n} outputs are not finite"));
             }
             let status = ws.take_status()?;
             if status & (STATUS_BAD_EXPERT_ID | STATUS_BAD_TOKEN_ID) as u32 != 0 {
@@ -902,7 +963,8 @@ mod cuda_bench {
             let (pairs, active) = load(self)?;
             let (median_ms, min_ms) = super::super::median_min(&times);
             let shared = (kind != Kind::Rank && w.shared_inter() > 0).then(|| w.shared_inter());
-            let cost = row_cost(self.cfg, self.format, t, pairs, active, shared, kind == Kind::Whole);
+            let load = Load { tokens: t, pairs, active };
+            let cost = row_cost(self.cfg, self.format, self.a.y_dtype, load, shared, kind == Kind::Whole);
             let c = self.cfg;
             let row = Row {
                 shape: self.a.shape.name().to_string(),
@@ -921,6 +983,7 @@ mod cuda_bench {
                 min_ms,
                 cost,
                 floor_ms: self.ceil.floor_ms(&cost),
+                y_dtype: self.a.y_dtype.name(),
                 finite,
             };
             self.pb.suspend(|| println!("{}", row.line()));
@@ -1141,26 +1204,33 @@ mod tests {
         let cfg = synthetic::v4_pro_config();
         let (h, i) = (7168.0, 3072.0);
         // T=1 on one rank: 6 experts active, 6 pairs, NVFP4.
-        let c = row_cost(&cfg, WeightFormat::Nvfp4, 1, 6, 6, None, false);
+        let one = Load { tokens: 1, pairs: 6, active: 6 };
+        let c = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::F32, one, None, false);
         let w = 3.0 * (h * i * 0.5 + h * i / 16.0);
         assert_eq!(c.bytes, 6.0 * w + h * 6.0);
         assert_eq!(c.flops, 2.0 * 6.0 * 3.0 * h * i);
-        let s = row_cost(&cfg, WeightFormat::Nvfp4, 1, 6, 6, Some(3072), false);
+        // A bf16 y: x read (2 bytes) + y written (2 bytes) a column.
+        let b = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::Bf16, one, None, false);
+        assert_eq!(c.bytes - b.bytes, h * 2.0);
+        assert_eq!(b.flops, c.flops);
+        let s = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::F32, one, Some(3072), false);
         assert_eq!(s.bytes - c.bytes, 3.0 * h * i * 2.0);
         assert_eq!(s.flops - c.flops, 2.0 * 3.0 * h * i);
-        let r = row_cost(&cfg, WeightFormat::Nvfp4, 1, 6, 6, None, true);
+        let r = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::F32, one, None, true);
         assert_eq!(r.bytes - c.bytes, 384.0 * h * 4.0);
         let ceil = Ceilings { copy_tbs: 4.0, bf16_tflops: 800.0 };
         // Memory-bound at T=1, compute-bound at a large T.
         assert!((ceil.floor_ms(&c) - c.bytes / 4e12 * 1e3).abs() < 1e-12);
-        let big = row_cost(&cfg, WeightFormat::Nvfp4, 16384, 12288, 48, None, false);
+        let big_load = Load { tokens: 16384, pairs: 12288, active: 48 };
+        let big = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::F32, big_load, None, false);
         assert!((ceil.floor_ms(&big) - big.flops / 800e12 * 1e3).abs() < 1e-12);
     }
 
     #[test]
     fn rows_print_and_serialise() {
         let cfg = synthetic::v4_pro_config();
-        let cost = row_cost(&cfg, WeightFormat::Nvfp4, 64, 48, 40, None, false);
+        let load = Load { tokens: 64, pairs: 48, active: 40 };
+        let cost = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::Bf16, load, None, false);
         let ceil = Ceilings { copy_tbs: 4.28, bf16_tflops: 761.0 };
         let row = Row {
             shape: "v4-pro".into(),
@@ -1179,6 +1249,7 @@ mod tests {
             min_ms: 0.4,
             cost,
             floor_ms: ceil.floor_ms(&cost),
+            y_dtype: "bf16",
             finite: true,
         };
         let line = row.line();
@@ -1192,6 +1263,7 @@ mod tests {
         assert_eq!(r["pairs"], 48);
         assert_eq!(r["active_experts"], 40);
         assert_eq!(r["family"], "tc");
+        assert_eq!(r["y_dtype"], "bf16");
         assert!((r["ratio"].as_f64().unwrap() - 0.5 / row.floor_ms).abs() < 1e-12);
         assert!((r["tflops"].as_f64().unwrap() - cost.flops / 0.5e-3 / 1e12).abs() < 1e-9);
         let dir = tempfile::tempdir().unwrap();
