@@ -1787,9 +1787,9 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
 
 /// A rank's routed forward on the slice-parallel kernel (`enqueue_routed` with `MEGAMOE_SLICE=1`:
 /// external routing with -1 and other ranks' ids, tokens with no slot here, the shared expert added
-/// or not, f32 and bf16 y) against the separate stages on the same poisoned workspace: equal up to
-/// f32 summation order (the slice kernel cuts the L2's K per slice); a malformed id sets the status
-/// bit and drops its slot.
+/// or not, f32 and bf16 y, 16-byte aligned or not) against the separate stages on the same
+/// poisoned workspace: equal up to f32 summation order (the slice kernel cuts the L2's K per
+/// slice); a malformed id sets the status bit and drops its slot.
 #[test]
 fn slice_routed_forward_matches_separate_stages() {
     let Some(dev) = slice_device() else { return };
@@ -1807,9 +1807,17 @@ fn slice_routed_forward_matches_separate_stages() {
             let (ids, wts) = rank24_routing(t, k, 5);
             let x = synthetic::random_hidden(t, h, 180 + t as u64);
             let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &ids, &wts, h, k);
-            for (ydt, shared) in [(DType::F32, false), (DType::Bf16, true), (DType::F32, true)] {
+            // skew: y 4 bytes past a 256-byte boundary (the entry points accept any 4-byte aligned
+            // y: the sums' 4-column stores must not assume 16 bytes).
+            for (ydt, shared, skew) in [
+                (DType::F32, false, 0),
+                (DType::Bf16, true, 0),
+                (DType::F32, true, 0),
+                (DType::F32, false, 4),
+                (DType::Bf16, true, 4),
+            ] {
                 let ybytes = t * h * ydt.size();
-                let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));
+                let (ya, yb) = (yo + skew, yo + (ybytes + skew).next_multiple_of(256) + skew);
                 let ytensor = |at: usize| DeviceTensor::new(arena.ptr() + at as u64, t, h, ydt);
                 let read = |at: usize| -> Vec<f32> {
                     if ydt == DType::Bf16 {
@@ -1819,7 +1827,7 @@ fn slice_routed_forward_matches_separate_stages() {
                         arena.read::<f32>(dev.stream(), at, t * h).unwrap()
                     }
                 };
-                let what = format!("slice {format:?} T={t} y {ydt:?} shared {shared}");
+                let what = format!("slice {format:?} T={t} y {ydt:?} shared {shared} skew {skew}");
                 ws.poison(0xFF).unwrap();
                 if shared {
                     w.enqueue_shared(&ws, &xt, s).unwrap();

@@ -171,7 +171,8 @@ impl TensorSpec {
 
 /// The layer input `[T, H]` bf16 (16-byte row loads and TMA boxes).
 pub(crate) const X: TensorSpec = TensorSpec { name: "x", dtypes: &[DType::Bf16], align: 16 };
-/// The layer output `[T, H]` f32 or bf16 (the combine's float4 / bf16x4 stores).
+/// The layer output `[T, H]` f32 or bf16: 4-byte aligned (the L2 epilogues' f32 stores); the
+/// combines store 4 columns at once where the base allows (common.cuh `store_out4`).
 pub(crate) const Y: TensorSpec = TensorSpec { name: "y", dtypes: &[DType::F32, DType::Bf16], align: 4 };
 /// Global expert ids `[T, k]` i32.
 pub(crate) const TOPK_IDS: TensorSpec = TensorSpec { name: "topk_ids", dtypes: &[DType::I32], align: 4 };

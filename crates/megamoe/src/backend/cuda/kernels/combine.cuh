@@ -33,12 +33,5 @@ __device__ __forceinline__ void combine_cols4(const CombineParams& p, Row row, i
         const float4 sh = __ldcg((const float4*)(p.shared_out + (size_t)t * H + h));
         acc.x += sh.x; acc.y += sh.y; acc.z += sh.z; acc.w += sh.w;
     }
-    const size_t o = (size_t)t * H + h;
-    if (p.y_dtype == OUT_BF16) {
-        bf16_t* y = (bf16_t*)p.y + o;
-        y[0] = f2bf(acc.x); y[1] = f2bf(acc.y); y[2] = f2bf(acc.z); y[3] = f2bf(acc.w);
-    } else {
-        float* y = (float*)p.y + o;
-        y[0] = acc.x; y[1] = acc.y; y[2] = acc.z; y[3] = acc.w;
-    }
+    store_out4(p.y, p.y_dtype == OUT_BF16, (size_t)t * H + h, acc);
 }

@@ -34,6 +34,23 @@ __device__ __forceinline__ bf16_t f2bf(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// y[o .. o + 3] of a layer output, f32 or (bf16) rounded to nearest even, with the widest store the
+// base address allows: the entry points check y for 4-byte alignment only (io.rs, Y), and o is a
+// multiple of 4, so the base decides (one 16-byte f32 / 8-byte bf16 store where aligned; the test
+// on y is uniform over the launch).
+__device__ __forceinline__ void store_out4(void* y, bool bf16, size_t o, float4 v) {
+    if (bf16) {
+        const unsigned lo = f2bf(v.x) | ((unsigned)f2bf(v.y) << 16), hi = f2bf(v.z) | ((unsigned)f2bf(v.w) << 16);
+        unsigned* d = (unsigned*)((bf16_t*)y + o);
+        if (((size_t)y & 7u) == 0) *(uint2*)d = make_uint2(lo, hi);
+        else { d[0] = lo; d[1] = hi; }
+    } else {
+        float* d = (float*)y + o;
+        if (((size_t)y & 15u) == 0) *(float4*)d = v;
+        else { d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w; }
+    }
+}
+
 // E2M1 code (low 4 bits) -> f32: bit 3 sign, bits 2..0 index [0, .5, 1, 1.5, 2, 3, 4, 6].
 __device__ __forceinline__ float e2m1_to_f32(unsigned c) {
     unsigned em = c & 7u;

@@ -459,12 +459,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_slice_sum(const __grid_con
             const float4 sh = __ldcg((const float4*)(p.shared_out + o));
             acc.x += sh.x; acc.y += sh.y; acc.z += sh.z; acc.w += sh.w;
         }
-        if (p.y_dtype == OUT_BF16) {
-            bf16_t* y = (bf16_t*)p.y + o;
-            y[0] = f2bf(acc.x); y[1] = f2bf(acc.y); y[2] = f2bf(acc.z); y[3] = f2bf(acc.w);
-        } else {
-            *(float4*)((float*)p.y + o) = acc;
-        }
+        store_out4(p.y, p.y_dtype == OUT_BF16, o, acc);
     }
 }
 
