@@ -156,6 +156,7 @@ impl YDtype {
         }
     }
     /// The name in the bench's output.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn name(self) -> &'static str {
         match self {
             YDtype::F32 => "f32",
