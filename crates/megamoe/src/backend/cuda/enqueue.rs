@@ -552,10 +552,6 @@ impl LayerWeights {
         s: StreamRef,
     ) -> Result<()> {
         let (c, ex) = (&self.config, &self.experts);
-        let y_dtype = if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 };
-        // With no shared expert to add, the slice launch sums its own partials into y (its last
-        // CTA of each cluster rank; `MEGAMOE_FOLD=0`: moe_slice_sum does, as with one).
-        let fold = ws.fold_combine && shared == 0 && !join;
         let p = SliceParams {
             topk_ids,
             topk_w,
@@ -575,14 +571,8 @@ impl LayerWeights {
             inter: ex.inter as i32,
             limit: c.swiglu_limit,
             stages: 0, // the kernels' choice (gpu_layout::slice::slice_stages)
-            fold_count: if fold { ws.slice_counts.ptr() } else { 0 },
-            y: if fold { y.ptr } else { 0 },
-            y_dtype,
         };
         ex.kernels.launch_slice(s, clusters, &p)?;
-        if fold {
-            return Ok(());
-        }
         if join {
             launch::wait(s, &ws.join)?;
         }
@@ -593,7 +583,7 @@ impl LayerWeights {
             clusters: clusters as i32,
             tokens: t as i32,
             h: c.hidden_size as i32,
-            y_dtype,
+            y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },
         };
         ex.kernels.launch_slice_sum(s, &sum)
     }

@@ -82,9 +82,7 @@ pub fn slice_clusters() -> Option<usize> {
 
 /// `MEGAMOE_FOLD=0`: the combine always sums every token's L2 rows (by default a forward whose
 /// expert inputs are staged, whose y is f32 and that adds no shared expert has its L2 write the
-/// tokens with one planned slot straight into y), and the slice decode kernel's partials are always
-/// summed by `moe_slice_sum` (by default a step with no shared expert to add sums them in the
-/// slice launch itself).
+/// tokens with one planned slot straight into y).
 pub fn fold_combine() -> bool {
     default_on("MEGAMOE_FOLD")
 }

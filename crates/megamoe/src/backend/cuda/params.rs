@@ -656,15 +656,6 @@ kernel_abi! {
         limit: f32 => "float",
         /// Ring stages (`gpu_layout::slice::slice_stages`).
         stages: i32 => "int",
-        /// Nullable: `[SLICE_CLUSTER]` u32 arrival counters (0 between launches). Given, the launch
-        /// also sums the partials into `y` (no shared expert to add): the last CTA of each cluster
-        /// rank to store its partials adds that rank's rows over the clusters, as `moe_slice_sum`
-        /// would, and zeroes its counter; null: `moe_slice_sum` does it.
-        fold_count: DevPtr => "unsigned*",
-        /// `[T, H]` output (`y_dtype`), with `fold_count`.
-        y: DevPtr => "void*",
-        /// `OUT_F32` / `OUT_BF16`, with `fold_count`.
-        y_dtype: i32 => "int",
     }
 
     /// The sum of the slice kernel's partials (`moe_slice_sum`, a programmatic dependent).

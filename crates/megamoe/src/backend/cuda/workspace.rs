@@ -218,8 +218,7 @@ pub struct Workspace {
     /// Plan row -> its token when it is the token's only planned slot, else `ROW_NONE` `[S]` u32
     /// (written by the staging pass of a forward that folds the combine into its L2).
     pub(crate) direct: DevBuf,
-    /// Whether forwards may fold the combine of single-slot tokens into the L2, and the slice
-    /// kernel's partial sum into its own launch (`MEGAMOE_FOLD`).
+    /// Whether forwards may fold the combine of single-slot tokens into the L2 (`MEGAMOE_FOLD`).
     pub(crate) fold_combine: bool,
     /// L1 output `silu(gate) * up * w` `[S, I]` bf16 in plan-row order.
     pub(crate) act: DevBuf,
@@ -243,9 +242,6 @@ pub struct Workspace {
     /// ([`super::gemm::GemmLaunch::sched`]; zero between forwards: the kernels leave them so):
     /// the finished L2 CTAs, then per token tile its stored L1 units (`MEGAMOE_WG_CHAIN=1`).
     pub(crate) chain_counts: DevBuf,
-    /// The slice kernel's arrival counters per cluster rank `[SLICE_CLUSTER]` u32 (zero between
-    /// forwards: the launch that sums its own partials leaves them so).
-    pub(crate) slice_counts: DevBuf,
     /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
     /// batches; [`Self::prepare`]).
     pub(crate) xin: Option<DevBuf>,
@@ -322,7 +318,6 @@ impl Workspace {
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
             // The chained L1 + L2 launches' per-tile counts (a few hundred bytes: always there).
             chain_counts: z(&[2 + tiles, 4], "chained L1 + L2 counters")?,
-            slice_counts: z(&[crate::backend::gpu_layout::slice::SLICE_CLUSTER, 4], "slice sum counters")?,
             xin: None,
             actq: None,
             gate_tr: None,
@@ -337,8 +332,7 @@ impl Workspace {
     }
 
     /// `(buffer, offset, bytes)` of every counter range of the split scratch (routed L1, L2,
-    /// fused-kernel barriers, then the same for the shared expert), then the chained launches' and
-    /// the slice kernel's.
+    /// fused-kernel barriers, then the same for the shared expert), then the chained launches'.
     fn split_counter_ranges(&self) -> Vec<(&DevBuf, usize, usize)> {
         use crate::backend::gpu_layout::tc::FUSED_SYNC_COUNTERS;
         let l = split_layout(self.device.sm_count());
@@ -353,7 +347,6 @@ impl Workspace {
                 ]
             })
             .chain([(&self.chain_counts, 0, self.chain_counts.bytes())])
-            .chain([(&self.slice_counts, 0, self.slice_counts.bytes())])
             .collect()
     }
 
@@ -446,7 +439,6 @@ impl Workspace {
             &self.split_routed,
             &self.split_shared,
             &self.chain_counts,
-            &self.slice_counts,
         ]
         .into_iter()
         .chain(self.xin.iter())
@@ -477,9 +469,8 @@ impl Workspace {
     }
 
     /// The split scratch's counters (routed L1, L2 — each padded to 256 bytes — and the fused
-    /// kernel's barriers, then the same for the shared expert), the chained launches' and the slice
-    /// kernel's, read back after a synchronisation: every streaming launch must leave them all
-    /// zero. Diagnostics and tests.
+    /// kernel's barriers, then the same for the shared expert) and the chained launches', read back after a
+    /// synchronisation: every streaming launch must leave them all zero. Diagnostics and tests.
     pub fn split_counters(&self) -> Result<Vec<u32>> {
         self.device.synchronize()?;
         let mut v = Vec::new();

@@ -44,12 +44,7 @@
 // Ring: full barriers complete on the copies' bytes, empty ones on one arrival per consumer warp.
 // End: each thread stores its rows' per-token sums in partials [clusters][T][H] (f32; every
 // cluster writes all of its rows, zeros where it had no unit). moe_slice_sum, a programmatic
-// dependent, adds the clusters' partials in a fixed order (+ the shared expert's output) into y —
-// or, with no shared expert to add (fold_count given), the launch does: the CTAs of cluster rank r
-// own the same rows in every cluster, so the last of them to store its partials (a u32 arrival
-// count per rank, after a fence) adds those rows over the clusters in the same order and lane
-// grouping (sl_sum_cols4: the same bits) and zeroes the count; no dependent launch, and the sums
-// of the ranks run in parallel on eight SMs as the last clusters finish.
+// dependent, adds the clusters' partials in a fixed order (+ the shared expert's output) into y.
 // Precision: as the separate stages up to f32 summation order (the L2's K sum is cut per slice and
 // the routed experts' rows meet before their sum over slices; the activations are bf16 as there).
 // Phase clocks (the DS_PROBE build, MEGAMOE_PHASE_PROBE=1: backend/cuda/probe.rs): thread 0 (warp
@@ -204,77 +199,6 @@ __device__ __forceinline__ void sl_mma_chunk(float (&acc)[4], const TcLane& ln, 
         mma_bf16_16816(acc, a[q], b0, b1);
         mma_bf16_16816(acc, a[q + 1], b2, b3);
     }
-}
-
-// The clusters' partials of the 4 columns (t, h..h+3), summed by 8 consecutive lanes: lane `sub`
-// adds clusters sub, sub + 8, .. in order (SS_BATCH loads in flight before the first add: a
-// one-token step's ~45 partials are ~6 a lane, one after another ~6 L2 round trips), then the
-// group's fixed xor tree joins them (bitwise repeatable; every lane of the group gets the sum).
-// Called by whole warps (the shuffles); a lane that is not `live` adds nothing.
-constexpr int SS_BATCH = 8;                            // partials in flight per lane (64 clusters a batch)
-
-__device__ __forceinline__ float4 sl_sum_cols4(const float* partials, int clusters, int T, int H, int t, int h,
-                                               int sub, bool live)
-{
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (live) {
-        for (int c0 = sub; c0 < clusters; c0 += 8 * SS_BATCH) {
-            float4 v[SS_BATCH];
-            #pragma unroll
-            for (int i = 0; i < SS_BATCH; ++i) {
-                const int c = c0 + 8 * i;
-                if (c < clusters) v[i] = __ldcg((const float4*)(partials + ((size_t)c * T + t) * H + h));
-            }
-            #pragma unroll
-            for (int i = 0; i < SS_BATCH; ++i) {
-                if (c0 + 8 * i < clusters) { acc.x += v[i].x; acc.y += v[i].y; acc.z += v[i].z; acc.w += v[i].w; }
-            }
-        }
-    }
-    #pragma unroll
-    for (int o = 4; o > 0; o >>= 1) {
-        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, o);
-        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, o);
-        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, o);
-        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, o);
-    }
-    return acc;
-}
-
-// The folded sum (fold_count given): called by every consumer thread of every CTA after its
-// partial stores. The CTA that is the last of cluster rank r's to arrive adds rows [lo, hi) of
-// every token over the clusters into y and zeroes rank r's count for the next launch. Not inlined,
-// and given only what the parameters hold: inlined, or passed the kernel's rank and rows, it cost
-// the L2 loop's accumulators local-memory round trips at the 72-register cap (SASS).
-__device__ __noinline__ void sl_fold_sum(const float* partials, unsigned* counts, void* y, bool bf16, int T, int H,
-                                         const volatile int* active, int inter)
-{
-    const int units = *active * (inter / 64);
-    __shared__ int last;
-    // The rank, cluster count and rows read again here, not held through the kernel's loops.
-    const unsigned r = sl_cluster_rank();
-    const int ncl = (int)sl_cluster_count(), groups2 = (H + 127) / 128;
-    // Only the busy clusters' partials (as the kernel shares the units out): the others are zeros,
-    // and a sum that skips +0 terms has the same bits (it starts at +0).
-    const int rounds = (units + ncl - 1) / ncl, busy = rounds ? (units + rounds - 1) / rounds : 0;
-    const int lo = (int)r * groups2 / SLICE_CLUSTER * 128, hi = min(((int)r + 1) * groups2 / SLICE_CLUSTER * 128, H);
-    unsigned* count = counts + r;
-    __threadfence();                                   // this thread's partials before the count
-    named_bar(1, 32 * SL_CONSUMERS);
-    if (threadIdx.x == 0) last = atomicAdd(count, 1u) == (unsigned)ncl - 1u;
-    named_bar(1, 32 * SL_CONSUMERS);
-    if (!last) return;
-    __threadfence();                                   // the other CTAs' partials, counted, before the reads
-    const int cols = (hi - lo) / 4, items = T * cols, lane = threadIdx.x & 31;
-    // Four column groups a warp, 8 lanes each; the bound is uniform over the warp.
-    for (int base = (threadIdx.x >> 5) * 4; base < items; base += 4 * SL_CONSUMERS) {
-        const int it = base + lane / 8;
-        const bool live = it < items;
-        const int t = live ? it / cols : 0, h = live ? lo + (it - t * cols) * 4 : 0;
-        const float4 acc = sl_sum_cols4(partials, busy, T, H, t, h, lane & 7, live);
-        if (live && (lane & 7) == 0) store_out4(y, bf16, (size_t)t * H + h, acc);
-    }
-    if (threadIdx.x == 0) *count = 0u;
 }
 
 extern "C" __global__ void __launch_bounds__(SL_THREADS, SLICE_CTAS_PER_SM) moe_slice(const __grid_constant__ SliceParams p)
@@ -484,15 +408,16 @@ extern "C" __global__ void __launch_bounds__(SL_THREADS, SLICE_CTAS_PER_SM) moe_
             if (h0 + 8 < H) __stcg(row + h0 + 8, acc2[i][2 + c]);
         }
     }
-    if (p.fold_count)
-        sl_fold_sum(p.partials, p.fold_count, p.y, p.y_dtype == OUT_BF16, p.tokens, p.h, &ex.count, p.inter);
     if (threadIdx.x == 0) { DS_STAMP(PROBE_END); DS_STAMP_TIME(PROBE_TIME_END); }
 }
 
-// y[t][h] = the clusters' partials (+ the shared expert's row), f32 or bf16: eight lanes per 4
-// columns (sl_sum_cols4), so a one-token step's 1792 column groups read their ~45 partials with 8
-// loads in flight per column instead of one thread's serial chain. A programmatic dependent of
-// moe_slice: waits for it before the first read.
+// y[t][h] = the clusters' partials (+ the shared expert's row), f32 or bf16. Eight lanes per 4
+// columns: lane j of a group adds clusters j, j + 8, .. in order, then the group's fixed xor tree
+// joins them (bitwise repeatable), so a one-token step's 1792 column groups read their ~45
+// partials with 8 loads in flight per column instead of one thread's serial chain. A programmatic
+// dependent of moe_slice: waits for it before the first read.
+constexpr int SS_BATCH = 8;                            // partials in flight per lane (64 clusters a batch)
+
 extern "C" __global__ void __launch_bounds__(256) moe_slice_sum(const __grid_constant__ SliceSumParams p)
 {
     griddep_wait();
@@ -503,7 +428,31 @@ extern "C" __global__ void __launch_bounds__(256) moe_slice_sum(const __grid_con
         const int it = base + (threadIdx.x & 31) / 8;
         const bool live = it < items;
         const int t = live ? it / cols : 0, h = live ? (it - t * cols) * 4 : 0;
-        float4 acc = sl_sum_cols4(p.partials, p.clusters, p.tokens, p.h, t, h, sub, live);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (live) {
+            // SS_BATCH loads issued before the first add (a one-token step's ~45 partials are ~6 a
+            // lane: one after another they were ~6 L2 round trips, ncu 4.8 us for 1.3 MB), added in
+            // cluster order as before.
+            for (int c0 = sub; c0 < p.clusters; c0 += 8 * SS_BATCH) {
+                float4 v[SS_BATCH];
+                #pragma unroll
+                for (int i = 0; i < SS_BATCH; ++i) {
+                    const int c = c0 + 8 * i;
+                    if (c < p.clusters) v[i] = __ldcg((const float4*)(p.partials + ((size_t)c * p.tokens + t) * p.h + h));
+                }
+                #pragma unroll
+                for (int i = 0; i < SS_BATCH; ++i) {
+                    if (c0 + 8 * i < p.clusters) { acc.x += v[i].x; acc.y += v[i].y; acc.z += v[i].z; acc.w += v[i].w; }
+                }
+            }
+        }
+        #pragma unroll
+        for (int o = 4; o > 0; o >>= 1) {
+            acc.x += __shfl_xor_sync(0xffffffffu, acc.x, o);
+            acc.y += __shfl_xor_sync(0xffffffffu, acc.y, o);
+            acc.z += __shfl_xor_sync(0xffffffffu, acc.z, o);
+            acc.w += __shfl_xor_sync(0xffffffffu, acc.w, o);
+        }
         if (!live || sub != 0) continue;
         const size_t o = (size_t)t * p.h + h;
         if (p.shared_out) {

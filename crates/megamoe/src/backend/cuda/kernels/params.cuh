@@ -323,11 +323,8 @@ struct SliceParams {
     int inter;
     float limit;
     int stages;
-    unsigned* fold_count;
-    void* y;
-    int y_dtype;
 };
-static_assert(sizeof(SliceParams) == 136, "SliceParams mirrors params.rs");
+static_assert(sizeof(SliceParams) == 112, "SliceParams mirrors params.rs");
 
 struct SliceSumParams {
     const float* partials;
