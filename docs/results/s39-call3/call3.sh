@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The thirty-ninth session's third device call: the final build's checks and rows (staged by
+#   KCACHE_SEED=<the last carry's cache> PRECOMPILE_PROBE=0 bash scripts/device.sh
+# after the folded sum's revert; run(command="bash .device-carry/call3.sh", carry=[".device-carry",
+# ".peers"], timeout_s=300)). One archive, $OUT/all.tgz, refreshed every 15 s.
+set -uo pipefail
+A=/tmp/s39c/all; mkdir -p "$A"; O0="$OUT"
+pack() { tar -czf "$O0/all.tmp.tgz" -C /tmp/s39c all 2>/dev/null && mv "$O0/all.tmp.tgz" "$O0/all.tgz"; }
+( while sleep 15; do pack; done ) &
+OUT=$A source .device-carry/call_env.sh   # the kernel cache, MEGAMOE_* paths, C
+B=$C/bin/megamoe
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee $A/gpu.txt
+timeout 100 $C/bin/cuda_engine --test-threads=1 slice_ fused_decode routed_forward_folds > $A/engine_tests.txt 2>&1
+grep -E "^test |panicked|test result" $A/engine_tests.txt | head -8
+timeout 60 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 slice_routed > $A/memcheck.txt 2>&1
+grep -E "ERROR SUMMARY|test result" $A/memcheck.txt | head -2
+timeout 100 $B verify --backend cuda > $A/verify.txt 2>&1; grep -E "verify:|FAIL" $A/verify.txt | head -3
+timeout 100 $C/bin/cuda_fixtures --test-threads 1 > $A/fixtures.txt 2>&1; grep -E "test result|panicked" $A/fixtures.txt
+echo "== checks ${SECONDS}s"; pack
+MEGAMOE_LOG=megamoe=warn timeout 100 $B bench forward --backend cuda --shape v4-pro --simulate-ep 8 --tokens 1,8,64,4096 \
+  --json $A/bench_pro.json 2>&1 | tee $A/bench_pro.txt | grep -E "^v4-" | cut -c1-160
+MEGAMOE_LOG=megamoe=warn timeout 80 $B bench forward --backend cuda --shape v4-flash --whole-layer --tokens 1 \
+  --json $A/bench_flash.json 2>&1 | tee $A/bench_flash.txt | grep -E "^v4-" | cut -c1-160
+echo "== all done ${SECONDS}s"; pack; kill %1 2>/dev/null; pack
