@@ -14,3 +14,7 @@ chmod +x $C/bin/* 2>/dev/null
 nvidia-smi --query-gpu=name --format=csv,noheader
 # A bench table's rows, one line each: shape, what, T, median ms, x floor (the staged calls' A/B logs).
 bench_rows() { grep -E "^v4-" | awk '{printf "  %-8s %-14s T=%-6s %s ms ratio %s\n", $1, $6, $7, $10, $15}'; }
+# Packs folder $1 (its parent and name) into $2/all.tgz now, and with `pack_every` every 15 s in the
+# background (the device tool returns 8 files: every log travels in one archive).
+pack_to() { tar -czf "$2/all.tmp.tgz" -C "$(dirname "$1")" "$(basename "$1")" 2>/dev/null && mv "$2/all.tmp.tgz" "$2/all.tgz"; }
+pack_every() { ( while sleep 15; do pack_to "$1" "$2"; done ) & }

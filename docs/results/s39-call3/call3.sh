@@ -5,9 +5,9 @@
 # ".peers"], timeout_s=300)). One archive, $OUT/all.tgz, refreshed every 15 s.
 set -uo pipefail
 A=/tmp/s39c/all; mkdir -p "$A"; O0="$OUT"
-pack() { tar -czf "$O0/all.tmp.tgz" -C /tmp/s39c all 2>/dev/null && mv "$O0/all.tmp.tgz" "$O0/all.tgz"; }
-( while sleep 15; do pack; done ) &
-OUT=$A source .device-carry/call_env.sh   # the kernel cache, MEGAMOE_* paths, C
+OUT=$A source .device-carry/call_env.sh   # the kernel cache, MEGAMOE_* paths, C, pack_to / pack_every
+pack() { pack_to "$A" "$O0"; }
+pack_every "$A" "$O0"
 B=$C/bin/megamoe
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee $A/gpu.txt
 timeout 100 $C/bin/cuda_engine --test-threads=1 slice_ fused_decode routed_forward_folds > $A/engine_tests.txt 2>&1
