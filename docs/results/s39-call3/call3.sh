@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The thirty-ninth session's third device call: the final build's checks and rows (staged by
 #   KCACHE_SEED=<the last carry's cache> PRECOMPILE_PROBE=0 bash scripts/device.sh
-# after the folded sum's revert; run(command="bash .device-carry/call3.sh", carry=[".device-carry",
-# ".peers"], timeout_s=300)). One archive, $OUT/all.tgz, refreshed every 15 s.
+# after the folded sum's revert, this script and the ramp probe's binary copied into .device-carry/;
+# run(command="bash .device-carry/call3.sh", carry=[".device-carry", ".peers"], timeout_s=300),
+# ideally on an H200). One archive, $OUT/all.tgz, refreshed every 15 s.
 set -uo pipefail
 A=/tmp/s39c/all; mkdir -p "$A"; O0="$OUT"
 OUT=$A source .device-carry/call_env.sh   # the kernel cache, MEGAMOE_* paths, C, pack_to / pack_every
@@ -21,4 +22,9 @@ MEGAMOE_LOG=megamoe=warn timeout 100 $B bench forward --backend cuda --shape v4-
   --json $A/bench_pro.json 2>&1 | tee $A/bench_pro.txt | grep -E "^v4-" | cut -c1-160
 MEGAMOE_LOG=megamoe=warn timeout 80 $B bench forward --backend cuda --shape v4-flash --whole-layer --tokens 1 \
   --json $A/bench_flash.json 2>&1 | tee $A/bench_flash.txt | grep -E "^v4-" | cut -c1-160
+# The ramp probe on this GPU (it has run on an H100 only: call 1), when its binary was carried
+# (`.device-carry/ramp_probe`, built here with the CUDA 13.0 nvcc wheels; the device has no nvcc).
+if [ -x .device-carry/ramp_probe ] || chmod +x .device-carry/ramp_probe 2>/dev/null; then
+  timeout 120 .device-carry/ramp_probe > $A/ramp_probe.txt 2>&1; head -30 $A/ramp_probe.txt
+fi
 echo "== all done ${SECONDS}s"; pack; kill %1 2>/dev/null; pack
