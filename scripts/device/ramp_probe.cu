@@ -6,8 +6,9 @@
 // issue's bytes / copy-bandwidth floor. No compute: each CTA streams a contiguous range with 1-D
 // bulk copies into an ST-deep mbarrier ring (one producer lane; one consumer lane releases each
 // stage at once), as the slice kernel's producer does.
-// Built and run THERE (the GPU machine):
-//   nvcc -arch=sm_90a -O2 -o /tmp/ramp_probe scripts/device/ramp_probe.cu && /tmp/ramp_probe
+// Built HERE with the PyPI nvcc (the device machines have none on their path) and carried:
+//   bash scripts/build_probe.sh scripts/device/ramp_probe.cu .device-carry/ramp_probe
+// then run THERE (`RAMP_PROBE=1 bash .device-carry/run.sh`, or .device-carry/ramp_probe).
 // Sweep: bytes S (37.2 MB = one V4-Pro expert, 186 MB = the T=8 rank step's five, 1.2 GB = a T=64
 // step), CTAs (132, 264, 396, 528), stages (4, 8, 12 of 4608 B), flush before each run (the bench's
 // 256 MiB memset, which leaves the L2 full of dirty lines; or a 256 MiB read, which leaves it clean).

@@ -263,11 +263,14 @@ if [ "${NCU_DETAIL:-0}" != 0 ] && command -v ncu >/dev/null; then
     rm -f "$OUT/detail_$tag.ncu-rep"
   done
 fi
-if [ "${RAMP_PROBE:-0}" != 0 ] && command -v nvcc >/dev/null; then
+if [ "${RAMP_PROBE:-0}" != 0 ]; then
   # How long a one-shot read of a decode step's bytes takes from a cold L2 (scripts/device/ramp_probe.cu):
-  # the practical floor of a one-token step against the bytes / copy-bandwidth one.
-  if nvcc -arch=sm_90a -O2 -o /tmp/ramp_probe scripts/device/ramp_probe.cu >/dev/null 2>&1; then
+  # the practical floor of a one-token step against the bytes / copy-bandwidth one. Built here when
+  # the machine has nvcc, else the binary scripts/build_probe.sh built and staged in the carry.
+  if command -v nvcc >/dev/null && nvcc -arch=sm_90a -O2 -o /tmp/ramp_probe scripts/device/ramp_probe.cu >/dev/null 2>&1; then
     step ramp_probe timeout 300 /tmp/ramp_probe
+  elif [ -f .device-carry/ramp_probe ]; then
+    chmod +x .device-carry/ramp_probe && step ramp_probe timeout 300 .device-carry/ramp_probe
   fi
 fi
 if [ "${NCU_PIPES:-0}" != 0 ] && command -v ncu >/dev/null; then
