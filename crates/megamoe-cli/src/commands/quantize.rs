@@ -12,13 +12,31 @@ pub enum FormatArg {
     Mxfp4,
 }
 
-/// Output dtype of `megamoe dequantize`.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+/// A floating output dtype: `megamoe dequantize`'s tensors, `bench forward`'s y.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DtypeArg {
     /// bfloat16.
     Bf16,
     /// float32 (exact).
     F32,
+}
+
+impl DtypeArg {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            DtypeArg::F32 => 4,
+            DtypeArg::Bf16 => 2,
+        }
+    }
+    /// The name in the bench's output.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn name(self) -> &'static str {
+        match self {
+            DtypeArg::F32 => "f32",
+            DtypeArg::Bf16 => "bf16",
+        }
+    }
 }
 
 /// Arguments of `megamoe quantize`.

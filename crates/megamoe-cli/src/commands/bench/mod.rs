@@ -20,6 +20,8 @@ use rand::{Rng, SeedableRng};
 use routing::{rank_load, RoutingSource};
 use std::time::Instant;
 
+use super::quantize::DtypeArg;
+
 // The EP-rank rows' routing (the CUDA bench; a CPU-only build keeps its tests).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod routing;
@@ -104,7 +106,7 @@ pub struct ForwardBench {
     /// server's hidden states are and what the peers in `../shared/peers/` write (half the bytes of
     /// y, which a prefill step's combine writes: 117 MB in f32 at V4-Pro's T=4096).
     #[arg(long, value_enum, default_value = "f32")]
-    pub y_dtype: YDtype,
+    pub y_dtype: DtypeArg,
     /// CUDA: write the rows and the ceilings as JSON here (`scripts/plot_roofline.py` plots them).
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -134,33 +136,6 @@ impl GemmFamily {
         match self {
             GemmFamily::Tc => "tc",
             GemmFamily::Simt => "simt",
-        }
-    }
-}
-
-/// Output dtype of `bench forward` on CUDA.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum YDtype {
-    /// f32.
-    F32,
-    /// bf16.
-    Bf16,
-}
-
-impl YDtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
-        match self {
-            YDtype::F32 => 4,
-            YDtype::Bf16 => 2,
-        }
-    }
-    /// The name in the bench's output.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub fn name(self) -> &'static str {
-        match self {
-            YDtype::F32 => "f32",
-            YDtype::Bf16 => "bf16",
         }
     }
 }
@@ -507,7 +482,7 @@ mod ep {
     pub(crate) fn row_cost(
         cfg: &MoeConfig,
         format: WeightFormat,
-        y: YDtype,
+        y: DtypeArg,
         load: Load,
         shared_inter: Option<usize>,
         router: bool,
@@ -745,7 +720,7 @@ mod cuda_bench {
         wts: DevBuf,
         h: usize,
         k: usize,
-        y_dtype: YDtype,
+        y_dtype: DtypeArg,
     }
 
     impl Io {
@@ -754,7 +729,7 @@ mod cuda_bench {
             max_t: usize,
             h: usize,
             k: usize,
-            y_dtype: YDtype,
+            y_dtype: DtypeArg,
         ) -> anyhow::Result<Io> {
             Ok(Io {
                 x: dev.alloc(max_t * h * 2, "x")?,
@@ -771,8 +746,8 @@ mod cuda_bench {
         }
         fn y(&self, t: usize) -> DeviceTensor {
             let dtype = match self.y_dtype {
-                YDtype::F32 => DType::F32,
-                YDtype::Bf16 => DType::Bf16,
+                DtypeArg::F32 => DType::F32,
+                DtypeArg::Bf16 => DType::Bf16,
             };
             DeviceTensor::new(self.y.ptr(), t, self.h, dtype)
         }
@@ -924,10 +899,10 @@ mod cuda_bench {
         fn check(&self, ws: &Workspace, t: usize, what: &str) -> anyhow::Result<bool> {
             let n = t * self.cfg.hidden_size;
             let bad = match self.io.y_dtype {
-                YDtype::F32 => {
+                DtypeArg::F32 => {
                     self.io.y.read::<f32>(&self.stream, 0, n)?.iter().filter(|v| !v.is_finite()).count()
                 }
-                YDtype::Bf16 => {
+                DtypeArg::Bf16 => {
                     self.io.y.read::<bf16>(&self.stream, 0, n)?.iter().filter(|v| !v.is_finite()).count()
                 }
             };
@@ -1206,24 +1181,24 @@ mod tests {
         let (h, i) = (7168.0, 3072.0);
         // T=1 on one rank: 6 experts active, 6 pairs, NVFP4.
         let one = Load { tokens: 1, pairs: 6, active: 6 };
-        let c = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::F32, one, None, false);
+        let c = row_cost(&cfg, WeightFormat::Nvfp4, DtypeArg::F32, one, None, false);
         let w = 3.0 * (h * i * 0.5 + h * i / 16.0);
         assert_eq!(c.bytes, 6.0 * w + h * 6.0);
         assert_eq!(c.flops, 2.0 * 6.0 * 3.0 * h * i);
         // A bf16 y: x read (2 bytes) + y written (2 bytes) a column.
-        let b = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::Bf16, one, None, false);
+        let b = row_cost(&cfg, WeightFormat::Nvfp4, DtypeArg::Bf16, one, None, false);
         assert_eq!(c.bytes - b.bytes, h * 2.0);
         assert_eq!(b.flops, c.flops);
-        let s = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::F32, one, Some(3072), false);
+        let s = row_cost(&cfg, WeightFormat::Nvfp4, DtypeArg::F32, one, Some(3072), false);
         assert_eq!(s.bytes - c.bytes, 3.0 * h * i * 2.0);
         assert_eq!(s.flops - c.flops, 2.0 * 3.0 * h * i);
-        let r = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::F32, one, None, true);
+        let r = row_cost(&cfg, WeightFormat::Nvfp4, DtypeArg::F32, one, None, true);
         assert_eq!(r.bytes - c.bytes, 384.0 * h * 4.0);
         let ceil = Ceilings { copy_tbs: 4.0, bf16_tflops: 800.0 };
         // Memory-bound at T=1, compute-bound at a large T.
         assert!((ceil.floor_ms(&c) - c.bytes / 4e12 * 1e3).abs() < 1e-12);
         let big_load = Load { tokens: 16384, pairs: 12288, active: 48 };
-        let big = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::F32, big_load, None, false);
+        let big = row_cost(&cfg, WeightFormat::Nvfp4, DtypeArg::F32, big_load, None, false);
         assert!((ceil.floor_ms(&big) - big.flops / 800e12 * 1e3).abs() < 1e-12);
     }
 
@@ -1231,7 +1206,7 @@ mod tests {
     fn rows_print_and_serialise() {
         let cfg = synthetic::v4_pro_config();
         let load = Load { tokens: 64, pairs: 48, active: 40 };
-        let cost = row_cost(&cfg, WeightFormat::Nvfp4, YDtype::Bf16, load, None, false);
+        let cost = row_cost(&cfg, WeightFormat::Nvfp4, DtypeArg::Bf16, load, None, false);
         let ceil = Ceilings { copy_tbs: 4.28, bf16_tflops: 761.0 };
         let row = Row {
             shape: "v4-pro".into(),
