@@ -124,10 +124,10 @@ struct SlCursor {
 
 // The step's active local experts (ascending) and, per expert, its tokens' routing weights.
 struct SlExperts {
-    unsigned bits[SLICE_MAX_LOCAL / 32];                  // local expert x has slots
-    unsigned short list[SLICE_MAX_SLOTS];                 // active expert a -> local id
-    unsigned mask[SLICE_MAX_SLOTS];                       // active expert a -> its tokens (bit t)
-    float w[SLICE_MAX_SLOTS][SLICE_MAX_TOKENS];                  // routing weight of token t (duplicates summed)
+    unsigned bits[SLICE_MAX_LOCAL / 32];               // local expert x has slots
+    unsigned short list[SLICE_MAX_SLOTS];              // active expert a -> local id
+    unsigned mask[SLICE_MAX_SLOTS];                    // active expert a -> its tokens (bit t)
+    float w[SLICE_MAX_SLOTS][SLICE_MAX_TOKENS];        // routing weight of token t (duplicates summed)
     int count;
 };
 
