@@ -373,24 +373,34 @@ struct TcL1Pre {
     }
 };
 
-// The L1 epilogue (no trace) from a TcL1Pre.
-template <int NM>
-__device__ __forceinline__ void tc_store_l1(const GemmL1Params& p, const float (&acc)[NM / 8][4], const TcL1Pre<NM / 8>& pre,
-                                            int m0, int mc, int gslab)
+// The wgmma L1's epilogue of a consumer warp's MB m64 blocks (block b holds slab gslab0 + 4 b:
+// act column col0 + 32 b, col0 = 8 gslab0 + g): tc_store_l1's clamped SwiGLU x routing weight from
+// a TcL1Pre, each token's weight and row address made once for its MB stores (as wg_store_l2;
+// SASS: ~420 fewer instructions a unit than one tc_store_l1 a block).
+template <int NT, int MB>
+__device__ __forceinline__ void wg_store_l1(const GemmL1Params& p, const float (&acc)[MB][NT / 8][4],
+                                            const TcL1Pre<NT / 8>& pre, int m0, int mc, int gslab0)
 {
-    const int lane = threadIdx.x & 31, gi = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, t = lane & 3;
     const int I = p.g.inter;
-    const int col = gslab * 8 + gi;
+    const int col0 = gslab0 * 8 + (lane >> 2);
+    bool cok[MB];
     #pragma unroll
-    for (int jn = 0; jn < NM / 8; ++jn)
+    for (int b = 0; b < MB; ++b) cok[b] = col0 + 32 * b < I;
+    #pragma unroll
+    for (int jn = 0; jn < NT / 8; ++jn)
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;       // in word jn / 4 of lane tok % 32
             const float w = __shfl_sync(0xffffffffu, pre.w[jn / 4], tok & 31);
-            if (tok < mc && col < I) {
-                const float gt = acc[jn][e] * pre.ag, u = acc[jn][2 + e] * pre.au;
-                p.act[(size_t)(m0 + tok) * I + col] = f2bf(swiglu(gt, u, w, p.limit));
-            }
+            bf16_t* const r = p.act + ((size_t)(unsigned)(m0 + tok) * (unsigned)I + (unsigned)col0);
+            const bool ok = tok < mc;
+            #pragma unroll
+            for (int b = 0; b < MB; ++b)
+                if (ok && cok[b]) {
+                    const float gt = acc[b][jn][e] * pre.ag, u = acc[b][jn][2 + e] * pre.au;
+                    r[32 * b] = f2bf(swiglu(gt, u, w, p.limit));
+                }
         }
 }
 
@@ -424,6 +434,46 @@ __device__ __forceinline__ void tc_store_l2(const GemmL2Params& p, const float (
         if (h0 + 8 < H) o.put(h0 + 8, acc[jn][2 + e] * a);
     });
 }
+
+// The wgmma L2's epilogue of a consumer warp's MB m64 blocks (block b holds slab gslab0 + 4 b:
+// output columns h0 + 64 b and h0 + 64 b + 8, h0 = 16 gslab0 + g). One row address per token,
+// chosen without a branch (`out` row m0 + tok, or a folded token's y row) and shared by the
+// token's 2 MB stores at immediate offsets; the tile's and H's bounds as store predicates. The
+// per-block form (tc_store_l2 through l2_row) compiled to ~38 instructions a token and block with
+// three branches (SASS: ~1 400 a unit of 48 chunks, every consumer at once, the tensor pipe idle
+// meanwhile).
+template <int NT, int MB>
+__device__ __forceinline__ void wg_store_l2(const GemmL2Params& p, const float (&acc)[MB][NT / 8][4],
+                                            const TcL2Pre<NT / 8>& pre, int m0, int mc, int gslab0)
+{
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    const int H = p.g.h;
+    const int h0 = gslab0 * 16 + (lane >> 2);
+    bool cok[MB][2];
+    #pragma unroll
+    for (int b = 0; b < MB; ++b) {
+        cok[b][0] = h0 + 64 * b < H;
+        cok[b][1] = h0 + 64 * b + 8 < H;
+    }
+    const float a = pre.alpha;
+    #pragma unroll
+    for (int jn = 0; jn < NT / 8; ++jn)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = jn * 8 + 2 * t + e;       // in word jn / 4 of lane tok % 32
+            const unsigned dest = __shfl_sync(0xffffffffu, pre.dst.d[jn / 4], tok & 31);
+            const bool folded = dest != ROW_NONE;
+            const unsigned row = folded ? dest : (unsigned)(m0 + tok);
+            float* const r = (folded ? p.y : p.out) + ((size_t)row * (unsigned)H + (unsigned)h0);
+            const bool ok = tok < mc;
+            #pragma unroll
+            for (int b = 0; b < MB; ++b)
+                #pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    if (ok && cok[b][i]) r[64 * b + 8 * i] = 0.f + acc[b][jn][2 * i + e] * a;
+        }
+}
+
 // An epilogue's inputs (TcL1Pre / TcL2Pre) of tile (expert grp, rows m0 .. m0 + mc), loaded.
 template <class Pre, class P>
 __device__ __forceinline__ Pre wg_pre(const P& p, int grp, int m0, int mc)
@@ -702,7 +752,8 @@ struct WgGridSched {
 
 // Runs every unit the schedule gives this CTA; `pre = prefetch(layer, grp, m0, mc)` is what the
 // epilogue of a unit reads besides its accumulators, loaded before the unit's K loop, and
-// `store(layer, acc, pre, grp, m0, mc, gslab)` the epilogue of one m64 block.
+// `store(layer, acc, pre, grp, m0, mc, gslab)` the epilogue of the consumer warp's MB m64 blocks (acc[MB];
+// block b holds slab gslab + 4 b).
 template <int NT, int GPC, int NC, int ST, int NS, typename Sched, typename Prefetch, typename Store>
 __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, Store store)
 {
@@ -814,8 +865,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
         it += nch;
         if (MB == 1 && nch > 1) ring.release(it - 2);   // the last unit's predecessor's chunk
         ring.release(it - 1);
-        #pragma unroll
-        for (int b = 0; b < MB; ++b) store(u.layer, acc[b], pre, grp, m0, mc, G0 * 8 + 4 * (cw * MB + b) + warp);
+        store(u.layer, acc, pre, grp, m0, mc, G0 * 8 + 4 * cw * MB + warp);   // block b: slab + 4 b
         sched.unit_stored(u, NC);
     }
 }
@@ -856,16 +906,16 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
         if (CHAIN && threadIdx.x == 0) griddep_launch_dependents();   /* its L2 may launch */             \
         wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, p.wmap, 0, p.tile_done, 0u},                 \
                                   [&](int, int grp, int m0, int mc) { return wg_pre<TcL1Pre<NT / 8>>(p.l1, grp, m0, mc); }, \
-                                  [&](int, const float (&acc)[NT / 8][4], const TcL1Pre<NT / 8>& pre, int, int m0, int mc, \
-                                      int gs) { tc_store_l1<NT>(p.l1, acc, pre, m0, mc, gs); });          \
+                                  [&](int, const float (&acc)[2 * G / C][NT / 8][4], const TcL1Pre<NT / 8>& pre, int, int m0, int mc, int gs) { \
+                                      wg_store_l1<NT>(p.l1, acc, pre, m0, mc, gs); });                    \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l2##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                        \
     {                                                                                                     \
         wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, p.wmap, 1, p.tile_done, (unsigned)p.wait_units}, \
                                   [&](int, int grp, int m0, int mc) { return wg_pre<TcL2Pre<NT / 8>>(p.l2, grp, m0, mc); }, \
-                                  [&](int, const float (&acc)[NT / 8][4], const TcL2Pre<NT / 8>& pre, int, int m0, int mc, \
-                                      int gs) { tc_store_l2<NT>(p.l2, acc, pre, m0, mc, gs); });          \
+                                  [&](int, const float (&acc)[2 * G / C][NT / 8][4], const TcL2Pre<NT / 8>& pre, int, int m0, int mc, int gs) { \
+                                      wg_store_l2<NT>(p.l2, acc, pre, m0, mc, gs); });                    \
     }
 #define WG_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(, false, NT, G, C, ST, NS)
 // The chained L1 / L2 of a configuration (opt-in module, gpu_layout::tc::wg_chain_configs).
