@@ -462,6 +462,8 @@ __device__ __forceinline__ void wg_store_l2(const GemmL2Params& p, const float (
         for (int e = 0; e < 2; ++e) {
             const int tok = jn * 8 + 2 * t + e;       // in word jn / 4 of lane tok % 32
             const unsigned dest = __shfl_sync(0xffffffffu, pre.dst.d[jn / 4], tok & 31);
+            // l2_row's choice, in unsigned 32-bit factors (through l2_row itself: +112 instructions
+            // in the n80 L2, SASS).
             const bool folded = dest != ROW_NONE;
             const unsigned row = folded ? dest : (unsigned)(m0 + tok);
             float* const r = (folded ? p.y : p.out) + ((size_t)row * (unsigned)H + (unsigned)h0);
