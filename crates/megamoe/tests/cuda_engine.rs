@@ -1914,12 +1914,16 @@ fn slice_kernel_runs_by_default_where_it_pays() {
 
 /// A routed forward whose expert inputs are staged (W4A8 / W4A4, and W4A16 on the TMA-fed wgmma
 /// prefill kernels) and that adds no shared expert has its L2 write each token with exactly one
-/// planned slot straight into an f32 y, and the combine skips those tokens: against the separate
-/// stages (`enqueue_experts` + `enqueue_combine`, which never fold) on the same poisoned workspace,
-/// bitwise equal (and with a bf16 y, which is not folded), on a rank owning experts 8..16 of 24 (tokens with none, one
-/// and several slots here, -1 and foreign ids), both FP4 formats, every mode, decode to prefill
-/// batches. That the fold ran is checked too: a combine of the workspace's rows afterwards reads
-/// the single-slot rows the L2 never wrote there (still poisoned: NaN).
+/// planned slot straight into an f32 y, and — on the wgmma L1 — its L1 write the zero rows of the
+/// tokens with none (f32 or bf16 y); the combine skips those tokens: against the separate stages
+/// (`enqueue_experts` + `enqueue_combine`, which do neither) on the same poisoned workspace and a
+/// poisoned y, bitwise equal, on a rank owning experts 8..16 of 24 (tokens with none, one and
+/// several slots here, -1 and foreign ids), both FP4 formats, every mode, decode to prefill
+/// batches, and the prefill batches again with the wgmma L1 and L2 chained and apart
+/// (`MEGAMOE_WG_CHAIN`; the chained L2 waits for the L1's zero rows). That the fold ran is checked
+/// too: a combine of the workspace's rows afterwards reads the single-slot rows the L2 never wrote
+/// there (still poisoned: NaN); that the L1 wrote the zero rows, by the engine's own answer
+/// (`zeroes_rows_in_l1`) and the poisoned y.
 #[test]
 fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
     let Some(dev) = device() else { return };
@@ -1928,28 +1932,46 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
     // SAFETY: the stream lives until the end of the test.
     let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
     let max_t = 700;
-    for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
+    let wgmma = dev.arch() == "sm_90a";
+    for (format, chain) in [WeightFormat::Nvfp4, WeightFormat::Mxfp4]
+        .into_iter()
+        .flat_map(|f| [None, Some("1"), Some("0")].map(|c| (f, c)))
+        .filter(|&(_, c)| c.is_none() || wgmma)
+    {
+        // The knob is read when the layer's kernels are made (the device script runs these tests
+        // on one thread).
+        if let Some(c) = chain {
+            std::env::set_var("MEGAMOE_WG_CHAIN", c);
+        }
         let w = rank24_weights(&dev, &cfg, format, 0, 151);
+        std::env::remove_var("MEGAMOE_WG_CHAIN");
         let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
         let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, max_t)).unwrap();
         let arena = dev.alloc(16 << 20, "arena").unwrap();
         let modes: Vec<Mode> =
             [Mode::W4A16, Mode::W4A8, Mode::W4A4].into_iter().filter(|&m| w.check_mode(m).is_ok()).collect();
-        for (mode, t) in modes.iter().flat_map(|&m| [3usize, 40, 640, 700].map(|t| (m, t))) {
+        let runs = modes.iter().flat_map(|&m| [3usize, 40, 640, 700].map(|t| (m, t)));
+        // The chained / apart passes: the prefill batches of the mode that chains.
+        for (mode, t) in runs.filter(|&(m, t)| chain.is_none() || (m == Mode::W4A16 && t >= 640)) {
             ws.prepare(mode, false).unwrap();
             let mut ids = vec![0i32; t * k];
             let mut wts = vec![0f32; t * k];
-            let mut single = 0;
+            let (mut single, mut none) = (0, 0);
             for tok in 0..t {
                 for j in 0..k {
                     ids[tok * k + j] =
                         if (tok + 3 * j) % 11 == 0 { -1 } else { ((tok * 7 + j * 5 + tok / 3) % 24) as i32 };
                     wts[tok * k + j] = 0.05 + 0.15 * ((tok + j) % 5) as f32;
                 }
-                single +=
-                    (ids[tok * k..][..k].iter().filter(|&&e| (8..16).contains(&e)).count() == 1) as usize;
+                let here = ids[tok * k..][..k].iter().filter(|&&e| (8..16).contains(&e)).count();
+                single += (here == 1) as usize;
+                none += (here == 0) as usize;
             }
             assert!(single > 0 && single < t, "T={t}: tokens with one slot here and others");
+            assert!(none > 0, "T={t}: tokens with no slot here");
+            // The wgmma L1 (the prefill batches on sm_90a) writes the zero rows.
+            let zeroes = w.zeroes_rows_in_l1(&ws, t, mode);
+            assert_eq!(zeroes, wgmma && t >= 640, "{mode} T={t}: the L1 writes the zero rows");
             let x = synthetic::random_hidden(t, h, 160 + t as u64);
             let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &ids, &wts, h, k);
             for ydt in [DType::F32, DType::Bf16] {
@@ -1957,7 +1979,7 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
                 let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));
                 let ytensor = |at: usize| DeviceTensor::new(arena.ptr() + at as u64, t, h, ydt);
                 let read = |at: usize| arena.read::<u8>(dev.stream(), at, ybytes).unwrap();
-                let what = format!("{format:?} {mode} T={t} y {ydt:?}");
+                let what = format!("{format:?} {mode} T={t} y {ydt:?} chain {}", chain.unwrap_or("default"));
                 ws.poison(0xFF).unwrap();
                 let plan = w.enqueue_plan(&ws, &it, mode, s).unwrap();
                 w.enqueue_experts(&ws, &plan, &xt, &wt, mode, s).unwrap();
@@ -1965,6 +1987,9 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
                 stream.synchronize().unwrap();
                 let want = read(ya);
                 ws.poison(0xFF).unwrap();
+                // y poisoned too: every row must be written by the routed forward (NaN otherwise).
+                arena.write(dev.stream(), yb, &vec![0xFFu8; ybytes]).unwrap();
+                dev.synchronize().unwrap();
                 w.enqueue_routed(&ws, &it, &xt, &wt, &ytensor(yb), false, mode, s).unwrap();
                 stream.synchronize().unwrap();
                 assert!(read(yb) == want, "{what}: the routed forward differs from the separate stages");
@@ -1985,7 +2010,10 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
                 } else {
                     assert_eq!(nan_rows, 0, "{what}: nothing to fold (bf16 y, or the L1 gathers x)");
                 }
-                eprintln!("fold {what}: bitwise equal, {nan_rows} of {t} tokens folded");
+                eprintln!(
+                    "fold {what}: bitwise equal, {nan_rows} of {t} tokens folded, {} zero rows from the L1",
+                    if zeroes { none } else { 0 }
+                );
             }
         }
     }

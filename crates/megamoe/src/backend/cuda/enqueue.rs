@@ -141,12 +141,12 @@ impl LayerWeights {
         // After the device router the plan is a programmatic dependent of moe_router (its first
         // kernel waits for it before reading topk_ids), so its launch overlaps the router's.
         self.launch_plan(ws, &plan, io.routing == Routing::Internal, s)?;
-        let fold = if trace { None } else { Fold::into(ws, &io.y, shared) };
-        let folded = self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, fold, s)?;
+        let direct = if trace { DirectY::default() } else { DirectY::into(ws, &io.y, shared, &self.config) };
+        let wrote = self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, direct, s)?;
         if overlap {
             launch::wait(s, &ws.join)?;
         }
-        self.combine_raw(ws, &plan, &io.y, shared, folded, s)
+        self.combine_raw(ws, &plan, &io.y, shared, wrote, s)
     }
 
     /// Enqueues the routed part of a forward on `topk_ids` `[T, k]` (global ids, as
@@ -187,17 +187,9 @@ impl LayerWeights {
             return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, y, shared, stream);
         }
         self.launch_plan(ws, &plan, false, stream)?;
-        let folded = self.experts_raw(
-            ws,
-            &plan,
-            x.ptr,
-            topk_weights.ptr,
-            mode,
-            false,
-            Fold::into(ws, y, shared),
-            stream,
-        )?;
-        self.combine_raw(ws, &plan, y, shared, folded, stream)
+        let direct = DirectY::into(ws, y, shared, &self.config);
+        let wrote = self.experts_raw(ws, &plan, x.ptr, topk_weights.ptr, mode, false, direct, stream)?;
+        self.combine_raw(ws, &plan, y, shared, wrote, stream)
     }
 
     /// Enqueues the router: `x` `[T, H]` bf16 (and `input_ids` `[T, 1]` i32/i64 on hash layers)
@@ -263,7 +255,8 @@ impl LayerWeights {
             return Ok(());
         }
         self.device.bind()?;
-        self.experts_raw(ws, plan, x.ptr, topk_weights.ptr, mode, false, None, stream).map(|_| ())
+        self.experts_raw(ws, plan, x.ptr, topk_weights.ptr, mode, false, DirectY::default(), stream)
+            .map(|_| ())
     }
 
     /// Enqueues the shared expert over `x` `[T, H]` (a no-op on layers without one).
@@ -294,7 +287,7 @@ impl LayerWeights {
         }
         self.device.bind()?;
         let shared = if add_shared && self.shared.is_some() { ws.shared_out.ptr() } else { 0 };
-        self.combine_raw(ws, plan, y, shared, false, stream)
+        self.combine_raw(ws, plan, y, shared, WroteY::default(), stream)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -595,6 +588,24 @@ impl LayerWeights {
         self.fused_split(ws, &plan, mode, false).is_some()
     }
 
+    /// Whether a routed `mode` forward of `tokens` tokens on `ws` that adds no shared expert has
+    /// its L1 write the zero y rows of the tokens with no planned slot, which its combine then
+    /// skips (`MEGAMOE_ZERO_ROWS`; diagnostics and tests).
+    pub fn zeroes_rows_in_l1(&self, ws: &Workspace, tokens: usize, mode: Mode) -> bool {
+        if !ws.zero_rows || self.slice_clusters(tokens, mode, false).is_some() {
+            return false;
+        }
+        let plan = self.plan_for(ws, 0, tokens, mode, false);
+        self.fused_split(ws, &plan, mode, false).is_none() && self.l1_zeroes(&plan, mode, false)
+    }
+
+    /// Whether the routed L1 launch of `plan` writes a [`ZeroRowsParams`]' rows: the L1 of the
+    /// experts' family (not the FP8 W4A8 kernels) where it can.
+    fn l1_zeroes(&self, plan: &Plan, mode: Mode, trace: bool) -> bool {
+        let fp8 = mode == Mode::W4A8 && !trace && self.w4a8.as_ref().is_some_and(|w| w.applies(&plan.launch));
+        !fp8 && self.experts.kernels.l1_writes_zero_rows(&plan.launch, trace)
+    }
+
     /// The phase clocks of this layer's last fused decode launch, when the kernels were built with
     /// the probe (`MEGAMOE_PHASE_PROBE=1`, [`super::probe`]); `None` otherwise. Synchronises the
     /// device stream (a diagnostic, never inside a forward).
@@ -647,7 +658,7 @@ impl LayerWeights {
                 self.routed_operands(ws, a2, 0, &ex.l2, self.act_global_scales(mode, false)),
                 None,
             ),
-            combine: self.combine_params(ws, plan, y, shared, false)?,
+            combine: self.combine_params(ws, plan, y, shared, WroteY::default())?,
             quant_in,
             quant_act,
             partials1: split.partials1,
@@ -773,9 +784,10 @@ impl LayerWeights {
         }
     }
 
-    /// The routed experts into the workspace's L2 rows; with `fold`, where the inputs are staged,
-    /// the rows of single-slot tokens into `fold`'s y instead. Returns whether it folded (the
-    /// combine must then skip those tokens).
+    /// The routed experts into the workspace's L2 rows; with `direct.fold`, where the inputs are
+    /// staged, the rows of single-slot tokens into its y instead, and with `direct.zero`, where
+    /// the L1 launch can, the zero rows of tokens with no planned slot into y as well. Returns
+    /// what it wrote into y (the combine must then skip those tokens).
     #[allow(clippy::too_many_arguments)]
     fn experts_raw(
         &self,
@@ -785,15 +797,20 @@ impl LayerWeights {
         topk_w: u64,
         mode: Mode,
         trace: bool,
-        fold: Option<Fold>,
+        direct: DirectY,
         s: StreamRef,
-    ) -> Result<bool> {
+    ) -> Result<WroteY> {
         let ex = &self.experts;
+        let fold = direct.fold;
         if mode == Mode::W4A8 && !trace {
             if let Some(w8) = self.w4a8.as_ref().filter(|w| w.applies(&plan.launch)) {
-                return self.experts_fp8(ws, plan, x, topk_w, w8, fold, s).map(|_| fold.is_some());
+                self.experts_fp8(ws, plan, x, topk_w, w8, fold, s)?;
+                return Ok(WroteY { folded: fold.is_some(), zeroed: false });
             }
         }
+        let zero = direct.zero.filter(|_| self.l1_zeroes(plan, mode, trace));
+        let zero_p = zero.unwrap_or_default();
+        let wrote = |fold: Option<Fold>| WroteY { folded: fold.is_some(), zeroed: zero.is_some() };
         // W4A16 gathers the token rows straight from x in the L1 producer (unless the kernel needs
         // contiguous rows, as the TMA-fed prefill kernels do); quantized modes stage the
         // quantize-dequantized rows first. Only a staging pass marks the rows a fold needs.
@@ -824,10 +841,13 @@ impl LayerWeights {
         };
         // W4A16's L2 reads the L1's activations as they are: the two launches chained where the
         // family has chained kernels (wgmma, MEGAMOE_WG_CHAIN=1).
-        if mode == Mode::W4A16 && tr.is_none() && ex.kernels.l1_l2(s, &plan.launch, &l1, &l2(ws.act.ptr()))? {
-            return Ok(fold.is_some());
+        if mode == Mode::W4A16
+            && tr.is_none()
+            && ex.kernels.l1_l2(s, &plan.launch, &l1, &l2(ws.act.ptr()), &zero_p)?
+        {
+            return Ok(wrote(fold));
         }
-        ex.kernels.l1(s, &plan.launch, &l1, tr)?;
+        ex.kernels.l1(s, &plan.launch, &l1, tr, &zero_p)?;
         let l2_in = if mode == Mode::W4A16 {
             ws.act.ptr()
         } else {
@@ -836,7 +856,7 @@ impl LayerWeights {
             actq
         };
         ex.kernels.l2(s, &plan.launch, &l2(l2_in))?;
-        Ok(fold.is_some())
+        Ok(wrote(fold))
     }
 
     /// The routed experts of a W4A8 prefill forward on the FP8 kernels: act_quant of the gathered
@@ -924,24 +944,24 @@ impl LayerWeights {
             limit: c.swiglu_limit,
             act: ws.sact.ptr(),
         };
-        sh.kernels.l1(s, &launch, &l1, None)?;
+        sh.kernels.l1(s, &launch, &l1, None, &ZeroRowsParams::default())?;
         let l2 =
             GemmL2Params { g: dense(ws.sact.ptr(), &sh.l2), out: ws.shared_out.ptr(), ..Default::default() };
         sh.kernels.l2(s, &launch, &l2)?;
         Ok(ws.shared_out.ptr())
     }
 
-    /// The combine into `y` (+ `shared`); `folded`: the L2 already wrote the single-slot tokens.
+    /// The combine into `y` (+ `shared`), skipping the tokens whose rows the expert stages `wrote`.
     fn combine_raw(
         &self,
         ws: &Workspace,
         plan: &Plan,
         y: &DeviceTensor,
         shared: u64,
-        folded: bool,
+        wrote: WroteY,
         s: StreamRef,
     ) -> Result<()> {
-        let p = self.combine_params(ws, plan, y, shared, folded)?;
+        let p = self.combine_params(ws, plan, y, shared, wrote)?;
         let col_blocks = self.config.hidden_size.div_ceil(4 * CORE_THREADS as usize) as u32;
         // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows (16-byte
         // aligned rows: H % 4 == 0 and device allocations are 256-aligned).
@@ -950,15 +970,16 @@ impl LayerWeights {
         }
     }
 
-    /// The combine's parameters: `plan`'s L2 rows into `y`, plus `shared` (0: none); `folded`:
-    /// skipping the tokens the L2 wrote (never with a shared expert to add: [`Fold::into`]).
+    /// The combine's parameters: `plan`'s L2 rows into `y`, plus `shared` (0: none), skipping the
+    /// tokens whose rows the expert stages `wrote` (never with a shared expert to add:
+    /// [`DirectY::into`]).
     fn combine_params(
         &self,
         ws: &Workspace,
         plan: &Plan,
         y: &DeviceTensor,
         shared: u64,
-        folded: bool,
+        wrote: WroteY,
     ) -> Result<CombineParams> {
         let c = &self.config;
         let p = CombineParams {
@@ -970,9 +991,13 @@ impl LayerWeights {
             k: c.num_experts_per_tok as i32,
             y: y.ptr,
             y_dtype: if y.dtype == DType::Bf16 { OUT_BF16 } else { OUT_F32 },
-            folded: folded as i32,
+            folded: wrote.folded as i32,
+            zeroed: wrote.zeroed as i32,
         };
-        debug_assert!(!(folded && shared != 0), "a folded combine never adds the shared expert (Fold::into)");
+        debug_assert!(
+            wrote == WroteY::default() || shared == 0,
+            "a combine that skips tokens never adds the shared expert (DirectY::into)"
+        );
         if !c.hidden_size.is_multiple_of(4) {
             return Err(MegaError::Input(format!(
                 "combine: hidden size {} is not a multiple of 4 (the kernel adds 4 columns per thread)",
@@ -981,6 +1006,40 @@ impl LayerWeights {
         }
         Ok(p)
     }
+}
+
+/// What a routed forward's expert stages may write into y themselves, each only where the combine
+/// would add nothing else to those rows (no shared expert): the rows of single-slot tokens from
+/// the L2 (`fold`) and the zero rows of tokens with no planned slot from a wgmma L1 (`zero`).
+#[derive(Clone, Copy, Debug, Default)]
+struct DirectY {
+    fold: Option<Fold>,
+    zero: Option<ZeroRowsParams>,
+}
+
+impl DirectY {
+    /// Both where allowed for a forward into `y` adding `shared` (0: none): the fold as
+    /// [`Fold::into`] says, the zero rows with the workspace's knob on (`MEGAMOE_ZERO_ROWS`).
+    fn into(ws: &Workspace, y: &DeviceTensor, shared: u64, c: &crate::config::MoeConfig) -> DirectY {
+        let zero = (ws.zero_rows && shared == 0).then(|| ZeroRowsParams {
+            row_of_slot: ws.row_of_slot.ptr(),
+            y: y.ptr,
+            t: y.rows as i32,
+            k: c.num_experts_per_tok as i32,
+            row_bytes: (c.hidden_size * y.dtype.size()) as i32,
+        });
+        DirectY { fold: Fold::into(ws, y, shared), zero }
+    }
+}
+
+/// Which tokens' y rows the expert stages wrote (what [`DirectY`] allowed and the launches took),
+/// so the combine skips them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct WroteY {
+    /// The L2 wrote the tokens with one planned slot.
+    folded: bool,
+    /// The L1 wrote the zero rows of the tokens with none.
+    zeroed: bool,
 }
 
 /// A combine folded into the L2: the rows that are their token's only planned slot (most of an EP

@@ -87,6 +87,13 @@ pub fn fold_combine() -> bool {
     default_on("MEGAMOE_FOLD")
 }
 
+/// `MEGAMOE_ZERO_ROWS=0`: the combine writes the zero y rows of the tokens with no planned slot
+/// (by default a routed forward that adds no shared expert has its wgmma L1's idle producer warps
+/// write them while the tensor pipe runs).
+pub fn zero_rows_in_l1() -> bool {
+    default_on("MEGAMOE_ZERO_ROWS")
+}
+
 /// `MEGAMOE_WGMMA=0`: never the wgmma prefill kernels.
 pub fn wgmma() -> bool {
     default_on("MEGAMOE_WGMMA")

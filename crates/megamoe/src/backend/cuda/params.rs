@@ -384,6 +384,9 @@ kernel_abi! {
         /// 1: the L2 wrote the tokens with exactly one planned slot straight into y
         /// (`GemmL2Params::direct`), so they are skipped here; requires `shared_out` null.
         folded: i32 => "int",
+        /// 1: the L1 wrote the y rows of the tokens with no planned slot (`ZeroRowsParams`), so
+        /// they are skipped here; requires `shared_out` null.
+        zeroed: i32 => "int",
     }
 
     /// `moe_residual_norm`: `h += y; x = bf16(h / rms(h))` per token (between a model's layers).
@@ -676,6 +679,24 @@ kernel_abi! {
         y_dtype: i32 => "int",
     }
 
+    /// The y rows of the tokens with no planned slot (an EP rank's tokens routed only to other
+    /// ranks' experts: ~45% of a V4-Pro EP8 rank's), written as zeros by a wgmma L1's idle
+    /// producer warps while its consumers run the tensor pipe, so the combine
+    /// (`CombineParams::zeroed`) skips them instead of writing them after the L2 (`gemm_tc.cu`
+    /// `wg_zero_rows`).
+    struct ZeroRowsParams {
+        /// `[T, K]` slot -> plan row (`ROW_NONE`: not planned here); null: no rows to write.
+        row_of_slot: DevPtr => "const unsigned*",
+        /// Output `[T, H]`, `row_bytes` a row (any dtype: zero is zero), 4-byte aligned.
+        y: DevPtr => "void*",
+        /// Tokens T.
+        t: i32 => "int",
+        /// Experts per token K (at most `MAX_TOPK`).
+        k: i32 => "int",
+        /// Bytes of a y row (H x the dtype's size; a multiple of 4).
+        row_bytes: i32 => "int",
+    }
+
     /// The Hopper wgmma L1 kernel: the L1 parameters and the tensor map of A (`[rows, H]` bf16,
     /// boxes of 64 columns x the token tile, 128B-swizzled).
     struct WgL1Params {
@@ -687,8 +708,11 @@ kernel_abi! {
         /// groups per box).
         wmap: TmaDesc => "TmaDesc",
         /// The chained L1 (`moe_wg_l1c_*`; the others ignore it): `[2 + tiles]` u32 (`gemm_tc.cu`
-        /// `WgGridSched`), word 2 + tile counting the tile's stored units for its chained L2.
+        /// `WgGridSched`), word 2 + tile counting the tile's stored units for its chained L2, word
+        /// 1 the warps done with `zero`'s rows.
         tile_done: DevPtr => "unsigned*",
+        /// The y rows this launch writes as zeros beside its GEMM (null `row_of_slot`: none).
+        zero: ZeroRowsParams => "ZeroRowsParams",
     }
 
     /// The Hopper wgmma L2 kernel.
@@ -705,6 +729,10 @@ kernel_abi! {
         tile_done: DevPtr => "unsigned*",
         /// The chained L2: the L1's units per tile (its group sets).
         wait_units: i32 => "int",
+        /// The chained L2 after an L1 that writes zero rows (`WgL1Params::zero`): that L1's
+        /// writing warps (3 a CTA), which the L2's last CTA waits for on word 1 before it resets
+        /// the counters, so no zero row is still being written once the L2 is done; 0: none.
+        zero_warps: i32 => "int",
     }
 
     /// The Hopper FP8 (W4A8) L1 kernel (`gemm_w4a8.cu`): `l1.g.wq` in the W4A8 layout,

@@ -220,6 +220,9 @@ pub struct Workspace {
     pub(crate) direct: DevBuf,
     /// Whether forwards may fold the combine of single-slot tokens into the L2 (`MEGAMOE_FOLD`).
     pub(crate) fold_combine: bool,
+    /// Whether a routed forward's wgmma L1 may write the zero y rows of its tokens with no planned
+    /// slot (`MEGAMOE_ZERO_ROWS`).
+    pub(crate) zero_rows: bool,
     /// L1 output `silu(gate) * up * w` `[S, I]` bf16 in plan-row order.
     pub(crate) act: DevBuf,
     /// L2 output rows `[S, H]` f32 in plan-row order.
@@ -308,6 +311,7 @@ impl Workspace {
             row_of_slot: z(&[s, 4], "row_of_slot")?,
             direct: z(&[s, 4], "direct rows")?,
             fold_combine: super::knobs::fold_combine(),
+            zero_rows: super::knobs::zero_rows_in_l1(),
             act: z(&[s, i, 2], "activations")?,
             l2: z(&[s, h, 4], "l2 rows")?,
             sact: z(&[mt, d.shared_inter.max(1), 2], "shared activations")?,

@@ -16,7 +16,9 @@ pub(crate) mod w4a8;
 use super::buffer::DevBuf;
 use super::device::CudaDevice;
 use super::launch::StreamRef;
-use super::params::{DfParams, GemmL1Params, GemmL2Params, GemmOperands, SliceParams, SliceSumParams};
+use super::params::{
+    DfParams, GemmL1Params, GemmL2Params, GemmOperands, SliceParams, SliceSumParams, ZeroRowsParams,
+};
 use crate::checkpoint::{MoeLayer, SharedExpert};
 use crate::error::Result;
 use std::sync::Arc;
@@ -147,14 +149,35 @@ pub(crate) trait GemmKernels: Send + Sync {
         false
     }
     /// Enqueues the L1 GEMM (gate/up, fused SwiGLU); `trace` = `(gate_tr, up_tr)` selects the
-    /// trace variant.
-    fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()>;
+    /// trace variant. `zero`'s rows (a null `row_of_slot`: none) are written beside the GEMM by a
+    /// launch for which [`Self::l1_writes_zero_rows`] holds; the others ignore them.
+    fn l1(
+        &self,
+        s: StreamRef,
+        l: &GemmLaunch,
+        p: &GemmL1Params,
+        trace: Option<(u64, u64)>,
+        zero: &ZeroRowsParams,
+    ) -> Result<()>;
+    /// Whether the L1 launch of `l` (the trace variant when `trace`) writes the rows of a
+    /// [`ZeroRowsParams`] beside its GEMM ([`Self::l1`], [`Self::l1_l2`]): the caller's combine
+    /// then skips them.
+    fn l1_writes_zero_rows(&self, _l: &GemmLaunch, _trace: bool) -> bool {
+        false
+    }
     /// Enqueues the L2 GEMM.
     fn l2(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL2Params) -> Result<()>;
     /// Enqueues a routed L1 and the L2 that reads its activations (`l2.g.a == l1.act`) as one
     /// launch, where the family has one for `l`; `Ok(false)`: it has not, the caller enqueues
-    /// [`Self::l1`] and [`Self::l2`].
-    fn l1_l2(&self, _s: StreamRef, _l: &GemmLaunch, _l1: &GemmL1Params, _l2: &GemmL2Params) -> Result<bool> {
+    /// [`Self::l1`] and [`Self::l2`]. `zero` as in [`Self::l1`].
+    fn l1_l2(
+        &self,
+        _s: StreamRef,
+        _l: &GemmLaunch,
+        _l1: &GemmL1Params,
+        _l2: &GemmL2Params,
+        _zero: &ZeroRowsParams,
+    ) -> Result<bool> {
         Ok(false)
     }
     /// The split scratch of a fused decode launch (plan, L1, L2 and combine in one kernel) of

@@ -111,7 +111,14 @@ impl GemmKernels for SimtKernels {
     fn block_m(&self, demand: TileDemand) -> usize {
         layout::block_m_for(demand.rows)
     }
-    fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
+    fn l1(
+        &self,
+        s: StreamRef,
+        l: &GemmLaunch,
+        p: &GemmL1Params,
+        trace: Option<(u64, u64)>,
+        _zero: &ZeroRowsParams,
+    ) -> Result<()> {
         let kd = kind(l.block_m)?;
         let cfg =
             LaunchCfg::grid((l.grid_tiles, layout::l1_grid_y(p.g.inter as usize, l.block_m) as u32, 1), 0);

@@ -496,7 +496,14 @@ impl GemmKernels for TcKernels {
     fn needs_contiguous_a(&self, l: &GemmLaunch) -> bool {
         self.wgmma(l)
     }
-    fn l1_l2(&self, s: StreamRef, l: &GemmLaunch, l1: &GemmL1Params, l2: &GemmL2Params) -> Result<bool> {
+    fn l1_l2(
+        &self,
+        s: StreamRef,
+        l: &GemmLaunch,
+        l1: &GemmL1Params,
+        l2: &GemmL2Params,
+        zero: &ZeroRowsParams,
+    ) -> Result<bool> {
         // Routed tiles (the plan's table: the scheduler counts its tiles), contiguous rows, an L2
         // over the L1's activations, and one configuration for both GEMMs.
         if !self.wgmma(l) || l.sched == 0 || l1.g.tiles == 0 || l1.g.a_rows != 0 || l2.g.a != l1.act {
@@ -521,18 +528,33 @@ impl GemmKernels for TcKernels {
         let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
         // Units per tile of the L1: its grid's group sets (x); tiles run along y.
         let wait_units = cfg1.grid.0 as i32;
+        // The L1's zero-row warps (three a CTA), counted in word 1 for the L2's last CTA.
+        let zero_warps = if zero.row_of_slot != 0 { 3 * (cfg1.grid.0 * cfg1.grid.1) as i32 } else { 0 };
         // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters,
         // which the L2's last CTA leaves zeroed.
         unsafe {
-            k1.launch(s, &cfg1, &WgL1Params { l1: *l1, amap: amap1, wmap: wmap1, tile_done: l.sched })?;
-            let p2 = WgL2Params { l2: *l2, amap: amap2, wmap: wmap2, tile_done: l.sched, wait_units };
+            let p1 = WgL1Params { l1: *l1, amap: amap1, wmap: wmap1, tile_done: l.sched, zero: *zero };
+            k1.launch(s, &cfg1, &p1)?;
+            let p2 =
+                WgL2Params { l2: *l2, amap: amap2, wmap: wmap2, tile_done: l.sched, wait_units, zero_warps };
             k2.launch(s, &cfg2, &p2)?;
         }
         Ok(true)
     }
-    fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, trace: Option<(u64, u64)>) -> Result<()> {
+    fn l1_writes_zero_rows(&self, l: &GemmLaunch, trace: bool) -> bool {
+        // The wgmma L1's producer warpgroup has three warps that issue no copies.
+        !trace && self.wgmma(l)
+    }
+    fn l1(
+        &self,
+        s: StreamRef,
+        l: &GemmLaunch,
+        p: &GemmL1Params,
+        trace: Option<(u64, u64)>,
+        zero: &ZeroRowsParams,
+    ) -> Result<()> {
         let rows = 2 * p.g.inter as usize;
-        if trace.is_none() && self.wgmma(l) {
+        if self.l1_writes_zero_rows(l, trace.is_some()) {
             if p.g.a_rows != 0 {
                 return Err(err("internal: the wgmma kernels read A through a tensor map (no gather)"));
             }
@@ -541,7 +563,11 @@ impl GemmKernels for TcKernels {
             let wmap = self.wg_wmap(l, p.g.wq, rows, p.g.h as usize, &key)?;
             // SAFETY: as below; the tensor maps cover A's `a_rows` rows and the packed weights.
             return unsafe {
-                self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap, wmap, tile_done: 0 })
+                self.wg_l1[&key].launch(
+                    s,
+                    &cfg,
+                    &WgL1Params { l1: *p, amap, wmap, tile_done: 0, zero: *zero },
+                )
             };
         }
         if let (None, Some([(partials, counters), _])) = (trace, self.stream(l, &p.g)) {
@@ -586,7 +612,7 @@ impl GemmKernels for TcKernels {
                 self.wg_l2[&key].launch(
                     s,
                     &cfg,
-                    &WgL2Params { l2: *p, amap, wmap, tile_done: 0, wait_units: 0 },
+                    &WgL2Params { l2: *p, amap, wmap, tile_done: 0, wait_units: 0, zero_warps: 0 },
                 )
             };
         }

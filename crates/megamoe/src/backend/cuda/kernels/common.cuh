@@ -51,6 +51,17 @@ __device__ __forceinline__ void store_out4(void* y, bool bf16, size_t o, float4 
     }
 }
 
+// Zeros `bytes` (a multiple of 4) at `p` (4-byte aligned) with the 32 lanes of a warp: 4-byte
+// stores up to the first 16-byte boundary, 16-byte stores, 4-byte stores for the tail (a y row of
+// the entry points' 4-byte alignment, io.rs Y).
+__device__ __forceinline__ void warp_zero_bytes(unsigned char* p, int bytes, int lane) {
+    const int head = min(bytes, (int)((16u - ((unsigned)(size_t)p & 15u)) & 15u));
+    const int body = (bytes - head) & ~15;
+    if (4 * lane < head) *(unsigned*)(p + 4 * lane) = 0u;
+    for (int o = head + 16 * lane; o < head + body; o += 512) *(uint4*)(p + o) = make_uint4(0u, 0u, 0u, 0u);
+    if (4 * lane < bytes - head - body) *(unsigned*)(p + head + body + 4 * lane) = 0u;
+}
+
 // E2M1 code (low 4 bits) -> f32: bit 3 sign, bits 2..0 index [0, .5, 1, 1.5, 2, 3, 4, 6].
 __device__ __forceinline__ float e2m1_to_f32(unsigned c) {
     unsigned em = c & 7u;

@@ -525,7 +525,8 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 #ifdef TC_WGMMA
 // ---- Hopper (sm_90a) prefill path: warp-specialised wgmma over the same packed weights.
 // CTA = NC + 1 warpgroups over GPC 128-row groups (blockIdx.x * GPC ..): warpgroup 0 = producer (one
-// thread issues the copies; setmaxnreg gives its registers to the consumers), warpgroups 1..NC =
+// thread issues the copies; setmaxnreg gives its registers to the consumers; in an L1 its other
+// three warps write the zero y rows of tokens with no planned slot: wg_zero_rows), warpgroups 1..NC =
 // consumers owning MB = 2 * GPC / NC m64 blocks each (m64 block mi = cw * MB + b holds slabs
 // 4 mi .. 4 mi + 3 of the CTA), A from registers (the same per-warp fragments as the mma.sync
 // kernels), B = the token tile in shared memory, shared by all 2 * GPC blocks (GPC = 2 halves the
@@ -723,6 +724,7 @@ struct WgGridSched {
     int layer;
     unsigned* tile_done;                 // CHAIN: the per-tile counts (WgL1Params / WgL2Params)
     unsigned wait_units;                 // CHAIN, L2: the L1's units per tile
+    unsigned zero_warps;                 // CHAIN, L2: the L1's warps writing zero rows (word 1)
     __device__ __forceinline__ const GemmOperands& ops(int) const { return g; }
     __device__ __forceinline__ const TmaDesc& map(int) const { return amap; }
     __device__ __forceinline__ const TmaDesc& weights_map(int) const { return wmap; }
@@ -745,6 +747,12 @@ struct WgGridSched {
     __device__ __forceinline__ void producer_done() const {
         if constexpr (CHAIN) {
             if (!layer || atomicAdd(tile_done, 1u) != gridDim.x * gridDim.y - 1) return;
+            // The L1's zero rows (wg_zero_rows) are stored before this grid ends: the forward's
+            // next kernels need not wait for the L1 grid itself.
+            if (zero_warps) {
+                df_wait(tile_done + 1, zero_warps);
+                tile_done[1] = 0u;
+            }
             const int tiles = *g.num_tiles;
             for (int t = 0; t < tiles; ++t) tile_done[2 + t] = 0u;
             tile_done[0] = 0u;
@@ -752,12 +760,35 @@ struct WgGridSched {
     }
 };
 
+// The y rows of the tokens with no planned slot, as zeros (ZeroRowsParams), by warp w (0..2) of
+// the producer warpgroup's three copy-free warps: they run beside the consumers of a wgmma L1,
+// which is bound by the tensor pipe and leaves DRAM room, where the combine would write those rows
+// after the L2 (~45% of a V4-Pro EP8 rank's tokens: 53 MB at T=4096). Tokens are strided over the
+// launch's 3 x CTAs warps (~1 token a warp at T=4096). `done` (chained launches): each warp adds
+// 1 once its rows are stored, which the chained L2's last CTA waits for (WgGridSched).
+__device__ __noinline__ void wg_zero_rows(const ZeroRowsParams& z, int w, unsigned* done)
+{
+    if (!z.row_of_slot) return;
+    const int lane = threadIdx.x & 31;
+    const int warps = 3 * gridDim.x * gridDim.y;
+    for (int t = 3 * (blockIdx.y * gridDim.x + blockIdx.x) + w; t < z.t; t += warps) {
+        const bool live = lane < z.k && z.row_of_slot[(size_t)t * z.k + lane] != ROW_NONE;
+        if (__any_sync(0xffffffffu, live)) continue;
+        warp_zero_bytes((unsigned char*)z.y + (size_t)t * z.row_bytes, z.row_bytes, lane);
+    }
+    if (done) {
+        __syncwarp();
+        if (lane == 0) df_arrive(done);
+    }
+}
+
 // Runs every unit the schedule gives this CTA; `pre = prefetch(layer, grp, m0, mc)` is what the
 // epilogue of a unit reads besides its accumulators, loaded before the unit's K loop, and
 // `store(layer, acc, pre, grp, m0, mc, gslab)` the epilogue of the consumer warp's MB m64 blocks (acc[MB];
-// block b holds slab gslab + 4 b).
-template <int NT, int GPC, int NC, int ST, int NS, typename Sched, typename Prefetch, typename Store>
-__device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, Store store)
+// block b holds slab gslab + 4 b). `side(w)` runs on the producer warpgroup's warps w + 1 = 1..3,
+// which issue no copies (the L1's zero rows; nothing in the L2).
+template <int NT, int GPC, int NC, int ST, int NS, typename Sched, typename Prefetch, typename Store, typename Side>
+__device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, Store store, Side side)
 {
     static_assert((2 * GPC) % NC == 0, "every consumer warpgroup owns whole m64 blocks");
     constexpr int MB = 2 * GPC / NC;
@@ -789,6 +820,13 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     __syncthreads();
     if (wg == 0) {
         setmaxnreg_dec<wg_producer_regs(NC)>();
+        // The warp index through a lane-0 shuffle, so ptxas knows this branch warp-uniform (a
+        // divergent one here moved the copy loop's operands out of the uniform registers: SASS).
+        const int pw = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0);
+        if (pw != 0) {
+            side(pw - 1);
+            return;
+        }
         if (threadIdx.x != 0) return;
         unsigned it = 0;
         WgUnit u;
@@ -906,18 +944,21 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     moe_wg_l1##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                        \
     {                                                                                                     \
         if (CHAIN && threadIdx.x == 0) griddep_launch_dependents();   /* its L2 may launch */             \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, p.wmap, 0, p.tile_done, 0u},                 \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, p.wmap, 0, p.tile_done, 0u, 0u},             \
                                   [&](int, int grp, int m0, int mc) { return wg_pre<TcL1Pre<NT / 8>>(p.l1, grp, m0, mc); }, \
                                   [&](int, const float (&acc)[2 * G / C][NT / 8][4], const TcL1Pre<NT / 8>& pre, int, int m0, int mc, int gs) { \
-                                      wg_store_l1<NT>(p.l1, acc, pre, m0, mc, gs); });                    \
+                                      wg_store_l1<NT>(p.l1, acc, pre, m0, mc, gs); },                     \
+                                  [&](int w) { wg_zero_rows(p.zero, w, CHAIN ? p.tile_done + 1 : nullptr); }); \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * (C + 1), 1)                                        \
     moe_wg_l2##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                        \
     {                                                                                                     \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, p.wmap, 1, p.tile_done, (unsigned)p.wait_units}, \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, p.wmap, 1, p.tile_done,         \
+                                                         (unsigned)p.wait_units, (unsigned)p.zero_warps},   \
                                   [&](int, int grp, int m0, int mc) { return wg_pre<TcL2Pre<NT / 8>>(p.l2, grp, m0, mc); }, \
                                   [&](int, const float (&acc)[2 * G / C][NT / 8][4], const TcL2Pre<NT / 8>& pre, int, int m0, int mc, int gs) { \
-                                      wg_store_l2<NT>(p.l2, acc, pre, m0, mc, gs); });                    \
+                                      wg_store_l2<NT>(p.l2, acc, pre, m0, mc, gs); },                     \
+                                  [](int) {});                                                            \
     }
 #define WG_KERNELS(NT, G, C, ST, NS) WG_GEMM_KERNELS(, false, NT, G, C, ST, NS)
 // The chained L1 / L2 of a configuration (opt-in module, gpu_layout::tc::wg_chain_configs).

@@ -168,8 +168,9 @@ struct CombineParams {
     void* y;
     int y_dtype;
     int folded;
+    int zeroed;
 };
-static_assert(sizeof(CombineParams) == 56, "CombineParams mirrors params.rs");
+static_assert(sizeof(CombineParams) == 64, "CombineParams mirrors params.rs");
 
 struct ResidualNormParams {
     float* hs;
@@ -302,7 +303,7 @@ struct DfParams {
     unsigned* sync;
     int prefetch_bytes;
 };
-static_assert(sizeof(DfParams) == 696, "DfParams mirrors params.rs");
+static_assert(sizeof(DfParams) == 704, "DfParams mirrors params.rs");
 
 struct SliceParams {
     const int* topk_ids;
@@ -337,11 +338,21 @@ struct SliceSumParams {
 };
 static_assert(sizeof(SliceSumParams) == 40, "SliceSumParams mirrors params.rs");
 
+struct ZeroRowsParams {
+    const unsigned* row_of_slot;
+    void* y;
+    int t;
+    int k;
+    int row_bytes;
+};
+static_assert(sizeof(ZeroRowsParams) == 32, "ZeroRowsParams mirrors params.rs");
+
 struct WgL1Params {
     GemmL1Params l1;
     TmaDesc amap;
     TmaDesc wmap;
     unsigned* tile_done;
+    ZeroRowsParams zero;
 };
 static_assert(sizeof(WgL1Params) == 448, "WgL1Params mirrors params.rs");
 
@@ -351,6 +362,7 @@ struct WgL2Params {
     TmaDesc wmap;
     unsigned* tile_done;
     int wait_units;
+    int zero_warps;
 };
 static_assert(sizeof(WgL2Params) == 448, "WgL2Params mirrors params.rs");
 

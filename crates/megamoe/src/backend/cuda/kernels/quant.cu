@@ -30,7 +30,8 @@
 // moe_combine: l2 [rows, H] f32 in plan-row order, row_of_slot [S] u32, shared_out [T, H] f32
 // (nullable), y [T, H] f32 or bf16. y[t] = sum over j = 0..K-1 in order of l2[row_of_slot[t*K + j]]
 // for the slots planned here (ROW_NONE adds nothing) (+ shared_out[t]). `folded`: tokens with one
-// planned slot are skipped (the L2 wrote their y rows, as 0 + v: the same bits).
+// planned slot are skipped (the L2 wrote their y rows, as 0 + v: the same bits); `zeroed`: tokens
+// with none are (the wgmma L1 wrote their zero rows).
 // Tiling: one CTA per (token, 1024 columns), 4 columns per thread; fixed fp32 add order, no atomics.
 
 // 4 CTAs of 256 threads per SM (<= 64 registers): the copy is latency-bound, so occupancy is its depth.
@@ -67,8 +68,10 @@ extern "C" __global__ void moe_combine(const __grid_constant__ CombineParams p)
     if (t >= p.t) return;
     __shared__ unsigned rows[MAX_TOPK];               // K <= MAX_TOPK (checked on the host)
     const bool live = threadIdx.x < p.k && (rows[threadIdx.x] = p.row_of_slot[t * p.k + threadIdx.x]) != ROW_NONE;
-    // Folded: a token with one planned slot got its y row from the L2 (GemmL2Params::direct).
-    if (__syncthreads_count(live) == 1 && p.folded) return;
+    // Folded: a token with one planned slot got its y row from the L2 (GemmL2Params::direct);
+    // zeroed: a token with none got it from the L1 (ZeroRowsParams).
+    const int planned = __syncthreads_count(live);
+    if ((planned == 1 && p.folded) || (planned == 0 && p.zeroed)) return;
     const int h = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
     if (h >= p.h) return;
     combine_cols4(p, [&](int j) { return rows[j]; }, t, h);
