@@ -766,7 +766,7 @@ struct WgGridSched {
 // after the L2 (~45% of a V4-Pro EP8 rank's tokens: 53 MB at T=4096). Tokens are strided over the
 // launch's 3 x CTAs warps (~1 token a warp at T=4096). `done` (chained launches): each warp adds
 // 1 once its rows are stored, which the chained L2's last CTA waits for (WgGridSched).
-__device__ __noinline__ void wg_zero_rows(const ZeroRowsParams& z, int w, unsigned* done)
+__device__ __forceinline__ void wg_zero_rows(const ZeroRowsParams& z, int w, unsigned* done)
 {
     if (!z.row_of_slot) return;
     const int lane = threadIdx.x & 31;
