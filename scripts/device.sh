@@ -74,7 +74,7 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
   [ -d "$carry/kcache" ] && tar -cJf "$carry/kcache.tar.xz" -C "$carry" kcache && rm -rf "$carry/kcache"
 fi
 cp scripts/device/run.sh "$carry/run.sh"
-cp scripts/device/fp8_rate.py "$carry/fp8_rate.py"
+cp scripts/device/fp8_rate.py scripts/device/ab_table.py "$carry/"
 cp scripts/device/call_env.sh "$carry/call_env.sh"
 cp scripts/device/slice_ab.sh scripts/device/default_check.sh scripts/device/ab_gate.sh "$carry/"
 # (The golden fixtures travel with the working tree: run.sh reads crates/megamoe/tests/data.)

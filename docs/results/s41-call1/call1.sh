@@ -33,18 +33,7 @@ for r in 1 2; do
       --tokens 4096 --json $A/ab_${w}_flash_r$r.json > $A/ab_${w}_flash_r$r.txt 2>&1
   done
 done
-python3 - $A <<'PY' | tee $A/ab_table.txt
-import json, sys, glob, collections
-d = collections.defaultdict(list)
-for f in sorted(glob.glob(sys.argv[1] + "/ab_*_r*.json")):
-    w, spec = f.rsplit("/", 1)[1].split("_")[1:3]
-    for r in json.load(open(f))["rows"]:
-        d[(spec, r["shape"], r.get("kind", "?"), r["T"], w)].append(r["median_ms"])
-for k in sorted({k[:4] for k in d}):
-    o = min(d.get(k + ("old",), [0]))
-    print(k, " ".join("%s %s (%+.2f%%)" % (w, ["%.4f" % v for v in d.get(k + (w,), [])],
-          100 * (min(d.get(k + (w,), [o])) - o) / o if o else 0) for w in ("new", "nozero", "old")))
-PY
+python3 .device-carry/ab_table.py $A new nozero old | tee $A/ab_table.txt
 echo "== ab ${SECONDS}s"; pack
 # 2. ncu: the L1, L2 and combine of one T=4096 forward per build (twice).
 for i in 1 2; do for w in new nozero old; do

@@ -17,7 +17,7 @@
 use super::buffer::{err, lazy, opt_ptr, DevBuf};
 use super::device::CORE_THREADS;
 use super::gemm::w4a8::{Fp8Rows, W4a8Experts};
-use super::gemm::{GemmLaunch, PackedSide, SliceStep, TileDemand};
+use super::gemm::{GemmLaunch, L1Extra, PackedSide, SliceStep, TileDemand};
 use super::io::{check_input_ids, DType, DeviceTensor, ForwardIo, Routing, TOPK_IDS, TOPK_WEIGHTS, X, Y};
 use super::knobs::SharedOverlap;
 use super::launch::{self, LaunchCfg, StreamRef};
@@ -847,7 +847,7 @@ impl LayerWeights {
         {
             return Ok(wrote(fold));
         }
-        ex.kernels.l1(s, &plan.launch, &l1, tr, &zero_p)?;
+        ex.kernels.l1(s, &plan.launch, &l1, &L1Extra { trace: tr, zero: zero_p })?;
         let l2_in = if mode == Mode::W4A16 {
             ws.act.ptr()
         } else {
@@ -944,7 +944,7 @@ impl LayerWeights {
             limit: c.swiglu_limit,
             act: ws.sact.ptr(),
         };
-        sh.kernels.l1(s, &launch, &l1, None, &ZeroRowsParams::default())?;
+        sh.kernels.l1(s, &launch, &l1, &L1Extra::default())?;
         let l2 =
             GemmL2Params { g: dense(ws.sact.ptr(), &sh.l2), out: ws.shared_out.ptr(), ..Default::default() };
         sh.kernels.l2(s, &launch, &l2)?;

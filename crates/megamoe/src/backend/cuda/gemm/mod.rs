@@ -137,6 +137,16 @@ impl GemmLaunch {
     }
 }
 
+/// What an L1 launch writes besides its activations.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct L1Extra {
+    /// `(gate_tr, up_tr)`: the trace variant, which keeps the gate / up pre-activations there.
+    pub trace: Option<(u64, u64)>,
+    /// y rows to write as zeros beside the GEMM (a null `row_of_slot`: none), by a launch for
+    /// which [`GemmKernels::l1_writes_zero_rows`] holds; the others ignore them.
+    pub zero: ZeroRowsParams,
+}
+
 /// A family's kernels for one weight format.
 pub(crate) trait GemmKernels: Send + Sync {
     /// The family's name (logs, bench rows).
@@ -148,17 +158,8 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn needs_contiguous_a(&self, _l: &GemmLaunch) -> bool {
         false
     }
-    /// Enqueues the L1 GEMM (gate/up, fused SwiGLU); `trace` = `(gate_tr, up_tr)` selects the
-    /// trace variant. `zero`'s rows (a null `row_of_slot`: none) are written beside the GEMM by a
-    /// launch for which [`Self::l1_writes_zero_rows`] holds; the others ignore them.
-    fn l1(
-        &self,
-        s: StreamRef,
-        l: &GemmLaunch,
-        p: &GemmL1Params,
-        trace: Option<(u64, u64)>,
-        zero: &ZeroRowsParams,
-    ) -> Result<()>;
+    /// Enqueues the L1 GEMM (gate/up, fused SwiGLU) and what `extra` asks of it besides.
+    fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, extra: &L1Extra) -> Result<()>;
     /// Whether the L1 launch of `l` (the trace variant when `trace`) writes the rows of a
     /// [`ZeroRowsParams`] beside its GEMM ([`Self::l1`], [`Self::l1_l2`]): the caller's combine
     /// then skips them.

@@ -3,7 +3,7 @@
 //! bf16, and an FP8 shared expert with arbitrary block scales), so it is the fallback of every
 //! other family. Layout and heuristics: [`crate::backend::gpu_layout::simt`].
 
-use super::{GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, TileDemand};
+use super::{GemmFamily, GemmKernels, GemmLaunch, GemmWeights, L1Extra, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::err;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::launch::{Kernel, LaunchCfg, StreamRef};
@@ -111,20 +111,13 @@ impl GemmKernels for SimtKernels {
     fn block_m(&self, demand: TileDemand) -> usize {
         layout::block_m_for(demand.rows)
     }
-    fn l1(
-        &self,
-        s: StreamRef,
-        l: &GemmLaunch,
-        p: &GemmL1Params,
-        trace: Option<(u64, u64)>,
-        _zero: &ZeroRowsParams,
-    ) -> Result<()> {
+    fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, extra: &L1Extra) -> Result<()> {
         let kd = kind(l.block_m)?;
         let cfg =
             LaunchCfg::grid((l.grid_tiles, layout::l1_grid_y(p.g.inter as usize, l.block_m) as u32, 1), 0);
         // SAFETY: the caller's operands cover the plan's rows and the packed weights.
         unsafe {
-            match trace {
+            match extra.trace {
                 None => self.l1[kd].launch(s, &cfg, p),
                 Some((gate_tr, up_tr)) => {
                     self.l1_trace[kd].launch(s, &cfg, &GemmL1TraceParams { l1: *p, gate_tr, up_tr })

@@ -6,7 +6,7 @@
 //! shared expert whose block scales are powers of two (converted to bf16 exactly).
 
 use super::{
-    FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, PackedSide, SliceStep, TileDemand,
+    FusedSplit, GemmFamily, GemmKernels, GemmLaunch, GemmWeights, L1Extra, PackedSide, SliceStep, TileDemand,
 };
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
@@ -545,15 +545,8 @@ impl GemmKernels for TcKernels {
         // The wgmma L1's producer warpgroup has three warps that issue no copies.
         !trace && self.wgmma(l)
     }
-    fn l1(
-        &self,
-        s: StreamRef,
-        l: &GemmLaunch,
-        p: &GemmL1Params,
-        trace: Option<(u64, u64)>,
-        zero: &ZeroRowsParams,
-    ) -> Result<()> {
-        let rows = 2 * p.g.inter as usize;
+    fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, extra: &L1Extra) -> Result<()> {
+        let (rows, trace, zero) = (2 * p.g.inter as usize, extra.trace, extra.zero);
         if self.l1_writes_zero_rows(l, trace.is_some()) {
             if p.g.a_rows != 0 {
                 return Err(err("internal: the wgmma kernels read A through a tensor map (no gather)"));
@@ -563,11 +556,7 @@ impl GemmKernels for TcKernels {
             let wmap = self.wg_wmap(l, p.g.wq, rows, p.g.h as usize, &key)?;
             // SAFETY: as below; the tensor maps cover A's `a_rows` rows and the packed weights.
             return unsafe {
-                self.wg_l1[&key].launch(
-                    s,
-                    &cfg,
-                    &WgL1Params { l1: *p, amap, wmap, tile_done: 0, zero: *zero },
-                )
+                self.wg_l1[&key].launch(s, &cfg, &WgL1Params { l1: *p, amap, wmap, tile_done: 0, zero })
             };
         }
         if let (None, Some([(partials, counters), _])) = (trace, self.stream(l, &p.g)) {
