@@ -657,6 +657,45 @@ fn prefill_chained_launches_match_separate_launches_bitwise() {
     }
 }
 
+/// With `MEGAMOE_WG_UNITS=n` every wgmma CTA runs n units (token tile x group set) back to back —
+/// its producer fills the next unit's stages while the last unit's chunks run — and the grid's y
+/// covers the expected tiles in n (tiles y, y + grid.y, ..; the tiles past them loop further):
+/// bitwise equal to one unit a CTA (the default), with the L1 and L2 chained and apart, on two-
+/// and three-consumer configurations with idle consumers (10 / 9 groups in sets of 3) and experts
+/// of several tiles (T=3000), forward after forward.
+#[test]
+fn prefill_units_per_cta_match_one_unit_bitwise() {
+    let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
+    for (cfg, t, seed) in [(three, 1400, 81), (two_group_config(), 3000, 83)] {
+        let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
+        let Some(mut one) = engine_with(&layer, t, Some("tc")) else { return };
+        let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
+        let input = ForwardInput { x: &x, input_ids: None };
+        one.poison(0xFF).unwrap();
+        let want = one.forward(&input, Mode::W4A16, None).unwrap();
+        drop(one);
+        for (units, chain) in [("2", "1"), ("3", "0"), ("4", "1"), ("auto", "0"), ("auto", "1")] {
+            // Read when an engine's kernels are made (the device script runs these tests on one
+            // thread).
+            std::env::set_var("MEGAMOE_WG_UNITS", units);
+            std::env::set_var("MEGAMOE_WG_CHAIN", chain);
+            let eng = engine_with(&layer, t, Some("tc"));
+            std::env::remove_var("MEGAMOE_WG_UNITS");
+            std::env::remove_var("MEGAMOE_WG_CHAIN");
+            let Some(mut eng) = eng else { return };
+            eng.poison(0xFF).unwrap();
+            for round in 0..2 {
+                let got = eng.forward(&input, Mode::W4A16, None).unwrap();
+                assert_eq!(
+                    got.y, want.y,
+                    "T={t} MEGAMOE_WG_UNITS={units} MEGAMOE_WG_CHAIN={chain} round {round}: differs from one unit a CTA"
+                );
+            }
+            eprintln!("units a CTA {units}, chain {chain}, T={t}: bitwise equal");
+        }
+    }
+}
+
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
 /// evenly (Stream-K): with K = 1152 (18 chunks) and 640 (10) a (tile, group)'s K parts land in
 /// several CTAs and are summed by the last to arrive, and a CTA's range crosses units (T=8: ~23

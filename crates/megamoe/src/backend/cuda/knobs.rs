@@ -120,6 +120,33 @@ pub fn wg_chain() -> WgChain {
     }
 }
 
+/// Units (token tile x group set) each CTA of a wgmma prefill launch runs back to back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WgUnits {
+    /// Default: one (the grid covers the expected tiles and a margin; a CTA loops only over tiles
+    /// past it).
+    One,
+    /// `MEGAMOE_WG_UNITS=auto`: `gpu_layout::tc::choose_wg_units_per_cta`'s count per launch.
+    Auto,
+    /// `MEGAMOE_WG_UNITS=<n>`, 1..=`gpu_layout::tc::WG_MAX_UNITS_PER_CTA`.
+    Fixed(usize),
+}
+
+/// `MEGAMOE_WG_UNITS`: see [`WgUnits`] (A/B runs; a count out of range is ignored, with a warning).
+pub fn wg_units() -> WgUnits {
+    match value("MEGAMOE_WG_UNITS").as_deref() {
+        Some("auto") => WgUnits::Auto,
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=tc::WG_MAX_UNITS_PER_CTA).contains(&n) => WgUnits::Fixed(n),
+            _ => {
+                tracing::warn!(value = v, "MEGAMOE_WG_UNITS: not auto or 1..=4: ignored");
+                WgUnits::One
+            }
+        },
+        None => WgUnits::One,
+    }
+}
+
 /// `MEGAMOE_WG_CONSUMERS`: consumer warpgroups of every wgmma launch, else the tile model's.
 pub fn wg_consumers() -> Option<usize> {
     number("MEGAMOE_WG_CONSUMERS")

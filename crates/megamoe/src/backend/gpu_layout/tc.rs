@@ -714,6 +714,29 @@ pub fn chain_pays(units: usize, sm_count: usize) -> bool {
     units as f64 <= CHAIN_MAX_WAVES * sm_count.max(1) as f64
 }
 
+/// What a wgmma CTA costs besides its units, in units of its own K loop: the ring's first fill
+/// (the first stage lands ~1.5 us after the copies go out), the launch and setup, with the tensor
+/// pipe idle on that SM meanwhile. An estimate (~3 us against a V4-Pro rank's ~42 us L2 unit at
+/// T=4096 on an H100, docs/PERFORMANCE.md fortieth session), not a measurement: it only steers
+/// [`choose_wg_units_per_cta`], which runs under `MEGAMOE_WG_UNITS=auto`.
+pub const WG_CTA_OVERHEAD_UNITS: f64 = 0.07;
+
+/// The most units one wgmma CTA runs back to back ([`choose_wg_units_per_cta`]).
+pub const WG_MAX_UNITS_PER_CTA: usize = 4;
+
+/// Units (token tile x group set) per CTA of a wgmma launch of `units` expected units on
+/// `sm_count` SMs (one CTA an SM): a CTA that runs several units back to back issues the next
+/// unit's first copies while the last one's chunks still run, so it pays its fill and launch once;
+/// but longer CTAs quantize the grid into fewer, coarser waves. The choice minimises
+/// `waves x (units a CTA + WG_CTA_OVERHEAD_UNITS)` (the smallest count on ties).
+pub fn choose_wg_units_per_cta(units: usize, sm_count: usize) -> usize {
+    let cost = |u: usize| {
+        let waves = units.max(1).div_ceil(u * sm_count.max(1));
+        waves as f64 * (u as f64 + WG_CTA_OVERHEAD_UNITS)
+    };
+    (1..=WG_MAX_UNITS_PER_CTA).fold(1, |best, u| if cost(u) < cost(best) { u } else { best })
+}
+
 /// Groups per CTA of a two-consumer wgmma launch over `groups` 128-row groups and `tiles` expected
 /// token tiles: two while that still gives every SM two CTAs, else one.
 pub fn choose_wg_groups(groups: usize, tiles: usize, sm_count: usize) -> usize {
@@ -996,6 +1019,25 @@ mod tests {
         assert!(chain_pays(v4_pro_rank_l1_units(8192), 132));
         assert!(!chain_pays(v4_pro_rank_l1_units(16384), 132));
         assert!(chain_pays(1320, 132) && !chain_pays(1321, 132));
+    }
+
+    #[test]
+    fn units_per_cta_trade_fills_against_wave_quantization() {
+        // Fewer units than SMs: one each.
+        assert_eq!(choose_wg_units_per_cta(100, 132), 1);
+        // Ten whole waves: five of two units pay five fills less (10.35 against 10.7).
+        assert_eq!(choose_wg_units_per_cta(1320, 132), 2);
+        // Eight waves and one CTA over: 9 waves of one unit (9.63) against 5 of two (10.35) and 3
+        // of three (9.21): three.
+        assert_eq!(choose_wg_units_per_cta(8 * 132 + 1, 132), 3);
+        // 5.94 waves (a V4-Pro rank's L1 at T=4096: 49 tiles x 16 sets): 6 x 1.07 = 6.42, 3 x
+        // 2.07 = 6.21, 2 x 3.07 = 6.14: three.
+        assert_eq!(choose_wg_units_per_cta(49 * 16, 132), 3);
+        // Never more than the cap, and never a CTA for nothing.
+        for units in [0, 1, 131, 133, 500, 1000, 5000, 20000] {
+            let u = choose_wg_units_per_cta(units, 132);
+            assert!((1..=WG_MAX_UNITS_PER_CTA).contains(&u), "{units}: {u}");
+        }
     }
 
     fn bf16_value(bits: u16) -> f64 {

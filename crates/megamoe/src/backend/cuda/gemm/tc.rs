@@ -10,7 +10,7 @@ use super::{
 };
 use crate::backend::cuda::buffer::{derr, err};
 use crate::backend::cuda::device::CudaDevice;
-use crate::backend::cuda::knobs::{self, SliceUse, WgChain};
+use crate::backend::cuda::knobs::{self, SliceUse, WgChain, WgUnits};
 use crate::backend::cuda::launch::{tma_2d_bf16, tma_weight_groups, Kernel, LaunchCfg, StreamRef};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::probe::PhaseProbe;
@@ -61,6 +61,8 @@ struct TcKernels {
     wg_consumers: Option<usize>,
     /// `MEGAMOE_WG_TILE` (read once): every wgmma prefill launch on this token tile.
     wg_tile: Option<usize>,
+    /// Units each wgmma CTA runs back to back (`MEGAMOE_WG_UNITS`; one by default).
+    wg_units: WgUnits,
     /// Hopper weight-streaming decode kernels (sm_90a), by token tile; used for decode tiles of
     /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_selects`]).
     ds_l1: HashMap<usize, Kernel<DsL1Params>>,
@@ -272,6 +274,7 @@ struct TcKnobs {
     prefetch_bytes: i32,
     wg_consumers: Option<usize>,
     wg_tile: Option<usize>,
+    wg_units: WgUnits,
     probe: bool,
     wgmma: bool,
     stream: bool,
@@ -295,6 +298,7 @@ impl TcKnobs {
             prefetch_bytes: knobs::prefetch_bytes(),
             wg_consumers: knobs::wg_consumers(),
             wg_tile: knobs::wg_tile(),
+            wg_units: knobs::wg_units(),
             probe: knobs::phase_probe() && wg,
             wgmma: wg && knobs::wgmma(),
             stream: wg && stream_selects(knobs::stream().as_deref(), f),
@@ -329,6 +333,7 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
             prefetch_bytes: knobs.prefetch_bytes,
             wg_consumers: knobs.wg_consumers,
             wg_tile: knobs.wg_tile,
+            wg_units: knobs.wg_units,
             chain: knobs.chain,
             slab_waves: knobs.slab_waves,
             probe: knobs.probe.then(|| m.clone()),
@@ -453,8 +458,16 @@ impl TcKernels {
         // Group sets in x (dispatched first), tiles in y: the CTAs running at once share a few
         // token tiles (L2 hits) instead of each streaming its own (at T = 16384 on a V4-Pro EP8
         // rank the tiles' inputs are 175 MB, over three L2s: every group set re-read them from
-        // DRAM). grid.y is at most 65535; the CTAs loop over any further tiles.
-        let grid = (groups.div_ceil(c.groups) as u32, l.looping_grid().min(65_535), 1);
+        // DRAM). grid.y is at most 65535; the CTAs loop over any further tiles (tile y, y +
+        // grid.y, ..): with several units a CTA, grid.y covers the expected tiles in that many.
+        let sets = groups.div_ceil(c.groups);
+        let per_cta = match self.wg_units {
+            WgUnits::One => 1,
+            WgUnits::Auto => layout::choose_wg_units_per_cta(tiles * sets, self.sm_count),
+            WgUnits::Fixed(n) => n,
+        };
+        let tiles_y = if per_cta > 1 { tiles.div_ceil(per_cta) as u32 } else { l.looping_grid() };
+        let grid = (sets as u32, tiles_y.min(65_535), 1);
         (c, LaunchCfg::grid(grid, layout::wg_smem_bytes(self.format, c.nt, c.groups)))
     }
 
