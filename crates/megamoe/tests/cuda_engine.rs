@@ -1958,11 +1958,10 @@ fn slice_kernel_runs_by_default_where_it_pays() {
 /// (`enqueue_experts` + `enqueue_combine`, which do neither) on the same poisoned workspace and a
 /// poisoned y, bitwise equal, on a rank owning experts 8..16 of 24 (tokens with none, one and
 /// several slots here, -1 and foreign ids), both FP4 formats, every mode, decode to prefill
-/// batches, and the prefill batches again with the wgmma L1 and L2 chained and apart
-/// (`MEGAMOE_WG_CHAIN`; the chained L2 waits for the L1's zero rows). That the fold ran is checked
-/// too: a combine of the workspace's rows afterwards reads the single-slot rows the L2 never wrote
-/// there (still poisoned: NaN); that the L1 wrote the zero rows, by the engine's own answer
-/// (`zeroes_rows_in_l1`) and the poisoned y.
+/// batches. That the fold ran is checked too: a combine of the workspace's rows afterwards reads
+/// the single-slot rows the L2 never wrote there (still poisoned: NaN); that the L1 wrote the zero
+/// rows, by the engine's own answer (`zeroes_rows_in_l1`) and the poisoned y. (The chained launches'
+/// zero rows: `routed_zero_rows_chained_and_apart_match_separate_stages`.)
 #[test]
 fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
     let Some(dev) = device() else { return };
@@ -1972,26 +1971,14 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
     let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
     let max_t = 700;
     let wgmma = dev.arch() == "sm_90a";
-    for (format, chain) in [WeightFormat::Nvfp4, WeightFormat::Mxfp4]
-        .into_iter()
-        .flat_map(|f| [None, Some("1"), Some("0")].map(|c| (f, c)))
-        .filter(|&(_, c)| c.is_none() || wgmma)
-    {
-        // The knob is read when the layer's kernels are made (the device script runs these tests
-        // on one thread).
-        if let Some(c) = chain {
-            std::env::set_var("MEGAMOE_WG_CHAIN", c);
-        }
+    for format in [WeightFormat::Nvfp4, WeightFormat::Mxfp4] {
         let w = rank24_weights(&dev, &cfg, format, 0, 151);
-        std::env::remove_var("MEGAMOE_WG_CHAIN");
         let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
         let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, max_t)).unwrap();
         let arena = dev.alloc(16 << 20, "arena").unwrap();
         let modes: Vec<Mode> =
             [Mode::W4A16, Mode::W4A8, Mode::W4A4].into_iter().filter(|&m| w.check_mode(m).is_ok()).collect();
-        let runs = modes.iter().flat_map(|&m| [3usize, 40, 640, 700].map(|t| (m, t)));
-        // The chained / apart passes: the prefill batches of the mode that chains.
-        for (mode, t) in runs.filter(|&(m, t)| chain.is_none() || (m == Mode::W4A16 && t >= 640)) {
+        for (mode, t) in modes.iter().flat_map(|&m| [3usize, 40, 640, 700].map(|t| (m, t))) {
             ws.prepare(mode, false).unwrap();
             let mut ids = vec![0i32; t * k];
             let mut wts = vec![0f32; t * k];
@@ -2018,7 +2005,7 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
                 let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));
                 let ytensor = |at: usize| DeviceTensor::new(arena.ptr() + at as u64, t, h, ydt);
                 let read = |at: usize| arena.read::<u8>(dev.stream(), at, ybytes).unwrap();
-                let what = format!("{format:?} {mode} T={t} y {ydt:?} chain {}", chain.unwrap_or("default"));
+                let what = format!("{format:?} {mode} T={t} y {ydt:?}");
                 ws.poison(0xFF).unwrap();
                 let plan = w.enqueue_plan(&ws, &it, mode, s).unwrap();
                 w.enqueue_experts(&ws, &plan, &xt, &wt, mode, s).unwrap();
@@ -2054,6 +2041,92 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
                     if zeroes { none } else { 0 }
                 );
             }
+        }
+    }
+}
+
+/// The zero y rows of the tokens with no planned slot from the wgmma L1's producer warps, with the
+/// L1 and L2 chained (`MEGAMOE_WG_CHAIN=1`: the chained L2's last CTA waits for those warps before
+/// the counters go back to zero) and apart (`=0`), three consumer warpgroups over 128-row group
+/// sets that leave idle consumers (10 / 9 groups in sets of 3; `MEGAMOE_WG_CONSUMERS=3`, so the
+/// configuration has chained kernels), one and two units a CTA (`MEGAMOE_WG_UNITS`): a routed
+/// forward into a poisoned y (f32 and bf16), three times in a row, bitwise equal to the separate
+/// stages (`enqueue_plan` + `enqueue_experts` + `enqueue_combine`, which write every row in the
+/// combine), on rank 1 of 4 of a 64-expert layer (~18% of the tokens with no slot here, -1 ids).
+#[test]
+fn routed_zero_rows_chained_and_apart_match_separate_stages() {
+    let Some(dev) = device() else { return };
+    if dev.arch() != "sm_90a" {
+        eprintln!("SKIPPED: the wgmma kernels are sm_90a only ({})", dev.arch());
+        return;
+    }
+    let cfg = two_group_config();
+    let (h, k, t) = (cfg.hidden_size, cfg.num_experts_per_tok, 800);
+    let stream = dev.new_stream().unwrap();
+    // SAFETY: the stream lives until the end of the test.
+    let s = unsafe { StreamRef::from_raw(stream.cu_stream()) };
+    let full = synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, 171);
+    let rank = megamoe::parallel::ExpertShard::new(64, 4, 1).unwrap().slice_layer(&full).unwrap();
+    let mut ids = vec![0i32; t * k];
+    let mut wts = vec![0f32; t * k];
+    let mut none = 0;
+    for tok in 0..t {
+        for j in 0..k {
+            ids[tok * k + j] =
+                if (tok + 5 * j) % 13 == 0 { -1 } else { ((tok * 11 + j * 7 + tok / 5) % 64) as i32 };
+            wts[tok * k + j] = 0.05 + 0.1 * ((tok + 2 * j) % 7) as f32;
+        }
+        none += ids[tok * k..][..k].iter().all(|&e| !(16..32).contains(&e)) as usize;
+    }
+    assert!(none > 0 && none < t, "tokens with and without slots here");
+    let x = synthetic::random_hidden(t, h, 173);
+    let arena = dev.alloc(32 << 20, "arena").unwrap();
+    let (xt, it, wt, yo) = stage_routed_inputs(&dev, &arena, &x, &ids, &wts, h, k);
+    for (chain, units) in [("1", "1"), ("0", "1"), ("1", "2"), ("0", "2")] {
+        for (var, v) in
+            [("MEGAMOE_WG_CHAIN", chain), ("MEGAMOE_WG_UNITS", units), ("MEGAMOE_WG_CONSUMERS", "3")]
+        {
+            std::env::set_var(var, v);
+        }
+        let w = LayerWeights::upload(&dev, &rank).unwrap();
+        for var in ["MEGAMOE_WG_CHAIN", "MEGAMOE_WG_UNITS", "MEGAMOE_WG_CONSUMERS"] {
+            std::env::remove_var(var);
+        }
+        let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, t)).unwrap();
+        ws.prepare(Mode::W4A16, false).unwrap();
+        assert!(w.zeroes_rows_in_l1(&ws, t, Mode::W4A16), "T={t}: the wgmma L1 writes the zero rows");
+        for ydt in [DType::F32, DType::Bf16] {
+            let ybytes = t * h * ydt.size();
+            let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));
+            let ytensor = |at: usize| DeviceTensor::new(arena.ptr() + at as u64, t, h, ydt);
+            let read = |at: usize| arena.read::<u8>(dev.stream(), at, ybytes).unwrap();
+            let what = format!("chain {chain} units {units} y {ydt:?}");
+            ws.poison(0xFF).unwrap();
+            let plan = w.enqueue_plan(&ws, &it, Mode::W4A16, s).unwrap();
+            w.enqueue_experts(&ws, &plan, &xt, &wt, Mode::W4A16, s).unwrap();
+            w.enqueue_combine(&ws, &plan, &ytensor(ya), false, s).unwrap();
+            stream.synchronize().unwrap();
+            let want = read(ya);
+            // The workspace poisoned once: rounds 1 and 2 start from what the forward before left
+            // (its counters back at zero, or the chained L2 would read stale counts).
+            ws.poison(0xFF).unwrap();
+            for round in 0..3 {
+                arena.write(dev.stream(), yb, &vec![0xFFu8; ybytes]).unwrap();
+                dev.synchronize().unwrap();
+                w.enqueue_routed(&ws, &it, &xt, &wt, &ytensor(yb), false, Mode::W4A16, s).unwrap();
+                stream.synchronize().unwrap();
+                assert!(
+                    read(yb) == want,
+                    "{what} round {round}: the routed forward differs from the separate stages"
+                );
+                assert_eq!(ws.take_status().unwrap(), 0, "{what}");
+            }
+            let left: Vec<_> =
+                ws.split_counters().unwrap().into_iter().enumerate().filter(|&(_, c)| c != 0).collect();
+            assert!(left.is_empty(), "{what}: counters left non-zero: {left:?}");
+            eprintln!(
+                "zero rows {what}: bitwise equal over 3 forwards, {none} of {t} tokens with no slot here"
+            );
         }
     }
 }

@@ -43,7 +43,7 @@ for i in 1 2; do for w in new nozero old; do
 done; done | tee $A/ncu_times.txt
 echo "== ncu ${SECONDS}s"; pack
 # 3. Checks of the new build.
-timeout 200 $C/bin/cuda_engine --test-threads=1 routed_forward_folds prefill_chained prefill_three_consumer prefill_fitted \
+timeout 240 $C/bin/cuda_engine --test-threads=1 routed_forward_folds routed_zero_rows prefill_chained prefill_three_consumer prefill_fitted \
   prefill_two_group repeat_runs shared_expert_forked fused_decode slice_decode > $A/engine_tests.txt 2>&1
 grep -E "^test |panicked|test result|zero rows from" $A/engine_tests.txt | head -40; pack
 timeout 150 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 routed_forward_folds \
