@@ -46,7 +46,7 @@ echo "== ncu ${SECONDS}s"; pack
 timeout 240 $C/bin/cuda_engine --test-threads=1 routed_forward_folds routed_zero_rows prefill_chained prefill_three_consumer prefill_fitted \
   prefill_two_group repeat_runs shared_expert_forked fused_decode slice_decode > $A/engine_tests.txt 2>&1
 grep -E "^test |panicked|test result|zero rows from" $A/engine_tests.txt | head -40; pack
-timeout 150 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 routed_forward_folds \
+timeout 150 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine --test-threads=1 routed_zero_rows \
   > $A/memcheck.txt 2>&1; grep -E "ERROR SUMMARY|test result" $A/memcheck.txt | head -2
 timeout 100 $C/bin/megamoe verify --backend cuda > $A/verify.txt 2>&1; grep -E "verify:|FAIL" $A/verify.txt | head -3
 timeout 100 $C/bin/cuda_fixtures --test-threads 1 > $A/fixtures.txt 2>&1; grep -E "test result|panicked" $A/fixtures.txt
