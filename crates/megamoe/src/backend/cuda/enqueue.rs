@@ -600,10 +600,12 @@ impl LayerWeights {
     }
 
     /// Whether the routed L1 launch of `plan` writes a [`ZeroRowsParams`]' rows: the L1 of the
-    /// experts' family (not the FP8 W4A8 kernels) where it can.
+    /// experts' family (not the FP8 W4A8 L1) where it can.
     fn l1_zeroes(&self, plan: &Plan, mode: Mode, trace: bool) -> bool {
-        let fp8 = mode == Mode::W4A8 && !trace && self.w4a8.as_ref().is_some_and(|w| w.applies(&plan.launch));
-        !fp8 && self.experts.kernels.l1_writes_zero_rows(&plan.launch, trace)
+        let fp8_l1 = mode == Mode::W4A8
+            && !trace
+            && self.w4a8.as_ref().is_some_and(|w| w.l1.is_some() && w.applies(&plan.launch));
+        !fp8_l1 && self.experts.kernels.l1_writes_zero_rows(&plan.launch, trace)
     }
 
     /// The phase clocks of this layer's last fused decode launch, when the kernels were built with
@@ -802,11 +804,12 @@ impl LayerWeights {
     ) -> Result<WroteY> {
         let ex = &self.experts;
         let fold = direct.fold;
-        if mode == Mode::W4A8 && !trace {
-            if let Some(w8) = self.w4a8.as_ref().filter(|w| w.applies(&plan.launch)) {
-                self.experts_fp8(ws, plan, x, topk_w, w8, fold, s)?;
-                return Ok(WroteY { folded: fold.is_some(), zeroed: false });
-            }
+        // W4A8 prefill launches of a layer holding the FP8 layout: its L2 on the FP8 kernels, and
+        // its L1 too unless only the L2's layout is held (`MEGAMOE_W4A8_FP8=l2`).
+        let w8 = self.w4a8.as_ref().filter(|w| mode == Mode::W4A8 && !trace && w.applies(&plan.launch));
+        if let Some((w8, w8l1)) = w8.and_then(|w| Some((w, w.l1.as_ref()?))) {
+            self.experts_fp8(ws, plan, (x, topk_w), w8, w8l1, fold, s)?;
+            return Ok(WroteY { folded: fold.is_some(), zeroed: false });
         }
         let zero = direct.zero.filter(|_| self.l1_zeroes(plan, mode, trace));
         let zero_p = zero.unwrap_or_default();
@@ -848,6 +851,10 @@ impl LayerWeights {
             return Ok(wrote(fold));
         }
         ex.kernels.l1(s, &plan.launch, &l1, &L1Extra { trace: tr, zero: zero_p })?;
+        if let Some(w8) = w8 {
+            self.fp8_l2(ws, plan, w8, fold, s)?;
+            return Ok(wrote(fold));
+        }
         let l2_in = if mode == Mode::W4A16 {
             ws.act.ptr()
         } else {
@@ -859,50 +866,63 @@ impl LayerWeights {
         Ok(wrote(fold))
     }
 
-    /// The routed experts of a W4A8 prefill forward on the FP8 kernels: act_quant of the gathered
-    /// inputs into e4m3 rows + block scales (in the staged-input buffer), L1, act_quant of its
-    /// output (in the quantized-activation buffer), L2.
+    /// The routed experts of a W4A8 prefill forward on the FP8 kernels (`w8l1`: the L1's W4A8
+    /// layout): act_quant of the gathered inputs into e4m3 rows + block scales (in the
+    /// staged-input buffer), L1, then [`Self::fp8_l2`].
     #[allow(clippy::too_many_arguments)]
     fn experts_fp8(
         &self,
         ws: &Workspace,
         plan: &Plan,
-        x: u64,
-        topk_w: u64,
+        (x, topk_w): (u64, u64),
+        w8: &W4a8Experts,
+        w8l1: &PackedSide,
+        fold: Option<Fold>,
+        s: StreamRef,
+    ) -> Result<()> {
+        let xin = self.fp8_rows(plan, &ws.xin, "quantized expert inputs", self.config.hidden_size)?;
+        let qin = self.quant_params(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin));
+        self.quant_rows(plan, &Fold::mark(ws, fold, qin), s)?;
+        let l1 = self.routed_l1(ws, self.routed_operands(ws, xin.codes, 0, w8l1, 0), topk_w);
+        w8.l1(s, &plan.launch, &l1, &xin)?;
+        self.fp8_l2(ws, plan, w8, fold, s)
+    }
+
+    /// The FP8 W4A8 L2 over the workspace's L1 activations (from the FP8 L1 or the bf16 path's):
+    /// act_quant into e4m3 rows + block scales (in the quantized-activation buffer), then the L2
+    /// (with `fold`, the single-slot tokens' rows into its y).
+    fn fp8_l2(
+        &self,
+        ws: &Workspace,
+        plan: &Plan,
         w8: &W4a8Experts,
         fold: Option<Fold>,
         s: StreamRef,
     ) -> Result<()> {
-        let c = &self.config;
-        let slots = plan.tokens * c.num_experts_per_tok;
-        // e4m3 rows [slots, K] then their block-major, tile-major scales [K / 128][pitch] f32
-        // (pitch: the plan's most tiles x its tile height), both in the bf16 buffer of [max slots, K].
-        let pitch = w4a8_layout::scale_pitch(plan.launch.grid_tiles as usize, plan.launch.block_m);
-        let rows_in = |buf: &Option<DevBuf>, what: &str, k: usize| -> Result<Fp8Rows> {
-            let buf = lazy(buf, what)?;
-            let need = slots * k + k / w4a8_layout::CHUNK_K * pitch * 4;
-            if need > buf.bytes() {
-                return Err(err(format!(
-                    "internal: {what}: {slots} e4m3 rows of {k} and their scales need {need} bytes, the \
-                     buffer holds {}",
-                    buf.bytes()
-                )));
-            }
-            Ok(Fp8Rows { codes: buf.ptr(), scales: buf.ptr() + (slots * k) as u64, pitch })
-        };
-        let xin = rows_in(&ws.xin, "quantized expert inputs", c.hidden_size)?;
-        let qin = self.quant_params(ws, plan, x, xin.codes, true, Mode::W4A8, Some(&xin));
-        self.quant_rows(plan, &Fold::mark(ws, fold, qin), s)?;
-        let l1 = self.routed_l1(ws, self.routed_operands(ws, xin.codes, 0, &w8.l1, 0), topk_w);
-        w8.l1(s, &plan.launch, &l1, &xin)?;
-        let actq = rows_in(&ws.actq, "quantized activations", c.moe_intermediate_size)?;
-        self.quant_rows(
-            plan,
-            &self.quant_params(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq)),
-            s,
-        )?;
+        let actq =
+            self.fp8_rows(plan, &ws.actq, "quantized activations", self.config.moe_intermediate_size)?;
+        let q = self.quant_params(ws, plan, ws.act.ptr(), actq.codes, false, Mode::W4A8, Some(&actq));
+        self.quant_rows(plan, &q, s)?;
         let l2 = self.routed_l2(ws, self.routed_operands(ws, actq.codes, 0, &w8.l2, 0), fold);
         w8.l2(s, &plan.launch, &l2, &actq)
+    }
+
+    /// The e4m3 rows `[slots, k]` of `plan` and then their block-major, tile-major scales
+    /// `[k / 128][pitch]` f32 (pitch: the plan's most tiles x its tile height), in `buf` (a bf16
+    /// buffer of `[max slots, k]`: room for both).
+    fn fp8_rows(&self, plan: &Plan, buf: &Option<DevBuf>, what: &str, k: usize) -> Result<Fp8Rows> {
+        let slots = plan.tokens * self.config.num_experts_per_tok;
+        let pitch = w4a8_layout::scale_pitch(plan.launch.grid_tiles as usize, plan.launch.block_m);
+        let buf = lazy(buf, what)?;
+        let need = slots * k + k / w4a8_layout::CHUNK_K * pitch * 4;
+        if need > buf.bytes() {
+            return Err(err(format!(
+                "internal: {what}: {slots} e4m3 rows of {k} and their scales need {need} bytes, the buffer \
+                 holds {}",
+                buf.bytes()
+            )));
+        }
+        Ok(Fp8Rows { codes: buf.ptr(), scales: buf.ptr() + (slots * k) as u64, pitch })
     }
 
     /// The shared expert over all `t` tokens (bf16 activations in every mode). Returns its output

@@ -180,10 +180,27 @@ pub fn gemv_unroll() -> Option<u32> {
     number("MEGAMOE_GEMV_UNROLL").filter(|u| (1..=8).contains(u))
 }
 
-/// `MEGAMOE_W4A8_FP8=1`: W4A8 on MXFP4 runs its prefill on the FP8 kernels (opt-in: 3-11% faster
-/// than the bf16 path on an H100, but 2.4-3.0e-3 from the CPU reference against its ~1e-3).
-pub fn w4a8_fp8() -> bool {
-    default_off("MEGAMOE_W4A8_FP8")
+/// Which GEMMs of a W4A8 prefill on MXFP4 experts run on the FP8 kernels (sm_90a).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum W4a8Fp8 {
+    /// Default: neither (the exact bf16 path).
+    Off,
+    /// `MEGAMOE_W4A8_FP8=1`: both (3-11% faster than the bf16 path on an H100, but 2.4-3.0e-3
+    /// from the CPU reference against its ~1e-3: the L1's FP8 accumulation, re-quantized to e4m3
+    /// at the L2's input, dominates).
+    Both,
+    /// `MEGAMOE_W4A8_FP8=l2`: the L2 only, the L1 on the bf16 path (whose exact accumulation is
+    /// what the L2 input's e4m3 rounding amplifies; error model: ~1e-4 over the bf16 path's).
+    L2,
+}
+
+/// `MEGAMOE_W4A8_FP8`: see [`W4a8Fp8`].
+pub fn w4a8_fp8() -> W4a8Fp8 {
+    match value("MEGAMOE_W4A8_FP8").as_deref() {
+        Some("1") => W4a8Fp8::Both,
+        Some("l2") => W4a8Fp8::L2,
+        _ => W4a8Fp8::Off,
+    }
 }
 
 /// `MEGAMOE_W4A8_TILE`: the FP8 W4A8 kernels' token tile, else their tile model's.

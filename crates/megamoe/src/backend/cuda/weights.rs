@@ -6,6 +6,7 @@
 use super::buffer::{err, DevBuf};
 use super::device::CudaDevice;
 use super::gemm::{self, GemmWeights};
+use super::knobs::W4a8Fp8;
 use crate::backend::gpu_layout::K_STEP;
 use crate::checkpoint::{MoeLayer, ProjData};
 use crate::config::MoeConfig;
@@ -66,7 +67,7 @@ pub(crate) fn router_smem(e: usize) -> usize {
 pub(crate) struct DeviceBytes {
     /// Routed experts in the GEMM family's layout (with their per-group alphas).
     pub experts: usize,
-    /// The FP8 W4A8 copy of MXFP4 experts (sm_90a), or 0.
+    /// The FP8 W4A8 copy of MXFP4 experts (both GEMMs or the L2's; sm_90a), or 0.
     pub w4a8: usize,
     /// The shared expert (bf16).
     pub shared: usize,
@@ -75,8 +76,8 @@ pub(crate) struct DeviceBytes {
 }
 
 impl DeviceBytes {
-    /// The estimate for `layer`, with its W4A8 copy when `w4a8`.
-    pub fn estimate(layer: &MoeLayer, w4a8: bool) -> DeviceBytes {
+    /// The estimate for `layer`, with the W4A8 copy of the GEMMs `w4a8` names (`None`: none).
+    pub fn estimate(layer: &MoeLayer, w4a8: Option<W4a8Fp8>) -> DeviceBytes {
         let per_weight = WeightFormat::bytes_per_weight;
         let padded = crate::backend::gpu_layout::tc::padded_rows;
         // The packed matrices: L1 = W1 and W3 interleaved ([2I, H]), L2 = W2 ([H, I]), rows padded
@@ -92,7 +93,12 @@ impl DeviceBytes {
         };
         let bpw = per_weight(layer.w1.format());
         let experts = side(r1, c1, bpw, false) + side(r2, c2, bpw, false);
-        let w4a8 = if w4a8 { side(r1, c1, 0.53125, true) + side(r2, c2, 0.53125, true) } else { 0 };
+        let w8 = |rows: usize, cols: usize| side(rows, cols, 0.53125, true);
+        let w4a8 = match w4a8 {
+            Some(W4a8Fp8::Both) => w8(r1, c1) + w8(r2, c2),
+            Some(W4a8Fp8::L2) => w8(r2, c2),
+            Some(W4a8Fp8::Off) | None => 0,
+        };
         let shared = layer
             .shared
             .as_ref()
@@ -128,7 +134,7 @@ pub(crate) fn check_device_fits(need: &DeviceBytes, free: usize, total: usize, i
          shard the experts over more GPUs (expert parallelism), or free device memory",
         mb(need.total()),
         mb(need.experts),
-        if need.w4a8 > 0 { format!(", their W4A8 copy {:.0} MB (asked for by MEGAMOE_W4A8_FP8=1; unset, the layer holds one copy)", mb(need.w4a8)) } else { String::new() },
+        if need.w4a8 > 0 { format!(", their W4A8 copy {:.0} MB (asked for by MEGAMOE_W4A8_FP8=1 or l2; unset, the layer holds one copy)", mb(need.w4a8)) } else { String::new() },
         mb(need.shared),
         mb(need.router),
         mb(DEVICE_RESERVE_BYTES),
@@ -197,12 +203,12 @@ impl LayerWeights {
         check_supported(layer)?;
         let c = &layer.config;
         // Refused before the first allocation when the layer cannot fit the free device memory.
-        let w4a8_why_not = gemm::w4a8::unsupported(device, layer);
+        let w4a8_gemms = gemm::w4a8::fp8_gemms(device, layer);
         let (free, total) = device.memory_info()?;
-        check_device_fits(&DeviceBytes::estimate(layer, w4a8_why_not.is_none()), free, total, layer.index)?;
+        check_device_fits(&DeviceBytes::estimate(layer, w4a8_gemms.clone().ok()), free, total, layer.index)?;
         let t0 = std::time::Instant::now();
         let experts = gemm::choose_experts(device, layer, family)?.upload_experts(device, layer)?;
-        let w4a8 = gemm::w4a8::upload(device, layer, w4a8_why_not)?;
+        let w4a8 = gemm::w4a8::upload(device, layer, &w4a8_gemms)?;
         let shared = match &layer.shared {
             Some(s) => {
                 Some(gemm::choose_shared(device, s, family)?.upload_shared(device, s, c.hidden_size)?)
@@ -290,10 +296,15 @@ impl LayerWeights {
     pub fn families(&self) -> (&'static str, Option<&'static str>) {
         (self.experts.kernels.family(), self.shared.as_ref().map(|s| s.kernels.family()))
     }
-    /// Whether W4A8 prefill launches run the FP8 kernels (MXFP4 experts on sm_90a whose rows fit
-    /// e4m3 exactly); otherwise W4A8 runs on the bf16 tensor-core path.
+    /// Whether W4A8 prefill launches run the FP8 kernels — the L2 at least, the L1 too unless
+    /// `MEGAMOE_W4A8_FP8=l2` (MXFP4 experts on sm_90a whose rows fit e4m3 exactly); otherwise W4A8
+    /// runs on the bf16 tensor-core path.
     pub fn w4a8_on_fp8(&self) -> bool {
         self.w4a8.is_some()
+    }
+    /// Whether W4A8 prefill launches run their L1 on the FP8 kernels too (`MEGAMOE_W4A8_FP8=1`).
+    pub fn w4a8_l1_on_fp8(&self) -> bool {
+        self.w4a8.as_ref().is_some_and(|w| w.l1.is_some())
     }
     /// [`Self::families`] as a label: `tc`, or `tc/simt` when the shared expert's differs.
     pub fn family_label(&self) -> String {
@@ -380,7 +391,7 @@ mod tests {
                 let (a, b) = (w8::pack_l1(&layer.w1, &layer.w3).unwrap(), w8::pack_l2(&layer.w2).unwrap());
                 a.bytes.len() + b.bytes.len() + 4 * (a.row_alpha.len() + b.row_alpha.len())
             });
-            let est = DeviceBytes::estimate(&layer, w4a8.is_some());
+            let est = DeviceBytes::estimate(&layer, w4a8.map(|_| W4a8Fp8::Both));
             let within = |got: usize, want: usize, what: &str| {
                 assert!(
                     want <= got && got as f64 <= want as f64 * 1.02 + 64.0,
@@ -391,6 +402,9 @@ mod tests {
             within(est.shared, shared, "shared");
             if let Some(w) = w4a8 {
                 within(est.w4a8, w, "w4a8");
+                let l2 = w8::pack_l2(&layer.w2).unwrap();
+                let l2_only = DeviceBytes::estimate(&layer, Some(W4a8Fp8::L2)).w4a8;
+                within(l2_only, l2.bytes.len() + 4 * l2.row_alpha.len(), "w4a8 l2");
             }
             assert!(est.router >= 4 * layer.router.weight.len());
         }

@@ -2,18 +2,20 @@
 //! FP8 `wgmma`, e4m3 activations from DeepSeek's `act_quant`. They take the prefill tiles of W4A8
 //! forwards (the launches on which the bf16 wgmma kernels would run); decode tiles stay on the
 //! tensor-core family with quantize-dequantized activations (the same values, bound by the same
-//! weight bytes). Held beside the routed experts' own layout, so a layer that has them holds its
-//! expert weights twice (both layouts take 0.53 bytes per weight): uploaded only on sm_90a for MXFP4 layers whose rows fit e4m3
-//! exactly ([`layout::unsupported_reason`]), and only when asked for with `MEGAMOE_W4A8_FP8=1`:
-//! measured on the H200 (one V4-Pro EP8 rank, 2026-12-03) they are slower than the exact bf16 path
-//! that W4A8 takes otherwise (the W4A16 kernels on quantize-dequantized activations, whose prefill
-//! tiles are fitted to the routing): T = 4096 1.19 ms against 1.05 ms, T = 16384 3.73 against 3.30.
-//! Until they are faster, W4A8 forwards default to that path and MXFP4 layers hold one copy of
-//! their experts.
+//! weight bytes). Held beside the routed experts' own layout (both take 0.53 bytes per weight), so
+//! a layer that has them holds its expert weights twice, or its L2 twice: uploaded only on sm_90a
+//! for MXFP4 layers whose rows fit e4m3 exactly ([`layout::unsupported_reason`]), and only when
+//! asked for — `MEGAMOE_W4A8_FP8=1`: both GEMMs (3-11% faster than the bf16 path at prefill on an
+//! H100, 2.4-3.0e-3 from the CPU reference against its ~1e-3: the L1's FP8 accumulation, which the
+//! L2 input's e4m3 rounding turns into whole e4m3 steps); `=l2`: the L2 only, its input quantized
+//! from the bf16 path's L1 (docs/PERFORMANCE.md, thirty-sixth session's error model: ~1e-4 over
+//! the bf16 path's error). Otherwise W4A8 forwards take the exact bf16 path (the W4A16 kernels on
+//! quantize-dequantized activations) and MXFP4 layers hold one copy of their experts.
 
 use super::{GemmLaunch, PackedSide, TileDemand};
 use crate::backend::cuda::buffer::err;
 use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::knobs::W4a8Fp8;
 use crate::backend::cuda::launch::{tma_2d, Kernel, LaunchCfg, StreamRef, TmaElem};
 use crate::backend::cuda::params::*;
 use crate::backend::cuda::runtime::{self, ModuleSpec};
@@ -75,46 +77,53 @@ fn kernels(dev: &CudaDevice) -> Result<Arc<Kernels>> {
 
 /// A layer's routed experts in the W4A8 layout, with the kernels that read them.
 pub(crate) struct W4a8Experts {
-    pub l1: PackedSide,
+    /// The L1 (w1 / w3) in the W4A8 layout; `None` (`MEGAMOE_W4A8_FP8=l2`): the L1 runs on the
+    /// bf16 path.
+    pub l1: Option<PackedSide>,
     pub l2: PackedSide,
     kernels: Arc<Kernels>,
     /// `MEGAMOE_W4A8_TILE` (read once): every FP8 prefill launch on this token tile.
     tile: Option<usize>,
 }
 
-/// Whether W4A8 forwards of `layer` on `dev` get the FP8 kernels, or why not.
-pub(crate) fn unsupported(dev: &CudaDevice, layer: &MoeLayer) -> Option<String> {
+/// Which GEMMs of `layer`'s W4A8 forwards on `dev` run on the FP8 kernels (`MEGAMOE_W4A8_FP8`:
+/// [`W4a8Fp8::Both`] or [`W4a8Fp8::L2`]), or why none do.
+pub(crate) fn fp8_gemms(dev: &CudaDevice, layer: &MoeLayer) -> std::result::Result<W4a8Fp8, String> {
     if dev.arch() != "sm_90a" {
-        return Some(format!("the FP8 W4A8 kernels need sm_90a (device runs {})", dev.arch()));
+        return Err(format!("the FP8 W4A8 kernels need sm_90a (device runs {})", dev.arch()));
     }
-    if !crate::backend::cuda::knobs::w4a8_fp8() {
-        return Some(
-            "the FP8 W4A8 kernels are opt-in (MEGAMOE_W4A8_FP8=1): 3-11% faster at prefill, but 2.4-3.0e-3 \
-             from the reference against the bf16 path's ~1e-3"
-                .into(),
-        );
+    let gemms = crate::backend::cuda::knobs::w4a8_fp8();
+    if gemms == W4a8Fp8::Off {
+        return Err("the FP8 W4A8 kernels are opt-in (MEGAMOE_W4A8_FP8=1: both GEMMs, 3-11% faster at \
+                    prefill, but 2.4-3.0e-3 from the reference against the bf16 path's ~1e-3; =l2: the L2 only)"
+            .into());
     }
-    layout::unsupported_reason(&layer.w1, &layer.w2, &layer.w3)
+    layout::unsupported_reason(&layer.w1, &layer.w2, &layer.w3).map_or(Ok(gemms), Err)
 }
 
-/// Packs and uploads `layer`'s routed experts for the FP8 kernels, or `None` (logged) when W4A8
-/// runs on the bf16 tensor-core path instead: `why_not` is [`unsupported`]'s answer for this
-/// device and layer (the caller has it already: it scans every block scale).
+/// Packs and uploads `layer`'s routed experts for the FP8 kernels (the L2 only, or both GEMMs), or
+/// `None` (logged) when W4A8 runs on the bf16 tensor-core path instead: `gemms` is [`fp8_gemms`]'
+/// answer for this device and layer (the caller has it already: it scans every block scale).
 pub(crate) fn upload(
     dev: &Arc<CudaDevice>,
     layer: &MoeLayer,
-    why_not: Option<String>,
+    gemms: &std::result::Result<W4a8Fp8, String>,
 ) -> Result<Option<W4a8Experts>> {
-    if let Some(why) = why_not {
-        tracing::info!(layer = layer.index, "W4A8 runs on the bf16 tensor-core path: {why}");
-        return Ok(None);
-    }
-    let l1 = layout::pack_l1(&layer.w1, &layer.w3)?;
-    let l2 = layout::pack_l2(&layer.w2)?;
+    let gemms = match gemms {
+        Ok(g) => *g,
+        Err(why) => {
+            tracing::info!(layer = layer.index, "W4A8 runs on the bf16 tensor-core path: {why}");
+            return Ok(None);
+        }
+    };
     let side = |p: &layout::Packed, what: &str| PackedSide::upload(dev, &p.bytes, &p.row_alpha, what);
+    let l1 = match gemms {
+        W4a8Fp8::Both => Some(side(&layout::pack_l1(&layer.w1, &layer.w3)?, "w13 (W4A8 layout)")?),
+        _ => None,
+    };
     Ok(Some(W4a8Experts {
-        l1: side(&l1, "w13 (W4A8 layout)")?,
-        l2: side(&l2, "w2 (W4A8 layout)")?,
+        l1,
+        l2: side(&layout::pack_l2(&layer.w2)?, "w2 (W4A8 layout)")?,
         kernels: kernels(dev)?,
         tile: crate::backend::cuda::knobs::w4a8_tile(),
     }))
@@ -147,7 +156,7 @@ impl W4a8Experts {
 
     /// Bytes held on the device.
     pub fn bytes(&self) -> usize {
-        self.l1.bytes() + self.l2.bytes()
+        self.l1.as_ref().map_or(0, |l1| l1.bytes()) + self.l2.bytes()
     }
 
     fn maps(l: &GemmLaunch, a: &Fp8Rows, k: usize) -> Result<(TmaDesc, TmaDesc)> {
