@@ -763,7 +763,7 @@ struct WgGridSched {
 // The y rows of the tokens with no planned slot, as zeros (ZeroRowsParams), by warp w (0..2) of
 // the producer warpgroup's three copy-free warps: they run beside the consumers of a wgmma L1,
 // which is bound by the tensor pipe and leaves DRAM room, where the combine would write those rows
-// after the L2 (~45% of a V4-Pro EP8 rank's tokens: 53 MB at T=4096). Tokens are strided over the
+// after the L2 (~45% of a V4-Pro EP8 rank's tokens: 52 MB at T=4096). Tokens are strided over the
 // launch's 3 x CTAs warps (~1 token a warp at T=4096). `done` (chained launches): each warp adds
 // 1 once its rows are stored, which the chained L2's last CTA waits for (WgGridSched).
 __device__ __forceinline__ void wg_zero_rows(const ZeroRowsParams& z, int w, unsigned* done)
