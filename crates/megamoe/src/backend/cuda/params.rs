@@ -182,6 +182,9 @@ kernel_abi! {
         DF_SYNC_COUNTERS = 5;
         /// The largest top-k the kernels take (`moe_combine`'s per-token row list, the plan).
         MAX_TOPK = 32;
+        /// Warps of a wgmma CTA's producer warpgroup that issue no copies: an L1's zero-row
+        /// writers (`ZeroRowsParams`; `WgL2Params::zero_warps` counts them per CTA).
+        WG_SIDE_WARPS = 3;
         /// Columns of one DeepSeek `act_quant` block (one warp of four values a lane in
         /// `quant_rows.cuh`, the EP exchange's FP8 payload, the W4A8 kernels' K chunk).
         FP8_ACT_BLOCK = crate::formats::act_quant::FP8_BLOCK as i32;
@@ -730,7 +733,7 @@ kernel_abi! {
         /// The chained L2: the L1's units per tile (its group sets).
         wait_units: i32 => "int",
         /// The chained L2 after an L1 that writes zero rows (`WgL1Params::zero`): that L1's
-        /// writing warps (3 a CTA), which the L2's last CTA waits for on word 1 before it resets
+        /// writing warps (`WG_SIDE_WARPS` a CTA), which the L2's last CTA waits for on word 1 before it resets
         /// the counters, so no zero row is still being written once the L2 is done; 0: none.
         zero_warps: i32 => "int",
     }

@@ -764,14 +764,15 @@ struct WgGridSched {
 // the producer warpgroup's three copy-free warps: they run beside the consumers of a wgmma L1,
 // which is bound by the tensor pipe and leaves DRAM room, where the combine would write those rows
 // after the L2 (~45% of a V4-Pro EP8 rank's tokens: 52 MB at T=4096). Tokens are strided over the
-// launch's 3 x CTAs warps (~1 token a warp at T=4096). `done` (chained launches): each warp adds
-// 1 once its rows are stored, which the chained L2's last CTA waits for (WgGridSched).
+// launch's WG_SIDE_WARPS x CTAs warps (~1 token a warp at T=4096). `done` (chained launches): each
+// warp adds 1 once its rows are stored, which the chained L2's last CTA waits for (WgGridSched).
+static_assert(WG_SIDE_WARPS == 3, "the side warps are warps 1..3 of the 4-warp producer warpgroup");
 __device__ __forceinline__ void wg_zero_rows(const ZeroRowsParams& z, int w, unsigned* done)
 {
     if (!z.row_of_slot) return;
     const int lane = threadIdx.x & 31;
-    const int warps = 3 * gridDim.x * gridDim.y;
-    for (int t = 3 * (blockIdx.y * gridDim.x + blockIdx.x) + w; t < z.t; t += warps) {
+    const int warps = WG_SIDE_WARPS * gridDim.x * gridDim.y;
+    for (int t = WG_SIDE_WARPS * (blockIdx.y * gridDim.x + blockIdx.x) + w; t < z.t; t += warps) {
         const bool live = lane < z.k && z.row_of_slot[(size_t)t * z.k + lane] != ROW_NONE;
         if (__any_sync(0xffffffffu, live)) continue;
         warp_zero_bytes((unsigned char*)z.y + (size_t)t * z.row_bytes, z.row_bytes, lane);
