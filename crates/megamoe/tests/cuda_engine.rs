@@ -2099,6 +2099,7 @@ fn routed_zero_rows_chained_and_apart_match_separate_stages() {
         let mut ws = Workspace::new(&dev, WorkspaceDims::of(&w, t)).unwrap();
         ws.prepare(Mode::W4A16, false).unwrap();
         assert!(w.zeroes_rows_in_l1(&ws, t, Mode::W4A16), "T={t}: the wgmma L1 writes the zero rows");
+        assert_eq!(w.runs_chained(&ws, t), chain == "1", "T={t} MEGAMOE_WG_CHAIN={chain}: the chained pair");
         for ydt in [DType::F32, DType::Bf16] {
             let ybytes = t * h * ydt.size();
             let (ya, yb) = (yo, yo + ybytes.next_multiple_of(256));

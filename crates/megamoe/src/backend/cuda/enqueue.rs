@@ -141,7 +141,11 @@ impl LayerWeights {
         // After the device router the plan is a programmatic dependent of moe_router (its first
         // kernel waits for it before reading topk_ids), so its launch overlaps the router's.
         self.launch_plan(ws, &plan, io.routing == Routing::Internal, s)?;
-        let direct = if trace { DirectY::default() } else { DirectY::into(ws, &io.y, shared, &self.config) };
+        let direct = if trace {
+            DirectY::default()
+        } else {
+            DirectY::into(ws, (&io.y, plan.tokens), shared, &self.config)
+        };
         let wrote = self.experts_raw(ws, &plan, io.x.ptr, wts, mode, trace, direct, s)?;
         if overlap {
             launch::wait(s, &ws.join)?;
@@ -187,7 +191,7 @@ impl LayerWeights {
             return self.fused_raw(ws, &plan, &split, mode, x.ptr, topk_weights.ptr, y, shared, stream);
         }
         self.launch_plan(ws, &plan, false, stream)?;
-        let direct = DirectY::into(ws, y, shared, &self.config);
+        let direct = DirectY::into(ws, (y, plan.tokens), shared, &self.config);
         let wrote = self.experts_raw(ws, &plan, x.ptr, topk_weights.ptr, mode, false, direct, stream)?;
         self.combine_raw(ws, &plan, y, shared, wrote, stream)
     }
@@ -401,11 +405,9 @@ impl LayerWeights {
         // W4A16 on such a layer ran its prefill in the FP8 kernels' 128-row tiles before, half of
         // them empty at T = 4096 on an EP8 rank).
         let fp8 = self.w4a8.as_ref().filter(|_| mode == Mode::W4A8);
-        let bm = match fp8.and_then(|w| w.block_m(demand)) {
-            Some(bm) => bm,
-            None => self.experts.kernels.block_m(demand),
-        };
-        let launch = GemmLaunch {
+        let family_bm = || self.experts.kernels.block_m(demand);
+        let fp8_bm = fp8.and_then(|w| w.block_m(demand));
+        let launch_of = |bm: usize| GemmLaunch {
             block_m: bm,
             grid_tiles: max_tiles(slots, el, bm) as u32,
             expected_tiles: (active.ceil() as usize) * (rows / bm as f64).ceil() as usize,
@@ -415,7 +417,29 @@ impl LayerWeights {
             sched: ws.chain_counts.ptr(),
             matrices: el,
         };
+        let mut launch = launch_of(fp8_bm.unwrap_or_else(family_bm));
+        // An L2-only FP8 layout (`MEGAMOE_W4A8_FP8=l2`) whose L1 the family would not run on its
+        // wgmma kernels at that tile (`MEGAMOE_WGMMA=0`, a forced family): the family's own tiles,
+        // and the FP8 kernels stay out ([`Self::w4a8_fp8_for`]).
+        if fp8_bm.is_some()
+            && fp8.is_some_and(|w| w.l1.is_none())
+            && self.w4a8_fp8_for(&launch, mode, trace).is_none()
+        {
+            launch = launch_of(family_bm());
+        }
         Plan { tokens: t, topk_ids, launch }
+    }
+
+    /// The FP8 W4A8 kernels for launch `l` of a `mode` forward, where they take it: the W4A8
+    /// prefill launches of a layer holding their layout — with only the L2's layout
+    /// (`MEGAMOE_W4A8_FP8=l2`), only where the experts' family runs the L1 on its wgmma kernels.
+    fn w4a8_fp8_for(&self, l: &GemmLaunch, mode: Mode, trace: bool) -> Option<&W4a8Experts> {
+        self.w4a8.as_ref().filter(|w| {
+            mode == Mode::W4A8
+                && !trace
+                && w.applies(l)
+                && (w.l1.is_some() || self.experts.kernels.needs_contiguous_a(l))
+        })
     }
 
     /// The plan kernels' parameters for `plan`.
@@ -493,7 +517,7 @@ impl LayerWeights {
         // W4A8 / W4A4 quantize inside the fused kernel into the workspace's staging buffers, as
         // the separate stages do (W4A8 on the FP8 kernels has no fused form).
         let quantized = mode != Mode::W4A16;
-        let fp8 = mode == Mode::W4A8 && self.w4a8.as_ref().is_some_and(|w| w.applies(&plan.launch));
+        let fp8 = self.w4a8_fp8_for(&plan.launch, mode, trace).is_some();
         if trace
             || fp8
             || (quantized && (ws.xin.is_none() || ws.actq.is_none()))
@@ -599,12 +623,22 @@ impl LayerWeights {
         self.fused_split(ws, &plan, mode, false).is_none() && self.l1_zeroes(&plan, mode, false)
     }
 
+    /// Whether a routed W4A16 forward of `tokens` tokens on `ws` runs its L1 and L2 as the chained
+    /// pair (diagnostics and tests).
+    pub fn runs_chained(&self, ws: &Workspace, tokens: usize) -> bool {
+        if self.slice_clusters(tokens, Mode::W4A16, false).is_some() {
+            return false;
+        }
+        let plan = self.plan_for(ws, 0, tokens, Mode::W4A16, false);
+        let (h, inter) = (self.config.hidden_size, self.experts.inter);
+        self.fused_split(ws, &plan, Mode::W4A16, false).is_none()
+            && self.experts.kernels.l1_l2_chains(&plan.launch, h, inter)
+    }
+
     /// Whether the routed L1 launch of `plan` writes a [`ZeroRowsParams`]' rows: the L1 of the
     /// experts' family (not the FP8 W4A8 L1) where it can.
     fn l1_zeroes(&self, plan: &Plan, mode: Mode, trace: bool) -> bool {
-        let fp8_l1 = mode == Mode::W4A8
-            && !trace
-            && self.w4a8.as_ref().is_some_and(|w| w.l1.is_some() && w.applies(&plan.launch));
+        let fp8_l1 = self.w4a8_fp8_for(&plan.launch, mode, trace).is_some_and(|w| w.l1.is_some());
         !fp8_l1 && self.experts.kernels.l1_writes_zero_rows(&plan.launch, trace)
     }
 
@@ -806,7 +840,7 @@ impl LayerWeights {
         let fold = direct.fold;
         // W4A8 prefill launches of a layer holding the FP8 layout: its L2 on the FP8 kernels, and
         // its L1 too unless only the L2's layout is held (`MEGAMOE_W4A8_FP8=l2`).
-        let w8 = self.w4a8.as_ref().filter(|w| mode == Mode::W4A8 && !trace && w.applies(&plan.launch));
+        let w8 = self.w4a8_fp8_for(&plan.launch, mode, trace);
         if let Some((w8, w8l1)) = w8.and_then(|w| Some((w, w.l1.as_ref()?))) {
             self.experts_fp8(ws, plan, (x, topk_w), w8, w8l1, fold, s)?;
             return Ok(WroteY { folded: fold.is_some(), zeroed: false });
@@ -1038,13 +1072,18 @@ struct DirectY {
 }
 
 impl DirectY {
-    /// Both where allowed for a forward into `y` adding `shared` (0: none): the fold as
-    /// [`Fold::into`] says, the zero rows with the workspace's knob on (`MEGAMOE_ZERO_ROWS`).
-    fn into(ws: &Workspace, y: &DeviceTensor, shared: u64, c: &crate::config::MoeConfig) -> DirectY {
+    /// Both where allowed for a forward of `t` tokens into `y` adding `shared` (0: none): the fold
+    /// as [`Fold::into`] says, the zero rows with the workspace's knob on (`MEGAMOE_ZERO_ROWS`).
+    fn into(
+        ws: &Workspace,
+        (y, t): (&DeviceTensor, usize),
+        shared: u64,
+        c: &crate::config::MoeConfig,
+    ) -> DirectY {
         let zero = (ws.zero_rows && shared == 0).then(|| ZeroRowsParams {
             row_of_slot: ws.row_of_slot.ptr(),
             y: y.ptr,
-            t: y.rows as i32,
+            t: t as i32,
             k: c.num_experts_per_tok as i32,
             row_bytes: (c.hidden_size * y.dtype.size()) as i32,
         });

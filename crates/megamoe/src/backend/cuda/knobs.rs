@@ -199,7 +199,11 @@ pub fn w4a8_fp8() -> W4a8Fp8 {
     match value("MEGAMOE_W4A8_FP8").as_deref() {
         Some("1") => W4a8Fp8::Both,
         Some("l2") => W4a8Fp8::L2,
-        _ => W4a8Fp8::Off,
+        None | Some("0") => W4a8Fp8::Off,
+        Some(v) => {
+            tracing::warn!(value = v, "MEGAMOE_W4A8_FP8: not 0, 1 or l2: off");
+            W4a8Fp8::Off
+        }
     }
 }
 

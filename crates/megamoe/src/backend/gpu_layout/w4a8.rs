@@ -147,10 +147,11 @@ fn source(p: &ExpertProj, e: usize) -> Option<Source<'_>> {
     }
 }
 
-/// Why a layer's routed experts cannot take this layout (`None`: they can): not MXFP4, K not a
-/// multiple of [`CHUNK_K`], or a row whose block exponents span more than [`MAX_SPAN`] octaves.
-pub fn unsupported_reason(w1: &ExpertProj, w2: &ExpertProj, w3: &ExpertProj) -> Option<String> {
-    for (name, p) in [("w1", w1), ("w2", w2), ("w3", w3)] {
+/// Why the named routed-expert projections cannot take this layout (`None`: they can): not MXFP4,
+/// K not a multiple of [`CHUNK_K`], or a row whose block exponents span more than [`MAX_SPAN`]
+/// octaves.
+pub fn unsupported_reason(projs: &[(&str, &ExpertProj)]) -> Option<String> {
+    for &(name, p) in projs {
         if !matches!(p.data, ProjData::Mxfp4 { .. }) {
             return Some(format!("{name} is {}, not MXFP4", p.format()));
         }
@@ -499,7 +500,7 @@ mod tests {
             scales[nb..2 * nb].fill(110);
             scales[nb + 1] = 121;
         }
-        assert_eq!(unsupported_reason(&layer.w1, &layer.w2, &layer.w3), None);
+        assert_eq!(unsupported_reason(&[("w1", &layer.w1), ("w2", &layer.w2), ("w3", &layer.w3)]), None);
         let l1 = pack_l1(&layer.w1, &layer.w3).unwrap();
         let l2 = pack_l2(&layer.w2).unwrap();
         for x in 0..2 {
@@ -551,11 +552,17 @@ mod tests {
             scales[3 * nb + 5] = 140 - MAX_SPAN as u8 - 1;
             packed[(3 * cfg.hidden_size + 5 * 32) / 2] = 0x11;
         }
-        let why = unsupported_reason(&layer.w1, &layer.w2, &layer.w3).expect("refused");
+        let why =
+            unsupported_reason(&[("w1", &layer.w1), ("w2", &layer.w2), ("w3", &layer.w3)]).expect("refused");
         assert!(why.contains("expert 0 w3 row 3"), "{why}");
         assert!(pack_l1(&layer.w1, &layer.w3).is_err());
+        // The L2-only layout (`MEGAMOE_W4A8_FP8=l2`) asks of w2 alone: this layer takes it.
+        assert_eq!(unsupported_reason(&[("w2", &layer.w2)]), None);
+        assert!(pack_l2(&layer.w2).is_ok());
         let nv = synthetic::random_layer(&cfg, crate::formats::WeightFormat::Nvfp4, 1, false, 4);
-        assert!(unsupported_reason(&nv.w1, &nv.w2, &nv.w3).unwrap().contains("not MXFP4"));
+        assert!(unsupported_reason(&[("w1", &nv.w1), ("w2", &nv.w2), ("w3", &nv.w3)])
+            .unwrap()
+            .contains("not MXFP4"));
     }
 
     #[test]

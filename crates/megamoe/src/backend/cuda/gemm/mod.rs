@@ -160,6 +160,11 @@ pub(crate) trait GemmKernels: Send + Sync {
     }
     /// Enqueues the L1 GEMM (gate/up, fused SwiGLU) and what `extra` asks of it besides.
     fn l1(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL1Params, extra: &L1Extra) -> Result<()>;
+    /// Whether a routed launch `l` of a layer of hidden size `h` and intermediate size `inter`
+    /// runs its L1 and L2 as one chained pair ([`Self::l1_l2`]; diagnostics and tests).
+    fn l1_l2_chains(&self, _l: &GemmLaunch, _h: usize, _inter: usize) -> bool {
+        false
+    }
     /// Whether the L1 launch of `l` (the trace variant when `trace`) writes the rows of a
     /// [`ZeroRowsParams`] beside its GEMM ([`Self::l1`], [`Self::l1_l2`]): the caller's combine
     /// then skips them.

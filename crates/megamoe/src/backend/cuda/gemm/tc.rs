@@ -398,6 +398,32 @@ fn kernels(dev: &CudaDevice, f: WeightFormat) -> Result<Arc<TcKernels>> {
 }
 
 impl TcKernels {
+    /// The configurations and launches of routed launch `l`'s L1 and L2 (hidden size `h`,
+    /// intermediate `inter`) when they run as the chained pair: wgmma tiles, the plan's tile
+    /// counters, one configuration with chained kernels for both GEMMs, and the chain knob's say
+    /// (by default: few waves, [`layout::chain_pays`]).
+    #[allow(clippy::type_complexity)]
+    fn chained_pair(
+        &self,
+        l: &GemmLaunch,
+        h: usize,
+        inter: usize,
+    ) -> Option<((layout::WgConfig, LaunchCfg), (layout::WgConfig, LaunchCfg))> {
+        if !self.wgmma(l) || l.sched == 0 {
+            return None;
+        }
+        let (c, cfg1) = self.wg_cfg(l, 2 * inter);
+        let (key2, cfg2) = self.wg_cfg(l, h);
+        if !self.wg_l1c.contains_key(&c) || !self.wg_l2c.contains_key(&key2) {
+            return None;
+        }
+        let units = l.expected_tiles.max(1) * cfg1.grid.0 as usize;
+        if self.chain == WgChain::Auto && !layout::chain_pays(units, self.sm_count) {
+            return None;
+        }
+        Some(((c, cfg1), (key2, cfg2)))
+    }
+
     /// Whether launch `l` runs the wgmma kernels (prefill tiles of large batches on sm_90a).
     fn wgmma(&self, l: &GemmLaunch) -> bool {
         l.a_rows >= layout::WG_MIN_SLOTS
@@ -518,22 +544,17 @@ impl GemmKernels for TcKernels {
         zero: &ZeroRowsParams,
     ) -> Result<bool> {
         // Routed tiles (the plan's table: the scheduler counts its tiles), contiguous rows, an L2
-        // over the L1's activations, and one configuration for both GEMMs.
-        if !self.wgmma(l) || l.sched == 0 || l1.g.tiles == 0 || l1.g.a_rows != 0 || l2.g.a != l1.act {
+        // over the L1's activations.
+        if l1.g.tiles == 0 || l1.g.a_rows != 0 || l2.g.a != l1.act {
             return Ok(false);
         }
         let (h, inter) = (l1.g.h as usize, l1.g.inter as usize);
-        let (c, cfg1) = self.wg_cfg(l, 2 * inter);
-        let (key2, cfg2) = self.wg_cfg(l, h);
+        let Some(((c, cfg1), (key2, cfg2))) = self.chained_pair(l, h, inter) else {
+            return Ok(false); // the two launches apart (`l1`, `l2`)
+        };
         // Chained: the L1 counts each tile's stored units in `l.sched`, the L2 (a programmatic
         // dependent) waits per tile on them (`gemm_tc.cu` WgGridSched).
-        let Some((k1, k2)) = self.wg_l1c.get(&c).zip(self.wg_l2c.get(&key2)) else {
-            return Ok(false); // no chained pair: the two launches apart (`l1`, `l2`)
-        };
-        let units = l.expected_tiles.max(1) * cfg1.grid.0 as usize;
-        if self.chain == WgChain::Auto && !layout::chain_pays(units, self.sm_count) {
-            return Ok(false);
-        }
+        let (k1, k2) = (&self.wg_l1c[&c], &self.wg_l2c[&key2]);
         let amap1 = tma_2d_bf16(l1.g.a, l.a_rows, h, l.block_m)?;
         let amap2 = tma_2d_bf16(l2.g.a, l.a_rows, inter, l.block_m)?;
         let wmap1 = self.wg_wmap(l, l1.g.wq, 2 * inter, h, &c)?;
@@ -554,6 +575,9 @@ impl GemmKernels for TcKernels {
             k2.launch(s, &cfg2, &p2)?;
         }
         Ok(true)
+    }
+    fn l1_l2_chains(&self, l: &GemmLaunch, h: usize, inter: usize) -> bool {
+        self.chained_pair(l, h, inter).is_some()
     }
     fn l1_writes_zero_rows(&self, l: &GemmLaunch, trace: bool) -> bool {
         // The wgmma L1's producer warpgroup has three warps that issue no copies.

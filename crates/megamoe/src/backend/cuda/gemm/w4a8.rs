@@ -93,12 +93,18 @@ pub(crate) fn fp8_gemms(dev: &CudaDevice, layer: &MoeLayer) -> std::result::Resu
         return Err(format!("the FP8 W4A8 kernels need sm_90a (device runs {})", dev.arch()));
     }
     let gemms = crate::backend::cuda::knobs::w4a8_fp8();
-    if gemms == W4a8Fp8::Off {
-        return Err("the FP8 W4A8 kernels are opt-in (MEGAMOE_W4A8_FP8=1: both GEMMs, 3-11% faster at \
-                    prefill, but 2.4-3.0e-3 from the reference against the bf16 path's ~1e-3; =l2: the L2 only)"
-            .into());
-    }
-    layout::unsupported_reason(&layer.w1, &layer.w2, &layer.w3).map_or(Ok(gemms), Err)
+    let (w1, w2, w3) = (("w1", &layer.w1), ("w2", &layer.w2), ("w3", &layer.w3));
+    let why = match gemms {
+        W4a8Fp8::Off => Some(
+            "the FP8 W4A8 kernels are opt-in (MEGAMOE_W4A8_FP8=1: both GEMMs, 3-11% faster at prefill, but \
+             2.4-3.0e-3 from the reference against the bf16 path's ~1e-3; =l2: the L2 only)"
+                .into(),
+        ),
+        W4a8Fp8::Both => layout::unsupported_reason(&[w1, w2, w3]),
+        // Only w2 takes the W4A8 layout.
+        W4a8Fp8::L2 => layout::unsupported_reason(&[w2]),
+    };
+    why.map_or(Ok(gemms), Err)
 }
 
 /// Packs and uploads `layer`'s routed experts for the FP8 kernels (the L2 only, or both GEMMs), or
