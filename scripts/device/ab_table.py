@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The A/B table of a staged device call: `ab_table.py DIR BUILD...` reads DIR/ab_<build>_<spec>_r<round>.json
 (`megamoe bench forward --json` output) and prints, per (spec, shape, row kind, T), every build's
-median ms per round and the change of its best round against the last build named (the baseline)."""
+median ms per round and the change of its best round against the last build named (the baseline).
+Build and spec names must not contain underscores (the file name's fields)."""
 import collections
 import glob
 import json
