@@ -11,11 +11,8 @@
 # + this script copied into .device-carry/;
 # run(command="bash .device-carry/call1.sh", carry=[".device-carry", ".peers"], timeout_s=600).
 set -uo pipefail
-A=/tmp/s41c1/all; mkdir -p "$A"; O0="$OUT"
-OUT=$A source .device-carry/call_env.sh
-pack() { pack_to "$A" "$O0"; }
-pack_every "$A" "$O0"
-nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee $A/gpu.txt
+CALL=s41c1 source .device-carry/call_env.sh
+cat $A/gpu.txt
 bin_of() { case $1 in new|nozero) echo $C/bin/megamoe;; old) echo $C/old/megamoe;; esac; }
 env_of() { case $1 in nozero) echo MEGAMOE_ZERO_ROWS=0;; *) echo MEGAMOE_ZERO_ROWS=1;; esac; }
 # 1. A/B: V4-Pro EP8 rank (and rank + shared) T=4096, 16384; the same at T=4096 with a bf16 y;
@@ -49,4 +46,4 @@ timeout 120 compute-sanitizer --tool memcheck --print-limit 5 $C/bin/cuda_engine
 timeout 100 $C/bin/megamoe verify --backend cuda > $A/verify.txt 2>&1; grep -E "verify:|FAIL" $A/verify.txt | head -3
 timeout 100 $C/bin/cuda_fixtures --test-threads 1 > $A/fixtures.txt 2>&1; grep -E "test result|panicked" $A/fixtures.txt
 echo "== checks ${SECONDS}s"; pack
-echo "== all done ${SECONDS}s"; pack; kill %1 2>/dev/null; pack
+call_end

@@ -6,11 +6,8 @@
 # (launched alone, so a chained pair's overlap is not in them); the bitwise test of n > 1.
 # run(command="bash .device-carry/call2.sh", carry=[".device-carry", ".peers"], timeout_s=600).
 set -uo pipefail
-A=/tmp/s41c2/all; mkdir -p "$A"; O0="$OUT"
-OUT=$A source .device-carry/call_env.sh
-pack() { pack_to "$A" "$O0"; }
-pack_every "$A" "$O0"
-nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee $A/gpu.txt
+CALL=s41c2 source .device-carry/call_env.sh
+cat $A/gpu.txt
 B=$C/bin/megamoe
 units_of() { case $1 in u1) echo 1;; u2) echo 2;; u3) echo 3;; uauto) echo auto;; esac; }
 for r in 1 2; do
@@ -33,4 +30,4 @@ done | tee $A/ncu_times.txt
 echo "== ncu ${SECONDS}s"; pack
 timeout 200 $C/bin/cuda_engine --test-threads=1 prefill_units_per_cta > $A/units_test.txt 2>&1
 grep -E "^test |panicked|test result|bitwise equal" $A/units_test.txt | head -14
-echo "== all done ${SECONDS}s"; pack; kill %1 2>/dev/null; pack
+call_end

@@ -6,11 +6,8 @@
 # verify's W4A8 rows under =l2.
 # run(command="bash .device-carry/call3.sh", carry=[".device-carry", ".peers"], timeout_s=600).
 set -uo pipefail
-A=/tmp/s41c3/all; mkdir -p "$A"; O0="$OUT"
-OUT=$A source .device-carry/call_env.sh
-pack() { pack_to "$A" "$O0"; }
-pack_every "$A" "$O0"
-nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee $A/gpu.txt
+CALL=s41c3 source .device-carry/call_env.sh
+cat $A/gpu.txt
 B=$C/bin/megamoe
 fp8_of() { case $1 in bf16) echo 0;; both) echo 1;; l2) echo l2;; esac; }
 for r in 1 2; do
@@ -27,4 +24,4 @@ echo "== ab ${SECONDS}s"; pack
 timeout 200 $C/bin/cuda_engine --test-threads=1 --nocapture w4a8_fp8_prefill > $A/w4a8_test.txt 2>&1
 grep -E "rel L2|^test |panicked|test result" $A/w4a8_test.txt | head -20
 MEGAMOE_W4A8_FP8=l2 timeout 150 $B verify --backend cuda > $A/verify_l2.txt 2>&1; grep -E "verify:|FAIL|W4A8" $A/verify_l2.txt | head -12
-echo "== all done ${SECONDS}s"; pack; kill %1 2>/dev/null; pack
+call_end

@@ -4,12 +4,9 @@
 # peers' own routing draw, the roofline plot) — the standing figures of issues 9 and 10.
 # run(command="bash .device-carry/call4.sh", carry=[".device-carry", ".peers"], timeout_s=420).
 set -uo pipefail
-A=/tmp/s41c4/all; mkdir -p "$A"; O0="$OUT"
-OUT=$A source .device-carry/call_env.sh
-pack() { pack_to "$A" "$O0"; }
-pack_every "$A" "$O0"
-nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee $A/gpu.txt
+CALL=s41c4 source .device-carry/call_env.sh
+cat $A/gpu.txt
 OUT=$A/bench SKIP_TESTS=1 SKIP_VERIFY=1 SKIP_DEMO=1 SANITIZE=0 TIMINGS=0 NCU=0 BENCH=1 PEERS=1 \
   timeout 380 bash .device-carry/run.sh > $A/bench.txt 2>&1
 grep -E "^v4-" $A/bench.txt | awk '{print $1, $6, $7, $10, $15}' | head -40
-echo "== all done ${SECONDS}s"; pack; kill %1 2>/dev/null; pack
+call_end
