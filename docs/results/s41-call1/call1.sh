@@ -6,9 +6,7 @@
 # run the new paths (the fold test now also poisons y; the zero-rows test runs the chained and
 # separate wgmma launches), memcheck of the latter, verify, fixtures. The bench with both peers is
 # call4.sh.
-# Staged here by
-#   KCACHE_SEED=<unpacked earlier cache, optional> PRECOMPILE_PROBE=0 AB_OLD_BIN=<9a83107's megamoe> bash scripts/device.sh
-# + this script copied into .device-carry/;
+# Staged here by `BASE=9a83107 bash scripts/stage_calls.sh docs/results/s41-call1` (calls 2-4 too);
 # run(command="bash .device-carry/call1.sh", carry=[".device-carry", ".peers"], timeout_s=600).
 set -uo pipefail
 CALL=s41c1 source .device-carry/call_env.sh

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run HERE (no GPU needed): stages a results folder's device calls in one go — this checkout's build
+# and kernels (scripts/device.sh), an earlier revision's `megamoe` as the A/B "old" build (BASE=<rev>:
+# built in a git worktree with its own target directory), the ramp probe (scripts/build_probe.sh;
+# PROBE=0 skips it) and the folder's call*.sh scripts — into .device-carry/, then checks the carry
+# against the device tool's 64 MiB (working tree included).
+# Usage: BASE=9a83107 bash scripts/stage_calls.sh docs/results/s41-call1
+# Then: run(command="bash .device-carry/call1.sh", carry=[".device-carry", ".peers"], timeout_s=600).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir="${1:?usage: BASE=<rev> bash scripts/stage_calls.sh docs/results/<folder>}"
+old=""
+if [ -n "${BASE:-}" ]; then
+  wt="/tmp/megamoe-base-$BASE"
+  [ -d "$wt" ] || git worktree add -f "$wt" "$BASE" >/dev/null
+  (cd "$wt" && CARGO_TARGET_DIR="/tmp/megamoe-base-target-$BASE" cargo build --release -p megamoe-cli)
+  old="/tmp/megamoe-base-target-$BASE/release/megamoe"
+fi
+PRECOMPILE_PROBE="${PRECOMPILE_PROBE:-0}" AB_OLD_BIN="$old" bash scripts/device.sh
+cp "$dir"/call*.sh .device-carry/
+if [ "${PROBE:-1}" != 0 ]; then
+  bash scripts/build_probe.sh scripts/device/ramp_probe.cu .device-carry/ramp_probe
+  strip --strip-all .device-carry/ramp_probe 2>/dev/null || true
+fi
+tree_kb=$(git ls-files -z | xargs -0 du -ck 2>/dev/null | tail -1 | cut -f1)
+carry_kb=$(du -sk .device-carry .peers 2>/dev/null | awk '{s += $1} END {print s}')
+echo "carry: $((carry_kb / 1024)) MiB + working tree $((tree_kb / 1024)) MiB (the device tool takes 64 MiB in all)"
+if [ $((carry_kb + tree_kb)) -gt $((64 * 1024)) ]; then
+  echo "warning: over 64 MiB; drop .device-carry/old or strip the binaries (strip --strip-all)" >&2
+fi
