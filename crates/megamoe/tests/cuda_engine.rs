@@ -672,13 +672,16 @@ fn prefill_units_per_cta_match_one_unit_bitwise() {
     let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
     for (cfg, t, seed) in [(three, 1400, 81), (two_group_config(), 3000, 83)] {
         let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
-        let Some(mut one) = engine_with(&layer, t, Some("tc")) else { return };
+        std::env::set_var("MEGAMOE_WG_UNITS", "1");
+        let one = engine_with(&layer, t, Some("tc"));
+        std::env::remove_var("MEGAMOE_WG_UNITS");
+        let Some(mut one) = one else { return };
         let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
         let input = ForwardInput { x: &x, input_ids: None };
         one.poison(0xFF).unwrap();
         let want = one.forward(&input, Mode::W4A16, None).unwrap();
         drop(one);
-        for (units, chain) in [("2", "1"), ("3", "0"), ("4", "1"), ("auto", "0"), ("auto", "1")] {
+        for (units, chain) in [("2", "1"), ("3", "0"), ("4", "1"), ("auto", "0"), ("auto", "1"), ("1", "1")] {
             // Read when an engine's kernels are made (the device script runs these tests on one
             // thread).
             std::env::set_var("MEGAMOE_WG_UNITS", units);
@@ -1998,7 +2001,7 @@ fn routed_forward_folds_single_slot_tokens_into_y_bitwise() {
                 none += (here == 0) as usize;
             }
             assert!(single > 0 && single < t, "T={t}: tokens with one slot here and others");
-            assert!(none > 0, "T={t}: tokens with no slot here");
+            assert!(none > 0 || t < 640, "T={t}: tokens with no slot here");
             // The wgmma L1 (the prefill batches on sm_90a) writes the zero rows.
             let zeroes = w.zeroes_rows_in_l1(&ws, t, mode);
             assert_eq!(zeroes, wgmma && t >= 640, "{mode} T={t}: the L1 writes the zero rows");

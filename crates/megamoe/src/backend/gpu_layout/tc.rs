@@ -717,8 +717,10 @@ pub fn chain_pays(units: usize, sm_count: usize) -> bool {
 /// What a wgmma CTA costs besides its units, in units of its own K loop: the ring's first fill
 /// (the first stage lands ~1.5 us after the copies go out), the launch and setup, with the tensor
 /// pipe idle on that SM meanwhile. An estimate (~3 us against a V4-Pro rank's ~42 us L2 unit at
-/// T=4096 on an H100, docs/PERFORMANCE.md fortieth session), not a measurement: it only steers
-/// [`choose_wg_units_per_cta`], which runs under `MEGAMOE_WG_UNITS=auto`.
+/// T=4096 on an H100), not itself measured; the choice it steers ([`choose_wg_units_per_cta`], the
+/// default `MEGAMOE_WG_UNITS=auto`) measured 1.1% faster than one unit a CTA at T=4096 on a V4-Pro
+/// EP8 rank and 1.2% on V4-Flash, neutral at T=16384 (H100, two machines; docs/PERFORMANCE.md
+/// forty-first session), where fixed 2 or 3 units a CTA were neutral or slower.
 pub const WG_CTA_OVERHEAD_UNITS: f64 = 0.07;
 
 /// The most units one wgmma CTA runs back to back ([`choose_wg_units_per_cta`]).

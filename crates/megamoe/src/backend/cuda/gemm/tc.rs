@@ -61,7 +61,7 @@ struct TcKernels {
     wg_consumers: Option<usize>,
     /// `MEGAMOE_WG_TILE` (read once): every wgmma prefill launch on this token tile.
     wg_tile: Option<usize>,
-    /// Units each wgmma CTA runs back to back (`MEGAMOE_WG_UNITS`; one by default).
+    /// Units each wgmma CTA runs back to back (`MEGAMOE_WG_UNITS`; the wave model's by default).
     wg_units: WgUnits,
     /// Hopper weight-streaming decode kernels (sm_90a), by token tile; used for decode tiles of
     /// launches given split scratch, for the formats `MEGAMOE_STREAM` allows ([`stream_selects`]).
@@ -488,7 +488,6 @@ impl TcKernels {
         // grid.y, ..): with several units a CTA, grid.y covers the expected tiles in that many.
         let sets = groups.div_ceil(c.groups);
         let per_cta = match self.wg_units {
-            WgUnits::One => 1,
             WgUnits::Auto => layout::choose_wg_units_per_cta(tiles * sets, self.sm_count),
             WgUnits::Fixed(n) => n,
         };
