@@ -47,6 +47,12 @@ fn engine_with(layer: &Arc<MoeLayer>, max_t: usize, family: Option<&str>) -> Opt
     }
 }
 
+/// The counters (index, value) a forward left non-zero in a workspace's split and chain counters
+/// (every launch must leave them zero for the next).
+fn nonzero_counters(counters: Vec<u32>) -> Vec<(usize, u32)> {
+    counters.into_iter().enumerate().filter(|&(_, c)| c != 0).collect()
+}
+
 const E2M1: [f64; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 fn e2m1(c: u8) -> f64 {
     let v = E2M1[(c & 7) as usize];
@@ -795,8 +801,7 @@ fn decode_split_counters_return_to_zero_and_forwards_repeat() {
                 let y_bits = bits(&y);
                 let want = first.entry((t, mode.name())).or_insert_with(|| y_bits.clone());
                 assert!(*want == y_bits, "round {round} T={t} {mode}: forward differs from the first");
-                let left: Vec<(usize, u32)> =
-                    eng.split_counters().unwrap().into_iter().enumerate().filter(|&(_, c)| c != 0).collect();
+                let left = nonzero_counters(eng.split_counters().unwrap());
                 assert!(left.is_empty(), "round {round} T={t} {mode}: counters left non-zero {left:?}");
             }
         }
@@ -1805,8 +1810,7 @@ fn fused_decode_launch_is_bitwise_equal_to_the_separate_stages() {
                 .unwrap();
                 stream.synchronize().unwrap();
                 assert!(read(yb) == want, "{what}: fused output differs from the separate stages");
-                let left: Vec<(usize, u32)> =
-                    ws.split_counters().unwrap().into_iter().enumerate().filter(|&(_, c)| c != 0).collect();
+                let left = nonzero_counters(ws.split_counters().unwrap());
                 assert!(left.is_empty(), "{what}: counters left non-zero {left:?}");
                 assert_eq!(ws.take_status().unwrap(), 0, "{what}");
                 // The fused launch's plan in the workspace: a separate combine from it agrees.
@@ -2129,8 +2133,7 @@ fn routed_zero_rows_chained_and_apart_match_separate_stages() {
                 );
                 assert_eq!(ws.take_status().unwrap(), 0, "{what}");
             }
-            let left: Vec<_> =
-                ws.split_counters().unwrap().into_iter().enumerate().filter(|&(_, c)| c != 0).collect();
+            let left = nonzero_counters(ws.split_counters().unwrap());
             assert!(left.is_empty(), "{what}: counters left non-zero: {left:?}");
             eprintln!(
                 "zero rows {what}: bitwise equal over 3 forwards, {none} of {t} tokens with no slot here"

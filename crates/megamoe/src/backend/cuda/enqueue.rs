@@ -616,23 +616,26 @@ impl LayerWeights {
     /// its L1 write the zero y rows of the tokens with no planned slot, which its combine then
     /// skips (`MEGAMOE_ZERO_ROWS`; diagnostics and tests).
     pub fn zeroes_rows_in_l1(&self, ws: &Workspace, tokens: usize, mode: Mode) -> bool {
-        if !ws.zero_rows || self.slice_clusters(tokens, mode, false).is_some() {
-            return false;
-        }
-        let plan = self.plan_for(ws, 0, tokens, mode, false);
-        self.fused_split(ws, &plan, mode, false).is_none() && self.l1_zeroes(&plan, mode, false)
+        ws.zero_rows && self.staged_plan(ws, tokens, mode).is_some_and(|p| self.l1_zeroes(&p, mode, false))
     }
 
     /// Whether a routed W4A16 forward of `tokens` tokens on `ws` runs its L1 and L2 as the chained
     /// pair (diagnostics and tests).
     pub fn runs_chained(&self, ws: &Workspace, tokens: usize) -> bool {
-        if self.slice_clusters(tokens, Mode::W4A16, false).is_some() {
-            return false;
-        }
-        let plan = self.plan_for(ws, 0, tokens, Mode::W4A16, false);
         let (h, inter) = (self.config.hidden_size, self.experts.inter);
-        self.fused_split(ws, &plan, Mode::W4A16, false).is_none()
-            && self.experts.kernels.l1_l2_chains(&plan.launch, h, inter)
+        self.staged_plan(ws, tokens, Mode::W4A16)
+            .is_some_and(|p| self.experts.kernels.l1_l2_chains(&p.launch, h, inter))
+    }
+
+    /// The plan of a routed `mode` forward of `tokens` tokens on `ws` when its experts run as
+    /// separate launches (`None`: the slice kernel or the fused launch takes the step), as
+    /// [`Self::enqueue_routed`] chooses.
+    fn staged_plan(&self, ws: &Workspace, tokens: usize, mode: Mode) -> Option<Plan> {
+        if self.slice_clusters(tokens, mode, false).is_some() {
+            return None;
+        }
+        let plan = self.plan_for(ws, 0, tokens, mode, false);
+        self.fused_split(ws, &plan, mode, false).is_none().then_some(plan)
     }
 
     /// Whether the routed L1 launch of `plan` writes a [`ZeroRowsParams`]' rows: the L1 of the

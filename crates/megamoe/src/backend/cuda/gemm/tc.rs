@@ -561,7 +561,7 @@ impl GemmKernels for TcKernels {
         let cfg2 = LaunchCfg { pdl: true, ..cfg2 };
         // Units per tile of the L1: its grid's group sets (x); tiles run along y.
         let wait_units = cfg1.grid.0 as i32;
-        // The L1's zero-row warps (three a CTA), counted in word 1 for the L2's last CTA.
+        // The L1's zero-row warps (WG_SIDE_WARPS a CTA), counted in word 1 for the L2's last CTA.
         let zero_warps =
             if zero.row_of_slot != 0 { WG_SIDE_WARPS * (cfg1.grid.0 * cfg1.grid.1) as i32 } else { 0 };
         // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters,
