@@ -81,6 +81,9 @@ pub struct CudaDevice {
     /// CTAs of `moe_quant_rows` the whole device holds at once (its grid, looping over the
     /// planned rows), from the occupancy query once.
     quant_rows_ctas: u32,
+    /// CTAs of `moe_combine` the whole device holds at once (its grid's size per token follows it:
+    /// `gpu_layout::combine_col_blocks`).
+    combine_ctas: usize,
     pub(crate) core: CoreKernels,
     /// Modules and family kernel sets loaded on demand, by name.
     cache: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
@@ -147,6 +150,7 @@ impl CudaDevice {
         let module = load_module(&ctx, &core_spec(), arch)?;
         let core = CoreKernels::load(&module)?;
         let quant_rows_ctas = (sm_count * core.quant_rows.ctas_per_sm(0)?.max(1)) as u32;
+        let combine_ctas = sm_count * core.combine.ctas_per_sm(0)?.max(1);
         let dev = Arc::new(CudaDevice {
             ctx,
             stream,
@@ -155,6 +159,7 @@ impl CudaDevice {
             name,
             sm_count,
             quant_rows_ctas,
+            combine_ctas,
             core,
             cache: Mutex::new(HashMap::new()),
         });
@@ -186,6 +191,10 @@ impl CudaDevice {
     /// CTAs of `moe_quant_rows` resident on the whole device at once.
     pub(crate) fn quant_rows_ctas(&self) -> u32 {
         self.quant_rows_ctas
+    }
+    /// CTAs of `moe_combine` resident on the whole device at once.
+    pub(crate) fn combine_ctas(&self) -> usize {
+        self.combine_ctas
     }
     /// `(free, total)` device memory in bytes, after this device's stream has finished: buffers
     /// are freed in stream order, and the pool returns a dropped buffer's memory only at the next

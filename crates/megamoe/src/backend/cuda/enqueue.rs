@@ -24,9 +24,9 @@ use super::launch::{self, LaunchCfg, StreamRef};
 use super::params::*;
 use super::weights::{router_smem, LayerWeights};
 use super::workspace::Workspace;
-use crate::backend::gpu_layout::max_tiles;
 use crate::backend::gpu_layout::router as router_layout;
 use crate::backend::gpu_layout::w4a8 as w4a8_layout;
+use crate::backend::gpu_layout::{combine_col_blocks, max_tiles};
 use crate::config::ScoringFunc;
 use crate::error::{MegaError, Result};
 use crate::forward::Mode;
@@ -1019,7 +1019,12 @@ impl LayerWeights {
         s: StreamRef,
     ) -> Result<()> {
         let p = self.combine_params(ws, plan, y, shared, wrote)?;
-        let col_blocks = self.config.hidden_size.div_ceil(4 * CORE_THREADS as usize) as u32;
+        let col_blocks = combine_col_blocks(
+            plan.tokens,
+            self.config.hidden_size,
+            4 * CORE_THREADS as usize,
+            self.device.combine_ctas(),
+        ) as u32;
         // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows (16-byte
         // aligned rows: H % 4 == 0 and device allocations are 256-aligned).
         unsafe {

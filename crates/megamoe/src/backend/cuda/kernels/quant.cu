@@ -32,7 +32,8 @@
 // for the slots planned here (ROW_NONE adds nothing) (+ shared_out[t]). `folded`: tokens with one
 // planned slot are skipped (the L2 wrote their y rows, as 0 + v: the same bits); `zeroed`: tokens
 // with none are (the wgmma L1 wrote their zero rows).
-// Tiling: one CTA per (token, 1024 columns), 4 columns per thread; fixed fp32 add order, no atomics.
+// Tiling: CTA (token, column block), a column block every gridDim.y x 1024 columns, 4 columns per
+// thread; fixed fp32 add order, no atomics.
 
 // 4 CTAs of 256 threads per SM (<= 64 registers): the copy is latency-bound, so occupancy is its depth.
 extern "C" __global__ void __launch_bounds__(256, 4) moe_quant_rows(const __grid_constant__ QuantRowsParams p)
@@ -60,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_quant_rows(const __grid
 }
 
 // Final combine: y[t] = sum over slots j in order of l2[row_of_slot[t*K+j]] (+ shared[t]).
-// CTA (token t, 1024-column block blockIdx.y); a thread owns 4 consecutive columns
+// CTA (token t, 1024-column blocks blockIdx.y + i * gridDim.y); a thread owns 4 consecutive columns
 // (combine_cols4, combine.cuh: a fixed order of fp32 adds, no atomics, bitwise reproducible).
 extern "C" __global__ void moe_combine(const __grid_constant__ CombineParams p)
 {
@@ -72,7 +73,10 @@ extern "C" __global__ void moe_combine(const __grid_constant__ CombineParams p)
     // zeroed: a token with none got it from the L1 (ZeroRowsParams).
     const int planned = __syncthreads_count(live);
     if ((planned == 1 && p.folded) || (planned == 0 && p.zeroed)) return;
-    const int h = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
-    if (h >= p.h) return;
-    combine_cols4(p, [&](int j) { return rows[j]; }, t, h);
+    // Column blocks blockIdx.y, + gridDim.y, ..: large batches take fewer CTAs a token
+    // (gpu_layout::combine_col_blocks), as most of their tokens need no combine here and a CTA
+    // that only finds that out still costs its launch.
+    const int step = gridDim.y * blockDim.x * 4;
+    for (int h = (blockIdx.y * blockDim.x + threadIdx.x) * 4; h < p.h; h += step)
+        combine_cols4(p, [&](int j) { return rows[j]; }, t, h);
 }
