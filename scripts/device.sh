@@ -25,8 +25,11 @@ rm -rf "$carry" && mkdir -p "$carry/bin"
 cp "$CARGO_TARGET_DIR/release/megamoe" "$carry/bin/"
 # AB_OLD_BIN: an earlier build's `megamoe`, staged as old/megamoe for run.sh's AB_OLD comparison.
 if [ -n "${AB_OLD_BIN:-}" ]; then mkdir -p "$carry/old" && cp "$AB_OLD_BIN" "$carry/old/megamoe"; fi
+# AB_MORE_BINS: "name=path ..": more builds' `megamoe`, staged as name/megamoe (a three-way A/B).
+for nb in ${AB_MORE_BINS:-}; do mkdir -p "$carry/${nb%%=*}" && cp "${nb#*=}" "$carry/${nb%%=*}/megamoe"; done
+more_bins=""; for nb in ${AB_MORE_BINS:-}; do more_bins="$more_bins $carry/${nb%%=*}/megamoe"; done
 while read -r name exe; do [ -n "$name" ] && cp "$exe" "$carry/bin/$name"; done <<<"$tests"
-strip --strip-debug "$carry"/bin/* ${AB_OLD_BIN:+"$carry"/old/*} 2>/dev/null || true
+strip --strip-debug "$carry"/bin/* ${AB_OLD_BIN:+"$carry"/old/*} $more_bins 2>/dev/null || true
 # The kernels, compiled here for sm_90a into the cache the device run loads them from (keyed by the
 # source, the options and the NVRTC version: both sides use NVRTC 13.0, the include path below and
 # ptxas' verbose report), so a fresh device machine spends no time in NVRTC. PRECOMPILE=0 skips it.
@@ -40,7 +43,7 @@ if [ "${PRECOMPILE:-1}" != 0 ] && [ -f scripts/nvrtc_env.sh ]; then
   # phase-probe build of the FP4 / bf16 tensor-core modules and the chained L1 + L2 module, which a
   # probe run loads too (run.sh PHASE_PROBE=1; left out, the device compiled it in the run).
   precompile() {
-    for b in "$carry/bin/megamoe" ${AB_OLD_BIN:+"$carry/old/megamoe"}; do
+    for b in "$carry/bin/megamoe" ${AB_OLD_BIN:+"$carry/old/megamoe"} $more_bins; do
       MEGAMOE_CUDA_INCLUDE=/usr/local/cuda/include MEGAMOE_CACHE="$carry/kcache" \
         "$b" kernels --arch sm_90a >/dev/null || echo "warning: precompiling the kernels of $b failed" >&2
       # PRECOMPILE_ENVS: "VAR=VALUE[,VAR=VALUE..] ..." — each a knob setting whose modules a run

@@ -4,7 +4,7 @@
 # built in a git worktree with its own target directory), the ramp probe (scripts/build_probe.sh;
 # PROBE=0 skips it) and the folder's call*.sh scripts — into .device-carry/, then checks the carry
 # against the device tool's 64 MiB (working tree included).
-# Usage: BASE=9a83107 bash scripts/stage_calls.sh docs/results/s41-call1
+# Usage: BASE=9a83107 [MID=<rev>] bash scripts/stage_calls.sh docs/results/s41-call1
 # Then: run(command="bash .device-carry/call1.sh", carry=[".device-carry", ".peers"], timeout_s=600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,15 @@ if [ -n "${BASE:-}" ]; then
   (cd "$wt" && CARGO_TARGET_DIR="/tmp/megamoe-base-target-$BASE" cargo build --release -p megamoe-cli)
   old="/tmp/megamoe-base-target-$BASE/release/megamoe"
 fi
-PRECOMPILE_PROBE="${PRECOMPILE_PROBE:-0}" AB_OLD_BIN="$old" bash scripts/device.sh
+# MID=<rev>: one more earlier build, staged as mid/megamoe (a three-way A/B: old, mid, this one).
+more=""
+if [ -n "${MID:-}" ]; then
+  wt="/tmp/megamoe-base-$MID"
+  [ -d "$wt" ] || git worktree add -f "$wt" "$MID" >/dev/null
+  (cd "$wt" && CARGO_TARGET_DIR="/tmp/megamoe-base-target-$MID" cargo build --release -p megamoe-cli)
+  more="mid=/tmp/megamoe-base-target-$MID/release/megamoe"
+fi
+PRECOMPILE_PROBE="${PRECOMPILE_PROBE:-0}" AB_OLD_BIN="$old" AB_MORE_BINS="$more" bash scripts/device.sh
 cp "$dir"/call*.sh .device-carry/
 if [ "${PROBE:-1}" != 0 ]; then
   bash scripts/build_probe.sh scripts/device/ramp_probe.cu .device-carry/ramp_probe

@@ -185,6 +185,8 @@ kernel_abi! {
         /// Warps of a wgmma CTA's producer warpgroup that issue no copies: an L1's zero-row
         /// writers (`ZeroRowsParams`; `WgL2Params::zero_warps` counts them per CTA).
         WG_SIDE_WARPS = 3;
+        /// Columns a narrower wgmma width step takes off (`gpu_layout::tc::WG_NARROW_COLS`).
+        WG_NARROW_COLS = crate::backend::gpu_layout::tc::WG_NARROW_COLS as i32;
         /// Columns of one DeepSeek `act_quant` block (one warp of four values a lane in
         /// `quant_rows.cuh`, the EP exchange's FP8 payload, the W4A8 kernels' K chunk).
         FP8_ACT_BLOCK = crate::formats::act_quant::FP8_BLOCK as i32;

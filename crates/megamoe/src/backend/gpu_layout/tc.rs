@@ -568,14 +568,19 @@ pub fn wg_eligible(rows: f64, slots: usize) -> bool {
 pub const WG_TILE_OVERHEAD_TOKENS: f64 = 64.0;
 
 /// Narrower MMA widths of the wgmma kernels (`NS` of `WG_KERNELS`): a tile of `r` rows issues its
-/// wgmmas [`wg_mma_width`] columns wide, so an expert's last tile computes less than 8 padding
-/// columns unless it holds fewer than `nt - 8 * WG_NARROW_STEPS` rows. One step: with two, ptxas
-/// serialises the wgmmas of the three-consumer kernels (its C7512 note, "insufficient register
-/// resources") — a third copy of the K loop does it whatever the widths (three loops of the full
-/// width too; checked for n72 and n80), and so do separate epilogues per width. And narrower MMAs
-/// gain less than their width there: the FP4 decode bounds an n64-n80 loop (scripts/device/
-/// wgmma_rate_probe.cu, H100: a unit at n72 takes 99% of an n80 unit's time, at n64 87%).
+/// wgmmas [`wg_mma_width`] columns wide, so an expert's last tile computes fewer padding columns.
+/// One step: with two, ptxas serialises the wgmmas of the three-consumer kernels (its C7512 note,
+/// "insufficient register resources") — a third copy of the K loop does it whatever the widths
+/// (three loops of the full width too; checked for n72 and n80), and so do separate epilogues per
+/// width; two loops of any widths compile clean.
 pub const WG_NARROW_STEPS: usize = 1;
+
+/// Columns a narrower width step takes off (`WG_NARROW_COLS` in the kernels): 16, so the one step
+/// of an 80-token tile is n64. The FP4 decode bounds an n64-n80 loop — in
+/// scripts/device/wgmma_rate_probe.cu (H100) a unit at n72 takes 99% of an n80 unit's time and at n64
+/// 87% — so steps of 8 (n72) gained ~1% on the ~86% of a V4-Pro EP8 rank's T=4096 experts under 73
+/// rows, where steps of 16 gain ~13% on the ~53% under 65.
+pub const WG_NARROW_COLS: usize = 16;
 
 /// The narrower widths configuration `c` is built with for `format`: [`WG_NARROW_STEPS`] for the
 /// FP4 formats, none for bf16 weights (16 A registers per k16 step instead of 4) and for the
@@ -590,10 +595,14 @@ pub fn wg_narrow_steps(format: WeightFormat, c: WgConfig) -> usize {
 }
 
 /// The MMA width the wgmma kernel of token tile `nt` with `steps` narrower widths runs a tile of
-/// `rows` rows at (`wg_tile_k_loop` in gemm_tc.cu): the narrowest of `nt`, `nt - 8`, .., `nt - 8 *
-/// steps` (and at least 8) that holds them.
+/// `rows` rows at (`wg_tile_k_loop` in gemm_tc.cu): the narrowest of `nt`, `nt - c`, .., `nt - c *
+/// steps` (c = [`WG_NARROW_COLS`]; at least 8) that holds them.
 pub fn wg_mma_width(nt: usize, rows: usize, steps: usize) -> usize {
-    (0..=steps).rev().map(|s| nt.saturating_sub(8 * s)).find(|&n| n >= 8 && n >= rows).unwrap_or(nt)
+    (0..=steps)
+        .rev()
+        .map(|s| nt.saturating_sub(WG_NARROW_COLS * s))
+        .find(|&n| n >= 8 && n >= rows)
+        .unwrap_or(nt)
 }
 
 /// The expected value of `cost(rows)` for an expert expecting `expected` rows spread by `spread`
@@ -630,8 +639,8 @@ pub fn cheapest_tile(tiles: &[usize], cost: impl Fn(usize) -> f64) -> usize {
 /// The wgmma token tile among `tiles` for experts expecting `expected` rows spread by `spread`
 /// (standard deviation): the least expected cost ([`expected_over_rows`]), where an expert of `r`
 /// rows costs `ceil(r / nt)` tile overheads plus the MMA width of each of its tiles (the last one
-/// may run up to `narrow_steps` x 8 columns narrower: [`wg_mma_width`]; 0 for kernels of one
-/// width). Ties go to the smaller tile.
+/// may run up to `narrow_steps` x [`WG_NARROW_COLS`] columns narrower: [`wg_mma_width`]; 0 for
+/// kernels of one width). Ties go to the smaller tile.
 pub fn choose_wg_tile(tiles: &[usize], expected: f64, spread: f64, narrow_steps: usize) -> usize {
     cheapest_tile(tiles, |nt| {
         expected_over_rows(expected, spread, |r| {
@@ -1307,27 +1316,34 @@ mod tests {
         assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 96.0, 96f64.sqrt(), WG_NARROW_STEPS), 128);
         assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 64.0, 0.0, WG_NARROW_STEPS), 64);
         assert_eq!(choose_wg_tile(&WG_TOKEN_TILES, 128.0, 0.0, WG_NARROW_STEPS), 128);
-        assert_eq!(choose_wg_tile(&[64, 128], 64.0, 8.0, WG_NARROW_STEPS), 64);
+        // (A 128-row tile's narrower n112 holds an expert of 64 +- 8 rows: cheaper than a second
+        // 64-row tile for the half of them over 64.)
+        assert_eq!(choose_wg_tile(&[64, 128], 64.0, 8.0, WG_NARROW_STEPS), 128);
         assert_eq!(choose_wg_tile(&[64, 128], 256.0, 16.0, WG_NARROW_STEPS), 128);
         assert_eq!(choose_wg_tile(&[64, 128], 64.0, 8.0, 0), 64);
-        // A tile runs its wgmmas as narrow as its rows allow, in steps of 8.
-        assert_eq!(wg_mma_width(80, 65, 2), 72);
+        // A tile runs its wgmmas as narrow as its rows allow, in steps of WG_NARROW_COLS = 16.
+        assert_eq!(WG_NARROW_COLS, 16);
+        assert_eq!(wg_mma_width(80, 65, 2), 80);
         assert_eq!(wg_mma_width(80, 64, 2), 64);
-        assert_eq!(wg_mma_width(80, 3, 2), 64);
-        assert_eq!(wg_mma_width(80, 64, 1), 72);
-        assert_eq!(wg_mma_width(80, 73, 1), 80);
+        assert_eq!(wg_mma_width(80, 48, 2), 48);
+        assert_eq!(wg_mma_width(80, 3, 2), 48);
+        assert_eq!(wg_mma_width(80, 64, 1), 64);
+        assert_eq!(wg_mma_width(80, 65, 1), 80);
         assert_eq!(wg_mma_width(80, 80, 1), 80);
-        assert_eq!(wg_mma_width(144, 130, 1), 136);
-        assert_eq!(wg_mma_width(64, 1, 1), 56);
+        assert_eq!(wg_mma_width(144, 130, 1), 144);
+        assert_eq!(wg_mma_width(144, 112, 1), 128);
+        assert_eq!(wg_mma_width(64, 1, 1), 48);
         assert_eq!(wg_mma_width(80, 3, 0), 80);
+        assert_eq!(wg_mma_width(16, 3, 1), 16);
         // Every width a built kernel can run is a multiple of 8 the wgmma wrappers are built for
-        // (WgmmaBf16 in common.cuh: 56..96 and 120..144 by 8).
+        // (WgmmaBf16 in common.cuh: 48..144 by 8 but 104).
         for c in wg_configs() {
             let steps = wg_narrow_steps(WeightFormat::Nvfp4, c);
             for r in 1..=c.nt {
                 let w = wg_mma_width(c.nt, r, steps);
-                assert!(w >= r && w.is_multiple_of(8) && w <= c.nt && w + 8 * steps >= c.nt, "{c:?} {r}");
-                assert!((56..=96).contains(&w) || (120..=144).contains(&w), "{c:?} {r}: {w}");
+                assert!(w >= r && w.is_multiple_of(8) && w <= c.nt, "{c:?} {r}");
+                assert!(w + WG_NARROW_COLS * steps >= c.nt, "{c:?} {r}");
+                assert!((48..=144).contains(&w) && w != 104, "{c:?} {r}: {w}");
             }
         }
         let (c96, c80) =

@@ -536,8 +536,9 @@ __device__ __forceinline__ void tc_l2(const GemmL2Params& p)
 // consumer compiles (e.g. (2, 4): one block each, 112 registers; measured slower than (3, 3)).
 // Token tiles NT = 64, 80, 96, 128, 144 (gpu_layout::tc::WG_TOKEN_TILES; the host picks the one
 // whose padding and per-tile decode cost least for the experts' expected rows). A tile's wgmmas are
-// as wide as its rows need, in steps of 8 down to NT - 8 * NS (ncu, V4-Pro EP8 rank at T=4096: ~65
-// rows per expert in 80-row tiles left a fifth of the tensor pipe's work on padding columns); the
+// as wide as its rows need, in steps of WG_NARROW_COLS (16) down to NT - 16 * NS (ncu, V4-Pro EP8
+// rank at T=4096: ~65 rows per expert in 80-row tiles left a fifth of the tensor pipe's work on
+// padding columns; the FP4 decode bounds a loop narrower than ~n72, so the step skips n72); the
 // token tile in shared memory is NT rows whatever the width.
 // Ring of ST stages, each [token tile NT x 64 bf16, 128B-swizzled by TMA (1024-aligned)][GPC x 8
 // weight blocks, one box of the weights' 5-D tensor map (launch::tma_weight_groups) for all GPC
@@ -665,16 +666,17 @@ __device__ __forceinline__ void wg_k_loop(const Ring& ring, float (&acc)[MB][NT 
     wgmma_wait<0>();
 }
 
-// The K loop of a tile of mc rows at the narrowest width of NT, NT - 8, .., NT - 8 * NS that holds
-// them (gpu_layout::tc::wg_mma_width; the columns past mc are padding the epilogue drops).
+// The K loop of a tile of mc rows at the narrowest width of NT, NT - C, .., NT - C * NS (C =
+// WG_NARROW_COLS) that holds them (gpu_layout::tc::wg_mma_width; the columns past mc are padding
+// the epilogue drops).
 template <int NT, int NS, int MB, typename Ring>
 __device__ __forceinline__ void wg_tile_k_loop(const Ring& ring, float (&acc)[MB][NT / 8][4], unsigned (&a)[2][4][4],
                                                unsigned c0, int U, int mc)
 {
-    if constexpr (NS == 0 || NT - 8 * NS < 8) {
+    if constexpr (NS == 0 || NT - WG_NARROW_COLS * NS < 8) {
         wg_k_loop<NT, NT>(ring, acc, a, c0, U);
     } else {
-        if (mc <= NT - 8 * NS) wg_k_loop<NT, NT - 8 * NS>(ring, acc, a, c0, U);
+        if (mc <= NT - WG_NARROW_COLS * NS) wg_k_loop<NT, NT - WG_NARROW_COLS * NS>(ring, acc, a, c0, U);
         else wg_tile_k_loop<NT, NS - 1>(ring, acc, a, c0, U, mc);
     }
 }

@@ -65,6 +65,7 @@ constexpr int DF_SYNC_ACT = 4;
 constexpr int DF_SYNC_COUNTERS = 5;
 constexpr int MAX_TOPK = 32;
 constexpr int WG_SIDE_WARPS = 3;
+constexpr int WG_NARROW_COLS = 16;
 constexpr int FP8_ACT_BLOCK = 128;
 constexpr int ROUTER_EXPERTS_PER_CTA = 2;
 constexpr int ROUTER_TILE_TOKENS = 64;
