@@ -1024,6 +1024,7 @@ impl LayerWeights {
             self.config.hidden_size,
             4 * CORE_THREADS as usize,
             self.device.combine_ctas(),
+            wrote != WroteY::default(),
         ) as u32;
         // SAFETY: y holds [T, H] of its dtype (checked), the workspace the planned rows (16-byte
         // aligned rows: H % 4 == 0 and device allocations are 256-aligned).
