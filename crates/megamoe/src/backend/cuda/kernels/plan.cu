@@ -194,27 +194,17 @@ extern "C" __global__ void __launch_bounds__(PLAN_OFF_EXPERTS * PLAN_OFF_RANGES)
     }
     plan_offsets_cta(p, p.counts, p.offsets, p.tile_start);
     // Pass 2: chunk c's first row of expert e = offsets[e] + the rows of e in the chunks before c.
-    // With one pass of experts (E <= PLAN_OFF_EXPERTS) range_rows still holds pass 1's sums.
     for (int e0 = 0; e0 < E; e0 += PLAN_OFF_EXPERTS) {
         const int e = e0 + x;
-        if (E > PLAN_OFF_EXPERTS) range_sums(e0);
+        range_sums(e0);
         if (e < E) {
             unsigned r = p.offsets[e];
             for (int q = 0; q < y; ++q) r += range_rows[q][x];
-            // Eight chunks' counts are loaded before their first rows are stored: a load may not
-            // pass the store before it (same array), so one chunk at a time made the range a
-            // chain of dependent round trips (~8 us at T=4096 on an EP8 rank, 12 chunks a thread).
-            for (int c = c0; c < c1; c += 8) {
-                unsigned n[8];
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) n[j] = c + j < c1 ? p.chunk_rows[(size_t)(c + j) * E + e] : 0u;
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    if (c + j < c1) {
-                        p.chunk_rows[(size_t)(c + j) * E + e] = r;
-                        r += n[j];
-                    }
-                }
+            for (int c = c0; c < c1; ++c) {
+                const size_t i = (size_t)c * E + e;
+                const unsigned n = p.chunk_rows[i];
+                p.chunk_rows[i] = r;
+                r += n;
             }
         }
         __syncthreads();
