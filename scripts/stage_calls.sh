@@ -9,21 +9,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:?usage: BASE=<rev> bash scripts/stage_calls.sh docs/results/<folder>}"
-old=""
-if [ -n "${BASE:-}" ]; then
-  wt="/tmp/megamoe-base-$BASE"
-  [ -d "$wt" ] || git worktree add -f "$wt" "$BASE" >/dev/null
-  (cd "$wt" && CARGO_TARGET_DIR="/tmp/megamoe-base-target-$BASE" cargo build --release -p megamoe-cli)
-  old="/tmp/megamoe-base-target-$BASE/release/megamoe"
-fi
+# The `megamoe` of revision $1, built in a git worktree with its own target directory (its path).
+build_rev() {
+  local wt="/tmp/megamoe-base-$1"
+  [ -d "$wt" ] || git worktree add -f "$wt" "$1" >/dev/null
+  (cd "$wt" && CARGO_TARGET_DIR="/tmp/megamoe-base-target-$1" cargo build --release -p megamoe-cli) >&2
+  echo "/tmp/megamoe-base-target-$1/release/megamoe"
+}
+old=""; [ -z "${BASE:-}" ] || old="$(build_rev "$BASE")"
 # MID=<rev>: one more earlier build, staged as mid/megamoe (a three-way A/B: old, mid, this one).
-more=""
-if [ -n "${MID:-}" ]; then
-  wt="/tmp/megamoe-base-$MID"
-  [ -d "$wt" ] || git worktree add -f "$wt" "$MID" >/dev/null
-  (cd "$wt" && CARGO_TARGET_DIR="/tmp/megamoe-base-target-$MID" cargo build --release -p megamoe-cli)
-  more="mid=/tmp/megamoe-base-target-$MID/release/megamoe"
-fi
+more=""; [ -z "${MID:-}" ] || more="mid=$(build_rev "$MID")"
 PRECOMPILE_PROBE="${PRECOMPILE_PROBE:-0}" AB_OLD_BIN="$old" AB_MORE_BINS="$more" bash scripts/device.sh
 cp "$dir"/call*.sh .device-carry/
 if [ "${PROBE:-1}" != 0 ]; then
