@@ -208,7 +208,7 @@ pub fn w4a8_fp8() -> W4a8Fp8 {
 
 /// `MEGAMOE_W4A8_TILE`: the FP8 W4A8 kernels' token tile, else their tile model's.
 pub fn w4a8_tile() -> Option<usize> {
-    tile_override("MEGAMOE_W4A8_TILE", &w4a8::TOKEN_TILES)
+    tile_override("MEGAMOE_W4A8_TILE", &w4a8::BUILT_TILES)
 }
 
 /// `MEGAMOE_ROUTER_TILED=<tokens>`: forwards of at least that many tokens compute the router's

@@ -320,6 +320,12 @@ pub const SCALE_BYTES: usize = 512;
 /// have these heights too). The cost model ([`choose_token_tile`]) chooses among all of them.
 pub const TOKEN_TILES: [usize; 3] = [64, 96, 128];
 
+/// Token tiles the W4A8 kernels are built for: [`TOKEN_TILES`] and 80, the bf16 wgmma kernels'
+/// fitted tile of ~64 rows per expert (a V4-Pro EP8 rank at T=4096), which a layer holding only
+/// the L2's W4A8 layout (`MEGAMOE_W4A8_FP8=l2`) keeps, so its exact bf16 L1 is not padded to an FP8
+/// tile (the forty-first session: 64 / 96 / 128 there cost the L1 more than the FP8 L2 saved).
+pub const BUILT_TILES: [usize; 4] = [64, 80, 96, 128];
+
 /// What a token slot of the 64-token kernel costs relative to one of the 128-token kernel's (each
 /// tile runs its full width: no narrower MMAs). Fitted on an H100 (twentieth session,
 /// `MEGAMOE_W4A8_TILE` rows of the EP-rank bench): with 48, 65, 128 and 192 expected rows per
@@ -539,6 +545,18 @@ mod tests {
     }
 
     #[test]
+    fn every_built_tile_has_whole_blocks_and_a_ring_that_fits() {
+        // The model's tiles and the L2-only form's 80 (three consumers of one m64 block, as 96).
+        assert!(TOKEN_TILES.iter().all(|nt| BUILT_TILES.contains(nt)));
+        assert_eq!(consumers(80), 3);
+        for nt in BUILT_TILES {
+            assert_eq!(nt % 16, 0, "{nt}: the scales' 16-row groups");
+            assert!(nt * 4 <= SCALE_BYTES, "{nt}: a chunk's scales fit their stage slot");
+            assert!(stages(nt) >= 2 && smem_bytes(nt) <= 227 * 1024, "{nt}: {} stages", stages(nt));
+        }
+    }
+
+    #[test]
     fn a_row_wider_than_e4m3_is_refused_by_name() {
         let cfg = crate::config::MoeConfig {
             hidden_size: 256,
@@ -569,7 +587,7 @@ mod tests {
     fn a_lanes_scales_of_two_token_columns_are_one_16_byte_load() {
         // Lane t reads floats 16 J + 4 t .. + 3 of its tile's scales (gemm_w4a8.cu's w8_scales):
         // the tokens of columns j = 2 J and 2 J + 1 (8 j + 2 t, + 1), in that order.
-        for nt in TOKEN_TILES {
+        for nt in BUILT_TILES {
             for big_j in 0..nt / 16 {
                 for t in 0..4 {
                     let want = [
@@ -592,7 +610,7 @@ mod tests {
     #[test]
     fn scale_columns_are_tile_aligned_and_distinct() {
         // Three experts of 5, 0 and 130 rows: their tiles and rows as the plan numbers them.
-        for nt in TOKEN_TILES {
+        for nt in BUILT_TILES {
             let counts = [5usize, 0, 130];
             let (mut offset, mut tile, mut seen) = (0, 0, std::collections::HashSet::new());
             for &n in &counts {

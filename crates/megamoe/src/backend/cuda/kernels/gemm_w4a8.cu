@@ -1,6 +1,6 @@
 // gemm_w4a8.cu — Hopper (sm_90a) FP8 grouped GEMMs for W4A8 on MXFP4 experts: e4m3 activations
 // (DeepSeek's act_quant) times MXFP4 weights turned exactly into e4m3 in registers, on FP8 wgmma
-// (QGMMA) with fp32 accumulators. Prefill tiles only (64 / 96 / 128 tokens); decode tiles of W4A8
+// (QGMMA) with fp32 accumulators. Prefill tiles only (64 / 80 / 96 / 128 tokens); decode tiles of W4A8
 // run the bf16 tensor-core kernels on quantize-dequantized rows (the same values).
 //
 // Data layouts (gpu_layout::w4a8 is the host side and the reference of every byte):
@@ -30,6 +30,9 @@
 //   (192 rows = 12 slabs, blockIdx.x = slab set: a set may straddle two groups, loaded as one bulk
 //   copy per group it meets), 512 threads, 160 registers a consumer thread (two 48-register
 //   accumulators, as NT = 64): three warps per scheduler, each weight decoded for 96 tokens;
+// - NT = 80: as NT = 96 with 40-register accumulators — not in the tile model: the bf16 wgmma
+//   kernels' fitted tile, which a layer holding only the L2's W4A8 layout keeps
+//   (gpu_layout::w4a8::BUILT_TILES);
 // - NT = 128: two consumers (one group, blockIdx.x = group), 384 threads, 232 registers a consumer
 //   thread (a 64-register accumulator, two 32-register unit accumulators of 64 tokens each, two A
 //   register sets): a consumer decodes chunk c + 1 while chunk c's QGMMAs run, and promotes one
