@@ -406,11 +406,7 @@ impl LayerWeights {
         // them empty at T = 4096 on an EP8 rank).
         let fp8 = self.w4a8.as_ref().filter(|_| mode == Mode::W4A8);
         let family_bm = || self.experts.kernels.block_m(demand);
-        // An L2-only FP8 layout keeps the family's fitted tile where its FP8 L2 is built for it.
-        let fp8_bm = fp8.and_then(|w| w.block_m(demand)).map(|bm| match fp8 {
-            Some(w) if w.l1.is_none() && w.has_tile(family_bm()) => family_bm(),
-            _ => bm,
-        });
+        let fp8_bm = fp8.and_then(|w| w.block_m(demand, family_bm));
         let launch_of = |bm: usize| GemmLaunch {
             block_m: bm,
             grid_tiles: max_tiles(slots, el, bm) as u32,

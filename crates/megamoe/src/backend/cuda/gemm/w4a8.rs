@@ -149,15 +149,17 @@ pub(crate) struct Fp8Rows {
 
 impl W4a8Experts {
     /// The plan's tile height for a layer holding this layout, where its prefill launches would
-    /// take the FP8 kernels (`None`: the bf16 family's own choice stands).
-    pub fn block_m(&self, d: TileDemand) -> Option<usize> {
-        (!d.trace && wg_eligible(d.rows, d.slots))
-            .then(|| self.tile.unwrap_or_else(|| layout::choose_token_tile(d.rows, d.spread)))
-    }
-
-    /// Whether the FP8 kernels are built for token tile `nt`.
-    pub fn has_tile(&self, nt: usize) -> bool {
-        self.kernels.l2.contains_key(&nt)
+    /// take the FP8 kernels (`None`: the bf16 family's own choice stands): `MEGAMOE_W4A8_TILE`, else
+    /// for an L2-only layout the family's fitted tile (its exact L1's) where an FP8 L2 is built for
+    /// it, else the FP8 tile model's.
+    pub fn block_m(&self, d: TileDemand, family: impl FnOnce() -> usize) -> Option<usize> {
+        (!d.trace && wg_eligible(d.rows, d.slots)).then(|| {
+            self.tile.unwrap_or_else(|| {
+                let fam = if self.l1.is_none() { Some(family()) } else { None };
+                fam.filter(|nt| self.kernels.l2.contains_key(nt))
+                    .unwrap_or_else(|| layout::choose_token_tile(d.rows, d.spread))
+            })
+        })
     }
 
     /// Whether launch `l` takes the FP8 kernels (the prefill launches the bf16 wgmma kernels take).
