@@ -709,6 +709,46 @@ fn prefill_units_per_cta_match_one_unit_bitwise() {
     }
 }
 
+/// With `MEGAMOE_WG_STAGE=1` a W4A16 wgmma L1 copies its own input rows (its consumers claim
+/// shares of each CTA's first token tile, its first side warp the rows of the later tiles, through
+/// bulk copies; the producer waits per tile) instead of a `moe_quant_rows` pass: bitwise equal to
+/// the staging pass, forward after forward with the workspace's counters back at zero, chained and
+/// apart, one and several units a CTA (the later tiles' rows), two- and three-consumer
+/// configurations, and the fold of single-slot rows into y (marked by the same stagers).
+#[test]
+fn prefill_l1_staging_its_inputs_matches_staging_pass_bitwise() {
+    let three = megamoe::config::MoeConfig { n_routed_experts: 128, ..two_group_config() };
+    for (cfg, t, seed) in [(three, 1400, 91), (two_group_config(), 3000, 93)] {
+        let layer = Arc::new(synthetic::random_layer(&cfg, WeightFormat::Nvfp4, 0, false, seed));
+        let x = synthetic::random_hidden(t, cfg.hidden_size, seed + 1);
+        let input = ForwardInput { x: &x, input_ids: None };
+        for (units, chain) in [("1", "0"), ("3", "1"), ("auto", "auto"), ("2", "0")] {
+            // Read when an engine's kernels are made (the device script runs these tests on one
+            // thread).
+            std::env::set_var("MEGAMOE_WG_UNITS", units);
+            std::env::set_var("MEGAMOE_WG_CHAIN", chain);
+            let pass = engine_with(&layer, t, Some("tc"));
+            std::env::set_var("MEGAMOE_WG_STAGE", "1");
+            let own = engine_with(&layer, t, Some("tc"));
+            for var in ["MEGAMOE_WG_STAGE", "MEGAMOE_WG_UNITS", "MEGAMOE_WG_CHAIN"] {
+                std::env::remove_var(var);
+            }
+            let (Some(mut pass), Some(mut own)) = (pass, own) else { return };
+            pass.poison(0xFF).unwrap();
+            own.poison(0xFF).unwrap();
+            let want = pass.forward(&input, Mode::W4A16, None).unwrap();
+            for round in 0..3 {
+                let got = own.forward(&input, Mode::W4A16, None).unwrap();
+                let what = format!("T={t} MEGAMOE_WG_UNITS={units} MEGAMOE_WG_CHAIN={chain} round {round}");
+                assert_eq!(got.y, want.y, "{what}: the L1's own staging differs from the staging pass");
+                let left = nonzero_counters(own.split_counters().unwrap());
+                assert!(left.is_empty(), "{what}: counters left non-zero {left:?}");
+            }
+            eprintln!("L1 staging its inputs, units {units}, chain {chain}, T={t}: bitwise equal");
+        }
+    }
+}
+
 /// Decode batches on sm_90a run the weight-streaming kernels, whose CTAs split the launch's chunks
 /// evenly (Stream-K): with K = 1152 (18 chunks) and 640 (10) a (tile, group)'s K parts land in
 /// several CTAs and are summed by the last to arrive, and a CTA's range crosses units (T=8: ~23

@@ -853,9 +853,24 @@ impl LayerWeights {
         let wrote = |fold: Option<Fold>| WroteY { folded: fold.is_some(), zeroed: zero.is_some() };
         // W4A16 gathers the token rows straight from x in the L1 producer (unless the kernel needs
         // contiguous rows, as the TMA-fed prefill kernels do); quantized modes stage the
-        // quantize-dequantized rows first. Only a staging pass marks the rows a fold needs.
+        // quantize-dequantized rows first, and so does W4A16 for those kernels unless the L1 stages
+        // its rows itself (`MEGAMOE_WG_STAGE=1`). Only staging marks the rows a fold needs.
+        let mut stage = StageRowsParams::default();
         let (a, a_rows, fold) = if mode == Mode::W4A16 && !ex.kernels.needs_contiguous_a(&plan.launch) {
             (x, ws.perm.ptr(), None)
+        } else if mode == Mode::W4A16 && ex.kernels.l1_stages_inputs(&plan.launch, trace) {
+            let xin = lazy(&ws.xin, "staged expert inputs")?.ptr();
+            stage = StageRowsParams {
+                src: x,
+                dst: xin,
+                perm: ws.perm.ptr(),
+                row_of_slot: ws.row_of_slot.ptr(),
+                direct: if fold.is_some() { ws.direct.ptr() } else { 0 },
+                ready: ws.stage_counts.ptr(),
+                k: self.config.num_experts_per_tok as i32,
+                row_bytes: (2 * self.config.hidden_size) as i32,
+            };
+            (xin, 0, fold)
         } else {
             let xin = lazy(&ws.xin, "quantized expert inputs")?.ptr();
             let p = self.quant_params(ws, plan, x, xin, true, mode, None);
@@ -883,11 +898,17 @@ impl LayerWeights {
         // family has chained kernels (wgmma, MEGAMOE_WG_CHAIN=1).
         if mode == Mode::W4A16
             && tr.is_none()
-            && ex.kernels.l1_l2(s, &plan.launch, &l1, &l2(ws.act.ptr()), &zero_p)?
+            && ex.kernels.l1_l2(
+                s,
+                &plan.launch,
+                &l1,
+                &l2(ws.act.ptr()),
+                &L1Extra { trace: None, zero: zero_p, stage },
+            )?
         {
             return Ok(wrote(fold));
         }
-        ex.kernels.l1(s, &plan.launch, &l1, &L1Extra { trace: tr, zero: zero_p })?;
+        ex.kernels.l1(s, &plan.launch, &l1, &L1Extra { trace: tr, zero: zero_p, stage })?;
         if let Some(w8) = w8 {
             self.fp8_l2(ws, plan, w8, fold, s)?;
             return Ok(wrote(fold));

@@ -187,6 +187,9 @@ kernel_abi! {
         WG_SIDE_WARPS = 3;
         /// Columns a narrower wgmma width step takes off (`gpu_layout::tc::WG_NARROW_COLS`).
         WG_NARROW_COLS = crate::backend::gpu_layout::tc::WG_NARROW_COLS as i32;
+        /// Bytes of one of the two bounce buffers after a wgmma kernel's ring through which its
+        /// side warp stages input rows (`gpu_layout::tc::WG_STAGE_PIECE_BYTES`).
+        WG_STAGE_PIECE = crate::backend::gpu_layout::tc::WG_STAGE_PIECE_BYTES as i32;
         /// Columns of one DeepSeek `act_quant` block (one warp of four values a lane in
         /// `quant_rows.cuh`, the EP exchange's FP8 payload, the W4A8 kernels' K chunk).
         FP8_ACT_BLOCK = crate::formats::act_quant::FP8_BLOCK as i32;
@@ -702,6 +705,31 @@ kernel_abi! {
         row_bytes: i32 => "int",
     }
 
+    /// The expert inputs of a W4A16 wgmma L1 staged by that L1 itself (`gemm_tc.cu`
+    /// `wg_stage_rows`, `MEGAMOE_WG_STAGE=1`) instead of a `moe_quant_rows` pass before it: row r
+    /// of `dst` (the L1's A) = row `perm[r] / k` of `src`, each token tile's rows by the CTAs whose
+    /// units read it, the tile's copies waiting for its count in `ready`.
+    struct StageRowsParams {
+        /// Source rows `[T, row_bytes]` (the forward's x, bf16).
+        src: DevPtr => "const unsigned char*",
+        /// Staged rows `[S, row_bytes]` in plan-row order (the L1's A).
+        dst: DevPtr => "unsigned char*",
+        /// `[S]` plan row -> slot (token = slot / k).
+        perm: DevPtr => "const unsigned*",
+        /// `[T, K]` slot -> plan row (`ROW_NONE`: not planned here): read for `direct`.
+        row_of_slot: DevPtr => "const unsigned*",
+        /// `[S]` nullable: each staged row's token where it is its token's only planned slot, else
+        /// `ROW_NONE` (`GemmL2Params::direct`, as `moe_quant_rows` marks it).
+        direct: DevPtr => "unsigned*",
+        /// `[1 + tiles]` u32, zero before the launch and left so: word 1 + t counts the staged rows
+        /// of token tile t, word 0 the CTAs done (the last resets every word); null: no staging.
+        ready: DevPtr => "unsigned*",
+        /// Experts per token K.
+        k: i32 => "int",
+        /// Bytes of a row (a multiple of 16).
+        row_bytes: i32 => "int",
+    }
+
     /// The Hopper wgmma L1 kernel: the L1 parameters and the tensor map of A (`[rows, H]` bf16,
     /// boxes of 64 columns x the token tile, 128B-swizzled).
     struct WgL1Params {
@@ -718,6 +746,8 @@ kernel_abi! {
         tile_done: DevPtr => "unsigned*",
         /// The y rows this launch writes as zeros beside its GEMM (null `row_of_slot`: none).
         zero: ZeroRowsParams => "ZeroRowsParams",
+        /// Its A rows staged by the launch itself (null `ready`: A is staged already).
+        stage: StageRowsParams => "StageRowsParams",
     }
 
     /// The Hopper wgmma L2 kernel.

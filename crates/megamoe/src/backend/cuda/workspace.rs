@@ -112,7 +112,7 @@ impl WorkspaceDims {
         let parts = [
             bytes(&[router::score_rows(mt, e, h), e, 4], "scores")?,
             bytes(&[s, 5 * 4], "slots")?,
-            bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8 + 4], "tiles and their pair counters")?,
+            bytes(&[max_tiles(s, el, MIN_BLOCK_M), 8 + 4 + 8], "tiles and their counters")?,
             bytes(&[plan_chunks(s), el, 4], "plan chunk rows")?,
             bytes(&[s, i, 2], "activations")?,
             bytes(&[s, h, 4], "l2 rows")?,
@@ -245,6 +245,9 @@ pub struct Workspace {
     /// ([`super::gemm::GemmLaunch::sched`]; zero between forwards: the kernels leave them so):
     /// the finished L2 CTAs, then per token tile its stored L1 units (`MEGAMOE_WG_CHAIN=1`).
     pub(crate) chain_counts: DevBuf,
+    /// Counters of a wgmma L1 that stages its own inputs `[1 + 2 max_tiles]` u32
+    /// (`StageRowsParams::ready`; zero between forwards: the kernel leaves them so).
+    pub(crate) stage_counts: DevBuf,
     /// Staged (quantize-dequantized) expert inputs `[S, H]` bf16 (W4A8 / W4A4, and prefill
     /// batches; [`Self::prepare`]).
     pub(crate) xin: Option<DevBuf>,
@@ -322,6 +325,7 @@ impl Workspace {
             split_shared: z(&[Workspace::split_bytes(device.sm_count())], "shared split scratch")?,
             // The chained L1 + L2 launches' per-tile counts (a few hundred bytes: always there).
             chain_counts: z(&[2 + tiles, 4], "chained L1 + L2 counters")?,
+            stage_counts: z(&[1 + 2 * tiles, 4], "L1 staging counters")?,
             xin: None,
             actq: None,
             gate_tr: None,
@@ -350,7 +354,10 @@ impl Workspace {
                     (buf, l.sync, 4 * FUSED_SYNC_COUNTERS),
                 ]
             })
-            .chain([(&self.chain_counts, 0, self.chain_counts.bytes())])
+            .chain([
+                (&self.chain_counts, 0, self.chain_counts.bytes()),
+                (&self.stage_counts, 0, self.stage_counts.bytes()),
+            ])
             .collect()
     }
 
@@ -443,6 +450,7 @@ impl Workspace {
             &self.split_routed,
             &self.split_shared,
             &self.chain_counts,
+            &self.stage_counts,
         ]
         .into_iter()
         .chain(self.xin.iter())

@@ -17,7 +17,8 @@ use super::buffer::DevBuf;
 use super::device::CudaDevice;
 use super::launch::StreamRef;
 use super::params::{
-    DfParams, GemmL1Params, GemmL2Params, GemmOperands, SliceParams, SliceSumParams, ZeroRowsParams,
+    DfParams, GemmL1Params, GemmL2Params, GemmOperands, SliceParams, SliceSumParams, StageRowsParams,
+    ZeroRowsParams,
 };
 use crate::checkpoint::{MoeLayer, SharedExpert};
 use crate::error::Result;
@@ -145,6 +146,9 @@ pub(crate) struct L1Extra {
     /// y rows to write as zeros beside the GEMM (a null `row_of_slot`: none), by a launch for
     /// which [`GemmKernels::l1_writes_zero_rows`] holds; the others ignore them.
     pub zero: ZeroRowsParams,
+    /// A's rows to stage (gather) before the GEMM reads them (a null `ready`: A is staged), by a
+    /// launch for which [`GemmKernels::l1_stages_inputs`] holds; never given to the others.
+    pub stage: StageRowsParams,
 }
 
 /// A family's kernels for one weight format.
@@ -171,18 +175,24 @@ pub(crate) trait GemmKernels: Send + Sync {
     fn l1_writes_zero_rows(&self, _l: &GemmLaunch, _trace: bool) -> bool {
         false
     }
+    /// Whether the L1 launch of `l` (the trace variant when `trace`) stages its own contiguous A
+    /// rows ([`L1Extra::stage`]) where [`Self::needs_contiguous_a`] holds, so the caller runs no
+    /// staging pass before it (W4A16).
+    fn l1_stages_inputs(&self, _l: &GemmLaunch, _trace: bool) -> bool {
+        false
+    }
     /// Enqueues the L2 GEMM.
     fn l2(&self, s: StreamRef, l: &GemmLaunch, p: &GemmL2Params) -> Result<()>;
     /// Enqueues a routed L1 and the L2 that reads its activations (`l2.g.a == l1.act`) as one
     /// launch, where the family has one for `l`; `Ok(false)`: it has not, the caller enqueues
-    /// [`Self::l1`] and [`Self::l2`]. `zero` as in [`Self::l1`].
+    /// [`Self::l1`] and [`Self::l2`]. `extra` as in [`Self::l1`] (never a trace).
     fn l1_l2(
         &self,
         _s: StreamRef,
         _l: &GemmLaunch,
         _l1: &GemmL1Params,
         _l2: &GemmL2Params,
-        _zero: &ZeroRowsParams,
+        _extra: &L1Extra,
     ) -> Result<bool> {
         Ok(false)
     }

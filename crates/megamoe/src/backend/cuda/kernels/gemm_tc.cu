@@ -693,14 +693,71 @@ __device__ __forceinline__ void wg_tile_k_loop(const Ring& ring, float (&acc)[MB
 // (df_arrive's), issued by the first consumer's warp 0 under warp-uniform control, lane 0 adding 1
 // and the others 0. (A branch on one thread made ptxas move the K loop's chunk counter and wgmma
 // descriptors out of the uniform registers: an R2UR per wgmma, sixteenth session.)
-__device__ __forceinline__ void wg_count_stored(unsigned* count, int nc)
+__device__ __forceinline__ void wg_count_stored(unsigned* count, int nc, unsigned amount = 1u)
 {
     df_fence_for_bulk_readers();
     named_bar(1, 128 * nc);
     if (__shfl_sync(0xffffffffu, threadIdx.x >> 5, 0) == 4) {
         __threadfence();
-        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(count), "r"((threadIdx.x & 31) == 0 ? 1u : 0u) : "memory");
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(count), "r"((threadIdx.x & 31) == 0 ? amount : 0u) : "memory");
     }
+}
+
+// The L1's inputs staged by the L1 itself (StageRowsParams, MEGAMOE_WG_STAGE=1) instead of a
+// moe_quant_rows pass before it. Token tile t's rows are claimed (ready[1 + 2t], an atomic add) and
+// copied by the CTAs of grid row t % gridDim.y — the ones whose units read it —: at its start each
+// CTA's consumer warps claim ceil(rows / gridDim.x) rows of its first tile (blockIdx.y; ~5 of an
+// 80-row tile over 16 group sets, ~12 16-byte loads a thread in flight: one round trip) until the
+// tile is all claimed (a grid row may straddle a wave: the CTAs present take the absent ones'
+// shares), and its first side warp claims rows of its later tiles one at a time while the
+// consumers run, each copied by bulk copies through two bounce buffers after the ring
+// (WG_STAGE_PIECE bytes each, gpu_layout::tc::wg_smem_bytes). Each stager adds the rows it copied to
+// ready[2 + 2t] (release, its stores fenced against the async proxy); the producer waits for the
+// tile's rows before the unit's first token copy (its weights go first). No deadlock: every row is
+// copied by whoever claims it, and claimers never wait. ready[0] counts the roles done (a CTA's
+// producer, consumer group and first side warp: WG_STAGE_ROLES); the last resets every word.
+
+// Rows [r0, r1) of `s` by thread `tid` of `n`, B 16-byte loads in flight a thread.
+template <int B>
+__device__ __forceinline__ void wg_stage_rows(const StageRowsParams& s, int r0, int r1, int tid, int n)
+{
+    const int vecs = s.row_bytes >> 4, total = (r1 - r0) * vecs;
+    for (int base = tid; base < total; base += B * n) {
+        uint4 v[B];
+        #pragma unroll
+        for (int j = 0; j < B; ++j) {
+            const int i = base + j * n, r = r0 + i / vecs;
+            if (i < total) v[j] = __ldg((const uint4*)(s.src + (size_t)(__ldg(s.perm + r) / (unsigned)s.k) * (unsigned)s.row_bytes) + i % vecs);
+        }
+        #pragma unroll
+        for (int j = 0; j < B; ++j) {
+            const int i = base + j * n;
+            if (i < total) *((uint4*)(s.dst + (size_t)(r0 + i / vecs) * (unsigned)s.row_bytes) + i % vecs) = v[j];
+        }
+    }
+}
+
+// Row r's single-slot mark (StageRowsParams::direct).
+__device__ __forceinline__ void wg_stage_mark(const StageRowsParams& s, int r)
+{
+    const unsigned tok = __ldg(s.perm + r) / (unsigned)s.k;
+    int planned = 0;
+    for (int j = 0; j < s.k; ++j) planned += s.row_of_slot[tok * (unsigned)s.k + j] != ROW_NONE;
+    s.direct[r] = planned == 1 ? tok : ROW_NONE;
+}
+
+// A CTA's staging roles: its producer (waits), its consumer group and its side warp 0 (copy).
+constexpr unsigned WG_STAGE_ROLES = 3;
+
+// One staging role of one CTA is done; the last of the launch resets the counters of its `tiles`.
+__device__ __forceinline__ void wg_stage_role_done(const StageRowsParams& s, const GemmOperands& g)
+{
+    __threadfence();
+    if (atomicAdd(s.ready, 1u) != WG_STAGE_ROLES * gridDim.x * gridDim.y - 1u) return;
+    __threadfence();
+    const int tiles = *g.num_tiles;
+    for (int t = 0; t < 2 * tiles; ++t) s.ready[1 + t] = 0u;
+    s.ready[0] = 0u;
 }
 
 struct WgUnit {
@@ -727,6 +784,7 @@ struct WgGridSched {
     unsigned* tile_done;                 // CHAIN: the per-tile counts (WgL1Params / WgL2Params)
     unsigned wait_units;                 // CHAIN, L2: the L1's units per tile
     unsigned zero_warps;                 // CHAIN, L2: the L1's warps writing zero rows (word 1)
+    const StageRowsParams* stage;        // L1: its inputs to stage (null `ready`: staged already)
     __device__ __forceinline__ const GemmOperands& ops(int) const { return g; }
     __device__ __forceinline__ const TmaDesc& map(int) const { return amap; }
     __device__ __forceinline__ const TmaDesc& weights_map(int) const { return wmap; }
@@ -746,7 +804,93 @@ struct WgGridSched {
             if (!layer) wg_count_stored(tile_done + 2 + u.tile, nc);
         }
     }
+    // Staging (wg_stage_rows' header): whether this launch stages its inputs (never in a module
+    // built without WG_STAGE_IN_L1, whose kernels then carry none of its code).
+    __device__ __forceinline__ bool stages() const {
+#ifdef WG_STAGE_IN_L1
+        return stage && stage->ready;
+#else
+        return false;
+#endif
+    }
+    // The consumer threads (tid of n = 128 nc), before their first unit: claims of the CTA's share
+    // of its first tile's rows, each copied and counted, until that tile is all claimed.
+    __device__ __forceinline__ void stage_first(int tid, int nc) const {
+        if (!stages()) return;
+        __shared__ int claimed;
+        int grp, m0, mend;
+        if (gemm_tile<NT>(g, (int)blockIdx.y, grp, m0, mend)) {
+            const int mc = min(mend - m0, NT), share = (mc + (int)gridDim.x - 1) / (int)gridDim.x;
+            unsigned* const claims = stage->ready + 1 + 2 * blockIdx.y;
+            for (;;) {
+                if (tid == 0) claimed = (int)atomicAdd(claims, (unsigned)share);
+                named_bar(1, 128 * nc);
+                const int i0 = claimed, i1 = min(i0 + share, mc);
+                if (i0 >= mc) break;
+                wg_stage_rows<8>(*stage, m0 + i0, m0 + i1, tid, 128 * nc);
+                if (stage->direct)
+                    for (int i = i0 + tid; i < i1; i += 128 * nc) wg_stage_mark(*stage, m0 + i);
+                // (Its barrier also keeps thread 0's next claim after every thread's read.)
+                wg_count_stored(claims + 1, nc, (unsigned)(i1 - i0));
+                if (i1 >= mc) break;
+            }
+        }
+        if (tid == 0) wg_stage_role_done(*stage, g);
+    }
+    // Side warp w, beside the consumers: w = 0 claims rows of the CTA's later tiles one at a time
+    // and copies each through the two bounce buffers at `bounce` (WG_STAGE_PIECE bytes each, after
+    // the ring; barriers bar0, bar0 + 8), one bulk copy in and one out a piece, lane 0 issuing (the
+    // side warps run in 32 registers: a register copy spilled there).
+    __device__ __forceinline__ void stage_later(int w, unsigned bounce, unsigned bar0) const {
+        if (!stages() || w != 0) return;
+        const int lane = threadIdx.x & 31;
+        const StageRowsParams& s = *stage;
+        unsigned pieces = 0;                 // issued so far: slot pieces & 1, its use pieces >> 1
+        int grp, m0, mend;
+        for (unsigned t = blockIdx.y + gridDim.y; gemm_tile<NT>(g, (int)t, grp, m0, mend); t += gridDim.y) {
+            const int mc = min(mend - m0, NT);
+            unsigned rows = 0;
+            for (;; ++rows) {
+                int i = 0;
+                if (lane == 0) i = (int)atomicAdd(s.ready + 1 + 2 * t, 1u);
+                i = __shfl_sync(0xffffffffu, i, 0);
+                if (i >= mc) break;
+                if (lane == 0) {
+                    const int r = m0 + i;
+                    const unsigned char* src = s.src + (size_t)(__ldg(s.perm + r) / (unsigned)s.k) * (unsigned)s.row_bytes;
+                    unsigned char* dst = s.dst + (size_t)r * (unsigned)s.row_bytes;
+                    for (int o = 0; o < s.row_bytes; o += WG_STAGE_PIECE, ++pieces) {
+                        const unsigned slot = pieces & 1u, bytes = (unsigned)min(WG_STAGE_PIECE, s.row_bytes - o);
+                        const unsigned buf = bounce + slot * WG_STAGE_PIECE, bar = bar0 + 8 * slot;
+                        bulk_wait_read<1>();         // the slot's store two pieces ago has read it
+                        mbar_arrive_expect_tx(bar, bytes);
+                        bulk_g2s(buf, src + o, bytes, bar);
+                        mbar_wait(bar, (pieces >> 1) & 1u);
+                        bulk_s2g(dst + o, buf, bytes);
+                        bulk_commit();
+                    }
+                    if (s.direct) wg_stage_mark(s, r);
+                }
+                __syncwarp();
+            }
+            if (rows > 0 && lane == 0) {
+                bulk_wait<0>();                      // the rows are written
+                df_fence_for_bulk_readers();
+                __threadfence();
+                asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(s.ready + 2 + 2 * t), "r"(rows) : "memory");
+            }
+        }
+        if (lane == 0) {
+            bulk_wait<0>();
+            wg_stage_role_done(s, g);
+        }
+    }
+    // The producer, before unit u's first token copy: its tile's mc rows are staged.
+    __device__ __forceinline__ void inputs_ready(const WgUnit& u, int mc) const {
+        if (stages()) df_wait(stage->ready + 2 + 2 * u.tile, (unsigned)mc);
+    }
     __device__ __forceinline__ void producer_done() const {
+        if (stages()) wg_stage_role_done(*stage, g);
         if constexpr (CHAIN) {
             if (!layer || atomicAdd(tile_done, 1u) != gridDim.x * gridDim.y - 1) return;
             // The L1's zero rows (wg_zero_rows) are stored before this grid ends: the forward's
@@ -801,6 +945,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full[ST], empty[ST];
     __shared__ int stage_unit[ST];       // the unit whose first chunk the stage holds (WgUnit code)
+    __shared__ __align__(8) unsigned long long bounce_full[2];   // the staging bounce buffers' copies in
     const unsigned base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const unsigned full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
     // Rows (groups) and K chunks of a layer's GEMM.
@@ -818,6 +963,9 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
             mbar_init(full0 + 8 * s, 1);
             mbar_init(empty0 + 8 * s, 128 * NC);
         }
+#ifdef WG_STAGE_IN_L1
+        for (int b = 0; b < 2; ++b) mbar_init(smem_u32(&bounce_full[b]), 1);
+#endif
         fence_mbar_init();
     }
     __syncthreads();
@@ -827,6 +975,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
         // divergent one here moved the copy loop's operands out of the uniform registers: SASS).
         const int pw = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0);
         if (pw != 0) {
+            sched.stage_later(pw - 1, base + ST * S::STAGE, smem_u32(&bounce_full[0]));
             side(pw - 1);
             return;
         }
@@ -848,6 +997,13 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
                 const unsigned fb = full0 + 8 * s;
                 const unsigned dst = base + s * S::STAGE;
                 mbar_arrive_expect_tx(fb, S::T_BYTES + GPC * S::W_GROUP);
+                if (sched.stages() && c == 0) {
+                    // A staged unit's weights go out while its first token rows may still be copied.
+                    tma_load_5d(dst + S::T_BYTES, &sched.weights_map(u.layer), 0, 0, c, G0, grp, fb);
+                    sched.inputs_ready(u, min(mend - m0, NT));
+                    tma_load_2d(dst, &sched.map(u.layer), c * 64, m0, fb);
+                    continue;
+                }
                 tma_load_2d(dst, &sched.map(u.layer), c * 64, m0, fb);
                 tma_load_5d(dst + S::T_BYTES, &sched.weights_map(u.layer), 0, 0, c, G0, grp, fb);
             }
@@ -865,6 +1021,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     // warp-uniform, so the chunk counter, stage addresses and wgmma descriptors that follow stay in
     // uniform registers (read from threadIdx / shared memory directly, the K loop gained an R2UR per
     // wgmma and 15 instructions per two units: 3-7% slower on the H200).
+    sched.stage_first((int)threadIdx.x - 128, NC);
     const int cw = __shfl_sync(0xffffffffu, wg - 1, 0), warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const unsigned long long desc0 = wgmma_desc_k128(base);
     using Ring = WgRing<ST, S::STAGE>;
@@ -947,7 +1104,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     moe_wg_l1##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL1Params p)                        \
     {                                                                                                     \
         if (CHAIN && threadIdx.x == 0) griddep_launch_dependents();   /* its L2 may launch */             \
-        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, p.wmap, 0, p.tile_done, 0u, 0u},             \
+        wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l1.g, p.amap, p.wmap, 0, p.tile_done, 0u, 0u, &p.stage},     \
                                   [&](int, int grp, int m0, int mc) { return wg_pre<TcL1Pre<NT / 8>>(p.l1, grp, m0, mc); }, \
                                   [&](int, const float (&acc)[2 * G / C][NT / 8][4], const TcL1Pre<NT / 8>& pre, int, int m0, int mc, int gs) { \
                                       wg_store_l1<NT>(p.l1, acc, pre, m0, mc, gs); },                     \
@@ -957,7 +1114,7 @@ __device__ __forceinline__ void wg_gemm(const Sched& sched, Prefetch prefetch, S
     moe_wg_l2##SUFFIX##_n##NT##_g##G##_c##C(const __grid_constant__ WgL2Params p)                        \
     {                                                                                                     \
         wg_gemm<NT, G, C, ST, NS>(WgGridSched<NT, CHAIN>{p.l2.g, p.amap, p.wmap, 1, p.tile_done,         \
-                                                         (unsigned)p.wait_units, (unsigned)p.zero_warps},   \
+                                                         (unsigned)p.wait_units, (unsigned)p.zero_warps, nullptr}, \
                                   [&](int, int grp, int m0, int mc) { return wg_pre<TcL2Pre<NT / 8>>(p.l2, grp, m0, mc); }, \
                                   [&](int, const float (&acc)[2 * G / C][NT / 8][4], const TcL2Pre<NT / 8>& pre, int, int m0, int mc, int gs) { \
                                       wg_store_l2<NT>(p.l2, acc, pre, m0, mc, gs); },                     \

@@ -66,6 +66,7 @@ constexpr int DF_SYNC_COUNTERS = 5;
 constexpr int MAX_TOPK = 32;
 constexpr int WG_SIDE_WARPS = 3;
 constexpr int WG_NARROW_COLS = 16;
+constexpr int WG_STAGE_PIECE = 8192;
 constexpr int FP8_ACT_BLOCK = 128;
 constexpr int ROUTER_EXPERTS_PER_CTA = 2;
 constexpr int ROUTER_TILE_TOKENS = 64;
@@ -349,14 +350,27 @@ struct ZeroRowsParams {
 };
 static_assert(sizeof(ZeroRowsParams) == 32, "ZeroRowsParams mirrors params.rs");
 
+struct StageRowsParams {
+    const unsigned char* src;
+    unsigned char* dst;
+    const unsigned* perm;
+    const unsigned* row_of_slot;
+    unsigned* direct;
+    unsigned* ready;
+    int k;
+    int row_bytes;
+};
+static_assert(sizeof(StageRowsParams) == 56, "StageRowsParams mirrors params.rs");
+
 struct WgL1Params {
     GemmL1Params l1;
     TmaDesc amap;
     TmaDesc wmap;
     unsigned* tile_done;
     ZeroRowsParams zero;
+    StageRowsParams stage;
 };
-static_assert(sizeof(WgL1Params) == 448, "WgL1Params mirrors params.rs");
+static_assert(sizeof(WgL1Params) == 512, "WgL1Params mirrors params.rs");
 
 struct WgL2Params {
     GemmL2Params l2;
