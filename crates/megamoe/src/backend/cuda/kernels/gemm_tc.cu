@@ -711,7 +711,7 @@ __device__ __forceinline__ void wg_count_stored(unsigned* count, int nc, unsigne
 // tile is all claimed (a grid row may straddle a wave: the CTAs present take the absent ones'
 // shares), and its first side warp claims rows of its later tiles one at a time while the
 // consumers run, each copied by bulk copies through two bounce buffers after the ring
-// (WG_STAGE_PIECE bytes each, gpu_layout::tc::wg_smem_bytes). Each stager adds the rows it copied to
+// (WG_STAGE_PIECE bytes each, gpu_layout::tc::wg_staged_smem_bytes). Each stager adds the rows it copied to
 // ready[2 + 2t] (release, its stores fenced against the async proxy); the producer waits for the
 // tile's rows before the unit's first token copy (its weights go first). No deadlock: every row is
 // copied by whoever claims it, and claimers never wait. ready[0] counts the roles done (a CTA's
