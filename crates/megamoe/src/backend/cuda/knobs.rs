@@ -95,7 +95,7 @@ pub fn zero_rows_in_l1() -> bool {
 }
 
 /// `MEGAMOE_WG_STAGE=1`: a W4A16 wgmma L1 stages (gathers) its own input rows — its consumer
-/// warps its CTAs' first token tiles, its idle producer warps the later ones while the tensor
+/// warps its CTAs' first token tiles, one idle producer warp the later ones while the tensor
 /// pipe runs — instead of a `moe_quant_rows` pass before it (opt-in until measured on a GPU).
 pub fn wg_stage_in_l1() -> bool {
     value("MEGAMOE_WG_STAGE").as_deref() == Some("1")

@@ -721,8 +721,9 @@ kernel_abi! {
         /// `[S]` nullable: each staged row's token where it is its token's only planned slot, else
         /// `ROW_NONE` (`GemmL2Params::direct`, as `moe_quant_rows` marks it).
         direct: DevPtr => "unsigned*",
-        /// `[1 + tiles]` u32, zero before the launch and left so: word 1 + t counts the staged rows
-        /// of token tile t, word 0 the CTAs done (the last resets every word); null: no staging.
+        /// `[1 + 2 tiles]` u32, zero before the launch and left so: word 1 + 2t counts the rows of
+        /// token tile t claimed, word 2 + 2t those staged, word 0 the staging roles done (three a
+        /// CTA; the last resets every word); null: no staging.
         ready: DevPtr => "unsigned*",
         /// Experts per token K.
         k: i32 => "int",
@@ -765,8 +766,9 @@ kernel_abi! {
         /// The chained L2: the L1's units per tile (its group sets).
         wait_units: i32 => "int",
         /// The chained L2 after an L1 that writes zero rows (`WgL1Params::zero`): that L1's
-        /// writing warps (`WG_SIDE_WARPS` a CTA), which the L2's last CTA waits for on word 1 before it resets
-        /// the counters, so no zero row is still being written once the L2 is done; 0: none.
+        /// writing warps (`WG_SIDE_WARPS` a CTA), plus 1 where it stages its inputs (its staging
+        /// counters' reset), which the L2's last CTA waits for on word 1 before it resets the
+        /// counters, so no zero row or staging counter is still being written once the L2 is done; 0: none.
         zero_warps: i32 => "int",
     }
 

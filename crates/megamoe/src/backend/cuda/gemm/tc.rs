@@ -614,8 +614,11 @@ impl GemmKernels for TcKernels {
         let wait_units = cfg1.grid.0 as i32;
         // The L1's zero-row warps (WG_SIDE_WARPS a CTA), counted in word 1 for the L2's last CTA.
         let (zero, stage) = (extra.zero, Self::stage_of(extra)?);
+        // Plus 1 for the L1's staging counters' reset, where it stages its inputs (`gemm_tc.cu`
+        // `WgGridSched::stage_role_done`).
         let zero_warps =
-            if zero.row_of_slot != 0 { WG_SIDE_WARPS * (cfg1.grid.0 * cfg1.grid.1) as i32 } else { 0 };
+            if zero.row_of_slot != 0 { WG_SIDE_WARPS * (cfg1.grid.0 * cfg1.grid.1) as i32 } else { 0 }
+                + i32::from(stage.ready != 0);
         // SAFETY: as `l1` / `l2` below; `l.sched` holds 2 + the plan's most tiles zeroed counters,
         // which the L2's last CTA leaves zeroed.
         unsafe {

@@ -707,14 +707,16 @@ __device__ __forceinline__ void wg_count_stored(unsigned* count, int nc, unsigne
 // moe_quant_rows pass before it. Token tile t's rows are claimed (ready[1 + 2t], an atomic add) and
 // copied by the CTAs of grid row t % gridDim.y — the ones whose units read it —: at its start each
 // CTA's consumer warps claim ceil(rows / gridDim.x) rows of its first tile (blockIdx.y; ~5 of an
-// 80-row tile over 16 group sets, ~12 16-byte loads a thread in flight: one round trip) until the
+// 80-row tile over 16 group sets: ~12-18 16-byte loads a thread, 8 in flight) until the
 // tile is all claimed (a grid row may straddle a wave: the CTAs present take the absent ones'
 // shares), and its first side warp claims rows of its later tiles one at a time while the
 // consumers run, each copied by bulk copies through two bounce buffers after the ring
 // (WG_STAGE_PIECE bytes each, gpu_layout::tc::wg_staged_smem_bytes). Each stager adds the rows it copied to
 // ready[2 + 2t] (release, its stores fenced against the async proxy); the producer waits for the
 // tile's rows before the unit's first token copy (its weights go first). No deadlock: every row is
-// copied by whoever claims it, and claimers never wait. ready[0] counts the roles done (a CTA's
+// copied by whoever claims it, and claimers never wait. (Rows past a tile's end, which the TMA box
+// also reads, may still be being written or hold anything: only the epilogue's dropped columns see
+// them.) ready[0] counts the roles done (a CTA's
 // producer, consumer group and first side warp: WG_STAGE_ROLES); the last resets every word.
 
 // Rows [r0, r1) of `s` by thread `tid` of `n`, B 16-byte loads in flight a thread.
@@ -749,15 +751,17 @@ __device__ __forceinline__ void wg_stage_mark(const StageRowsParams& s, int r)
 // A CTA's staging roles: its producer (waits), its consumer group and its side warp 0 (copy).
 constexpr unsigned WG_STAGE_ROLES = 3;
 
-// One staging role of one CTA is done; the last of the launch resets the counters of its `tiles`.
-__device__ __forceinline__ void wg_stage_role_done(const StageRowsParams& s, const GemmOperands& g)
+// One staging role of one CTA is done; the last of the launch resets the counters of its `tiles`
+// and returns true.
+__device__ __forceinline__ bool wg_stage_role_done(const StageRowsParams& s, const GemmOperands& g)
 {
     __threadfence();
-    if (atomicAdd(s.ready, 1u) != WG_STAGE_ROLES * gridDim.x * gridDim.y - 1u) return;
+    if (atomicAdd(s.ready, 1u) != WG_STAGE_ROLES * gridDim.x * gridDim.y - 1u) return false;
     __threadfence();
     const int tiles = *g.num_tiles;
     for (int t = 0; t < 2 * tiles; ++t) s.ready[1 + t] = 0u;
     s.ready[0] = 0u;
+    return true;
 }
 
 struct WgUnit {
@@ -835,7 +839,7 @@ struct WgGridSched {
                 if (i1 >= mc) break;
             }
         }
-        if (tid == 0) wg_stage_role_done(*stage, g);
+        if (tid == 0) stage_role_done();
     }
     // Side warp w, beside the consumers: w = 0 claims rows of the CTA's later tiles one at a time
     // and copies each through the two bounce buffers at `bounce` (WG_STAGE_PIECE bytes each, after
@@ -882,15 +886,22 @@ struct WgGridSched {
         }
         if (lane == 0) {
             bulk_wait<0>();
-            wg_stage_role_done(s, g);
+            stage_role_done();
         }
+    }
+    // A staging role of this CTA is done (wg_stage_role_done). The chained L1's resetter then also
+    // adds 1 to word 1 of the chain counters, which the L2's last CTA waits for with the zero-row
+    // warps' (WgL2Params::zero_warps counts it), so no staging counter is still being reset once
+    // the L2 is done (the forward's next kernels need not wait for the L1 grid itself).
+    __device__ __forceinline__ void stage_role_done() const {
+        if (wg_stage_role_done(*stage, g) && CHAIN) df_arrive(tile_done + 1);
     }
     // The producer, before unit u's first token copy: its tile's mc rows are staged.
     __device__ __forceinline__ void inputs_ready(const WgUnit& u, int mc) const {
         if (stages()) df_wait(stage->ready + 2 + 2 * u.tile, (unsigned)mc);
     }
     __device__ __forceinline__ void producer_done() const {
-        if (stages()) wg_stage_role_done(*stage, g);
+        if (stages()) stage_role_done();
         if constexpr (CHAIN) {
             if (!layer || atomicAdd(tile_done, 1u) != gridDim.x * gridDim.y - 1) return;
             // The L1's zero rows (wg_zero_rows) are stored before this grid ends: the forward's
