@@ -205,7 +205,7 @@ pub fn l1l2_module_spec(f: WeightFormat, arch: &str) -> ModuleSpec {
 /// [`l1l2_module_spec`] with or without the L1's own input staging ([`module_spec_staged`]).
 fn l1l2_module_spec_staged(f: WeightFormat, arch: &str, staged: bool) -> ModuleSpec {
     let mut spec = module_spec_staged(f, arch, staged);
-    spec.name = format!("gemm_tc_l1l2-{}{}", f.name(), if staged { "-staged" } else { "" });
+    spec.name = spec.name.replacen("gemm_tc-", "gemm_tc_l1l2-", 1);
     let mut inst = String::from("\n// The chained kernels (gemm/tc.rs l1l2_module_spec).\n");
     for c in layout::wg_chain_configs() {
         inst.push_str(&wg_instantiation("WG_CHAIN_KERNELS", f, c));
@@ -462,7 +462,7 @@ impl TcKernels {
     }
 
     /// `extra`'s staging of a wgmma L1's A rows, checked: rows the kernel copies in 16-byte
-    /// vectors, counters for the plan's most tiles.
+    /// vectors, K > 0, both buffers.
     fn stage_of(extra: &L1Extra) -> Result<StageRowsParams> {
         let s = extra.stage;
         if s.ready != 0 && (s.row_bytes <= 0 || s.row_bytes % 16 != 0 || s.k <= 0 || s.src == 0 || s.dst == 0)
